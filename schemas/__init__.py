@@ -1,0 +1,50 @@
+"""The wire contract of score-worker (version 1): message types, validation, msgpack codec, headers."""
+
+from schemas._checks import Input
+from schemas.codec import decode_request, decode_result, encode_request, encode_result
+from schemas.errors import ErrorCode, SchemaError
+from schemas.headers import (
+    HEADER_CONTENT_TYPE,
+    HEADER_ERROR_CODE,
+    HEADER_ERROR_MESSAGE,
+    HEADER_REQUEST_ID,
+    HEADER_SCHEMA_VERSION,
+    REQUEST_CONTENT_TYPE,
+    RESULT_CONTENT_TYPE,
+    Headers,
+    headers_to_dict,
+    request_headers,
+    result_headers,
+)
+from schemas.request import ScoreRequest
+from schemas.result import ErrorInfo, ResultStatus, ScoreResult
+from schemas.tensor import HiddenDType, Tensor
+from schemas.version import SCHEMA_VERSION
+
+__all__ = [
+    "HEADER_CONTENT_TYPE",
+    "HEADER_ERROR_CODE",
+    "HEADER_ERROR_MESSAGE",
+    "HEADER_REQUEST_ID",
+    "HEADER_SCHEMA_VERSION",
+    "REQUEST_CONTENT_TYPE",
+    "RESULT_CONTENT_TYPE",
+    "SCHEMA_VERSION",
+    "ErrorCode",
+    "ErrorInfo",
+    "Headers",
+    "HiddenDType",
+    "Input",
+    "ResultStatus",
+    "SchemaError",
+    "ScoreRequest",
+    "ScoreResult",
+    "Tensor",
+    "decode_request",
+    "decode_result",
+    "encode_request",
+    "encode_result",
+    "headers_to_dict",
+    "request_headers",
+    "result_headers",
+]

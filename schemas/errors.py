@@ -1,0 +1,43 @@
+"""Stable error codes of the wire contract and the one exception the schemas package raises."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Outward error codes; never renamed or removed, only added (readers treat unknown codes as failures)."""
+
+    MALFORMED_MESSAGE = "MALFORMED_MESSAGE"
+    UNSUPPORTED_SCHEMA_VERSION = "UNSUPPORTED_SCHEMA_VERSION"
+    INVALID_REQUEST = "INVALID_REQUEST"
+    EMPTY_INPUT = "EMPTY_INPUT"
+    TOKEN_ID_OUT_OF_RANGE = "TOKEN_ID_OUT_OF_RANGE"
+    INPUT_TOO_LONG = "INPUT_TOO_LONG"
+    RESULT_TOO_LARGE = "RESULT_TOO_LARGE"
+    MODEL_ERROR = "MODEL_ERROR"
+    INTERNAL_ERROR = "INTERNAL_ERROR"
+
+
+class SchemaError(Exception):
+    """A message or value that breaks the wire contract; carries a stable code and a corrective sentence."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
+        super().__init__(code, message, request_id)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return (
+            f"SchemaError(code={self.code.value}, message={self.message!r}, request_id={self.request_id!r})"
+        )
+
+    def with_request_id(self, request_id: str | None) -> SchemaError:
+        """The same error, tagged with the request id recovered from the message (kept if already set)."""
+        if self.request_id is not None or request_id is None:
+            return self
+        return SchemaError(self.code, self.message, request_id)

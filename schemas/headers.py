@@ -1,0 +1,41 @@
+"""Kafka record headers of requests, results and dead-lettered messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from schemas.version import SCHEMA_VERSION
+
+Headers = list[tuple[str, bytes]]  # aiokafka's form
+
+HEADER_REQUEST_ID = "x-request-id"
+HEADER_CONTENT_TYPE = "content-type"
+HEADER_SCHEMA_VERSION = "x-schema-version"
+HEADER_ERROR_CODE = "x-error-code"
+HEADER_ERROR_MESSAGE = "x-error-message"
+
+REQUEST_CONTENT_TYPE = f"application/vnd.score-worker.request.v{SCHEMA_VERSION}+msgpack"
+RESULT_CONTENT_TYPE = f"application/vnd.score-worker.result.v{SCHEMA_VERSION}+msgpack"
+
+
+def _headers(request_id: str, content_type: str) -> Headers:
+    return [
+        (HEADER_REQUEST_ID, request_id.encode("utf-8")),
+        (HEADER_CONTENT_TYPE, content_type.encode("ascii")),
+        (HEADER_SCHEMA_VERSION, str(SCHEMA_VERSION).encode("ascii")),
+    ]
+
+
+def request_headers(request_id: str) -> Headers:
+    """Headers a producer puts on a request record."""
+    return _headers(request_id, REQUEST_CONTENT_TYPE)
+
+
+def result_headers(request_id: str) -> Headers:
+    """Headers the worker puts on a result record."""
+    return _headers(request_id, RESULT_CONTENT_TYPE)
+
+
+def headers_to_dict(headers: Iterable[tuple[str, bytes | None]] | None) -> dict[str, bytes]:
+    """Headers as a dict: names lower-cased, a null value read as b"", the last of repeated names wins."""
+    return {name.lower(): value or b"" for name, value in headers or ()}

@@ -1,0 +1,159 @@
+"""The scoring result: one per request, either scores (and hidden states) or an error."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from schemas._checks import (
+    PLAIN_FLOAT_TYPES,
+    check_float,
+    check_int,
+    check_metadata,
+    check_request_id,
+    check_str,
+    describe,
+    invalid,
+)
+from schemas.errors import ErrorCode, SchemaError
+from schemas.request import check_version
+from schemas.tensor import Tensor
+from schemas.version import SCHEMA_VERSION
+
+
+class ResultStatus(StrEnum):
+    """Whether a request was scored."""
+
+    OK = "ok"
+    ERROR = "error"
+
+
+def check_error_code(value: object, field: str) -> ErrorCode:
+    """A known error code (the decoder maps codes from newer workers before calling this)."""
+    if isinstance(value, ErrorCode):
+        return value
+    if isinstance(value, str) and value in ErrorCode.__members__:
+        return ErrorCode(value)
+    raise invalid(f"{field} is {describe(value)} {value!r}; send one of the error codes of schema version 1.")
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """Why a request failed: a stable code and a sentence saying what to change."""
+
+    code: ErrorCode
+    message: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "code", check_error_code(self.code, "error.code"))
+        check_str(self.message, "error.message")
+
+
+def _check_scores(value: object) -> tuple[tuple[float, ...], ...]:
+    if not isinstance(value, list | tuple):
+        raise invalid(f"scores must be an array of arrays of floats, not {describe(value)}.")
+    rows: list[tuple[float, ...]] = []
+    for index, row in enumerate(value):
+        if not isinstance(row, list | tuple):
+            raise invalid(f"scores[{index}] must be an array of floats, not {describe(row)}.")
+        if set(map(type, row)) <= PLAIN_FLOAT_TYPES:
+            rows.append(tuple(row))
+        else:
+            rows.append(tuple(check_float(score, f"scores[{index}][{j}]") for j, score in enumerate(row)))
+    return tuple(rows)
+
+
+def _check_pooled(value: object) -> tuple[Tensor, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not all(isinstance(t, Tensor) for t in value):
+        raise invalid(f"pooled_hidden_states must be nil or an array of tensors, not {describe(value)}.")
+    return tuple(value)
+
+
+def _check_timings(value: object) -> dict[str, float]:
+    if not isinstance(value, Mapping):
+        raise invalid(f"timings must be a map of stage name to seconds, not {describe(value)}.")
+    return {check_str(k, "a timings key"): check_float(v, f"timings[{k!r}]") for k, v in value.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreResult:
+    """The outcome of one request; on error, scores is empty and pooled_hidden_states is None."""
+
+    request_id: str
+    status: ResultStatus
+    scores: tuple[tuple[float, ...], ...] = ()
+    pooled_hidden_states: tuple[Tensor, ...] | None = None
+    prompt_tokens: int = 0
+    model: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    error: ErrorInfo | None = None
+    metadata: object = None
+    version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        request_id = check_request_id(self.request_id)
+        try:
+            self._validate()
+        except SchemaError as error:
+            raise error.with_request_id(request_id) from None
+
+    def _validate(self) -> None:
+        check_version(self.version)
+        if not isinstance(self.status, str) or self.status not in ("ok", "error"):
+            raise invalid(f'status is {describe(self.status)} {self.status!r}; send "ok" or "error".')
+        object.__setattr__(self, "status", ResultStatus(self.status))
+        object.__setattr__(self, "scores", _check_scores(self.scores))
+        object.__setattr__(self, "pooled_hidden_states", _check_pooled(self.pooled_hidden_states))
+        check_int(self.prompt_tokens, "prompt_tokens", 0)
+        object.__setattr__(self, "prompt_tokens", int(self.prompt_tokens))
+        check_str(self.model, "model")
+        object.__setattr__(self, "timings", _check_timings(self.timings))
+        if self.error is not None and not isinstance(self.error, ErrorInfo):
+            raise invalid(f"error must be nil or a map {{code, message}}, not {describe(self.error)}.")
+        check_metadata(self.metadata)
+        self._check_consistency()
+
+    def _check_consistency(self) -> None:
+        if self.status is ResultStatus.OK:
+            if self.error is not None:
+                raise invalid('An "ok" result carries an error; send status "error", or error nil.')
+            pooled = self.pooled_hidden_states
+            if pooled is not None and len(pooled) != len(self.scores):
+                raise invalid(
+                    f"pooled_hidden_states has {len(pooled)} tensors for {len(self.scores)} items; "
+                    f"send one tensor per item."
+                )
+            return
+        if self.error is None:
+            raise invalid('An "error" result has no error; send error as a map {code, message}.')
+        if self.scores or self.pooled_hidden_states is not None:
+            raise invalid('An "error" result carries scores or hidden states; send scores [] and nil states.')
+
+    @property
+    def ok(self) -> bool:
+        """Whether the request was scored."""
+        return self.status is ResultStatus.OK
+
+    @classmethod
+    def failure(
+        cls,
+        request_id: str,
+        code: ErrorCode,
+        message: str,
+        *,
+        model: str = "",
+        metadata: object = None,
+        timings: Mapping[str, float] | None = None,
+    ) -> ScoreResult:
+        """An error result for a request: no scores, no hidden states, prompt_tokens 0."""
+        return cls(
+            request_id=request_id,
+            status=ResultStatus.ERROR,
+            error=ErrorInfo(code, message),
+            model=model,
+            metadata=metadata,
+            timings=dict(timings or {}),
+        )

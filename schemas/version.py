@@ -1,0 +1,3 @@
+"""The schema version this code reads and writes."""
+
+SCHEMA_VERSION = 1

@@ -1,0 +1,302 @@
+"""Round trips of every request and result field, every tensor dtype, and the headers."""
+
+from __future__ import annotations
+
+import math
+import pickle
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from schemas import (
+    HEADER_CONTENT_TYPE,
+    HEADER_REQUEST_ID,
+    HEADER_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    ErrorCode,
+    ErrorInfo,
+    HiddenDType,
+    ResultStatus,
+    SchemaError,
+    ScoreRequest,
+    ScoreResult,
+    Tensor,
+    decode_request,
+    decode_result,
+    encode_request,
+    encode_result,
+    headers_to_dict,
+    request_headers,
+    result_headers,
+)
+
+NESTED_METADATA = {
+    "trace": {"spans": [1, -2, 2**63 - 1, -(2**63), 2**64 - 1], "ok": True, "none": None},
+    "blob": b"\x00\xff\x10",
+    "ratio": 0.125,
+    "text": "héllo ✓",
+    "deep": [[[[{"k": []}]]]],
+}
+
+
+def roundtrip_request(request: ScoreRequest) -> ScoreRequest:
+    return decode_request(encode_request(request))
+
+
+def roundtrip_result(result: ScoreResult) -> ScoreResult:
+    return decode_result(encode_result(result))
+
+
+def test_text_request_every_field_round_trips() -> None:
+    request = ScoreRequest(
+        request_id="req-1",
+        items=("first item", "", "third ✓"),
+        query="What is the capital of France?",
+        item_first=True,
+        apply_softmax=True,
+        return_pooled_hidden_states=True,
+        hidden_states_dtype=HiddenDType.FLOAT16,
+        metadata=NESTED_METADATA,
+    )
+    decoded = roundtrip_request(request)
+    assert decoded == request
+    assert decoded.items == ("first item", "", "third ✓")
+    assert decoded.hidden_states_dtype is HiddenDType.FLOAT16
+    assert decoded.metadata == NESTED_METADATA
+
+
+def test_token_request_round_trips_and_normalises_to_tuples() -> None:
+    request = ScoreRequest("r", items=[[1, 2, 3], [], [2**31 - 1]], query=[0, 7])  # type: ignore[arg-type]
+    assert request.items == ((1, 2, 3), (), (2**31 - 1,))
+    assert request.query == (0, 7)
+    assert roundtrip_request(request) == request
+
+
+def test_numpy_token_ids_become_plain_ints() -> None:
+    request = ScoreRequest("r", items=(np.array([5, 6], dtype=np.int64),))  # type: ignore[arg-type]
+    assert request.items == ((5, 6),)
+    assert all(type(token) is int for token in request.items[0])
+
+
+@pytest.mark.parametrize("dtype", list(HiddenDType))
+def test_every_hidden_states_dtype_round_trips(dtype: HiddenDType) -> None:
+    # The wire spelling is accepted too and normalised to the enum.
+    wire_name: Any = dtype.value
+    request = ScoreRequest("r", items=("a",), return_pooled_hidden_states=True, hidden_states_dtype=wire_name)
+    assert request.hidden_states_dtype is dtype
+    assert roundtrip_request(request).hidden_states_dtype is dtype
+
+
+def test_empty_items_and_defaults_round_trip() -> None:
+    request = ScoreRequest("only-id", items=())
+    decoded = roundtrip_request(request)
+    assert decoded == request
+    assert (decoded.query, decoded.item_first, decoded.apply_softmax) == (None, False, False)
+    assert decoded.return_pooled_hidden_states is False
+    assert decoded.hidden_states_dtype is HiddenDType.FLOAT32
+    assert decoded.metadata is None and decoded.version == SCHEMA_VERSION
+
+
+def test_wire_form_is_a_plain_map_with_every_field() -> None:
+    request = ScoreRequest("r", items=((1, 2),), query=(3,), hidden_states_dtype=HiddenDType.BFLOAT16)
+    assert msgpack.unpackb(encode_request(request)) == {
+        "version": 1,
+        "request_id": "r",
+        "query": [3],
+        "items": [[1, 2]],
+        "item_first": False,
+        "apply_softmax": False,
+        "return_pooled_hidden_states": False,
+        "hidden_states_dtype": "bfloat16",
+        "metadata": None,
+    }
+
+
+def test_minimal_foreign_request_with_unknown_keys_and_nils_decodes_to_defaults() -> None:
+    body = {
+        "version": 1,
+        "request_id": "from-js",
+        "items": ["x"],
+        "query": None,
+        "apply_softmax": None,
+        "hidden_states_dtype": None,
+        "priority": "high",  # unknown: ignored
+        "future": {"nested": [1, 2]},
+    }
+    decoded = decode_request(msgpack.packb(body))
+    assert decoded == ScoreRequest("from-js", items=("x",))
+
+
+def test_bytearray_and_memoryview_inputs_decode() -> None:
+    payload = encode_request(ScoreRequest("r", items=("a",)))
+    assert decode_request(bytearray(payload)) == decode_request(memoryview(payload))
+
+
+def _all_bfloat16_bits() -> np.ndarray:
+    return np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+
+
+def test_bfloat16_tensor_is_bit_exact_for_every_pattern() -> None:
+    bits = _all_bfloat16_bits()
+    tensor = Tensor.from_bfloat16_bits(bits.reshape(256, 256))
+    assert tensor.shape == (256, 256) and len(tensor.data) == 2 * 2**16
+    result = ScoreResult("r", ResultStatus.OK, scores=((0.5,),), pooled_hidden_states=(tensor,))
+    decoded = roundtrip_result(result).pooled_hidden_states
+    assert decoded is not None and decoded[0] == tensor
+    widened = decoded[0].to_numpy()
+    assert widened.dtype == np.float32
+    # Exact widening: the float32 bit pattern is the bfloat16 pattern shifted up, NaN payloads included.
+    assert np.array_equal(widened.reshape(-1).view(np.uint32), bits.astype(np.uint32) << 16)
+    # And it agrees with torch's own bfloat16 -> float32 conversion on every non-NaN value.
+    reference = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+    finite = ~np.isnan(reference)
+    assert np.array_equal(widened.reshape(-1)[finite], reference[finite])
+
+
+def test_bfloat16_from_torch_int16_view_and_big_endian_bits() -> None:
+    values = torch.tensor([1.0, -2.5, 3.140625, 0.0], dtype=torch.bfloat16)
+    tensor = Tensor.from_bfloat16_bits(values.view(torch.int16).numpy())
+    assert tensor.data == bytes.fromhex("803f20c049400000")
+    assert tensor.to_numpy().tolist() == [1.0, -2.5, 3.140625, 0.0]
+    big_endian = np.array([0x3F80, 0xC020], dtype=">u2")
+    assert Tensor.from_bfloat16_bits(big_endian).data == bytes.fromhex("803f20c0")
+
+
+def test_float16_tensor_round_trips_every_value() -> None:
+    values = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    tensor = Tensor.from_numpy(values)
+    assert tensor.dtype == "float16" and tensor.data == values.astype("<f2").tobytes()
+    decoded = roundtrip_result(
+        ScoreResult("r", ResultStatus.OK, scores=((1.0,),), pooled_hidden_states=(tensor,))
+    )
+    assert decoded.pooled_hidden_states is not None
+    back = decoded.pooled_hidden_states[0].to_numpy()
+    assert back.dtype == np.float16
+    assert np.array_equal(back.view(np.uint16), values.view(np.uint16))
+
+
+def test_float32_tensor_from_big_endian_non_contiguous_array() -> None:
+    matrix = np.arange(12, dtype=">f4").reshape(3, 4).T  # [4, 3], Fortran-ordered, big-endian
+    tensor = Tensor.from_numpy(matrix)
+    assert tensor.shape == (4, 3)
+    assert tensor.data == np.ascontiguousarray(matrix, dtype="<f4").tobytes()
+    back = tensor.to_numpy()
+    assert back.dtype == np.float32 and back.flags.writeable
+    assert np.array_equal(back, matrix)
+
+
+def test_zero_size_tensor_round_trips() -> None:
+    tensor = Tensor("float32", (0, 8), b"")
+    assert tensor.to_numpy().shape == (0, 8)
+    result = ScoreResult("r", ResultStatus.OK, scores=((),), pooled_hidden_states=(tensor,))
+    assert roundtrip_result(result) == result
+
+
+def test_ok_result_every_field_round_trips() -> None:
+    pooled = (
+        Tensor.from_numpy(np.array([0.25, -1.5], dtype=np.float32)),
+        Tensor.from_numpy(np.array([3.0, 4.0], dtype=np.float32)),
+    )
+    result = ScoreResult(
+        request_id="req-9",
+        status=ResultStatus.OK,
+        scores=((0.1, 0.9), (-3.0e38, 5e-324)),
+        pooled_hidden_states=pooled,
+        prompt_tokens=42,
+        model="tiny-llama",
+        timings={"queue": 0.001, "compute": 0.25},
+        metadata=NESTED_METADATA,
+    )
+    assert roundtrip_result(result) == result
+
+
+def test_non_finite_scores_survive() -> None:
+    result = ScoreResult("r", ResultStatus.OK, scores=((math.nan, math.inf, -math.inf, -0.0),))
+    scores = roundtrip_result(result).scores[0]
+    assert math.isnan(scores[0]) and scores[1:3] == (math.inf, -math.inf)
+    assert math.copysign(1.0, scores[3]) == -1.0
+
+
+def test_integer_scores_and_timings_are_widened_to_float() -> None:
+    body = {"version": 1, "request_id": "r", "status": "ok", "scores": [[1, 2.5]], "timings": {"t": 3}}
+    result = decode_result(msgpack.packb(body))
+    assert result.scores == ((1.0, 2.5),) and type(result.scores[0][0]) is float
+    assert result.timings == {"t": 3.0} and type(result.timings["t"]) is float
+    assert (result.pooled_hidden_states, result.prompt_tokens, result.model, result.error) == (
+        None,
+        0,
+        "",
+        None,
+    )
+
+
+def test_failure_result_round_trips() -> None:
+    result = ScoreResult.failure(
+        "req-3",
+        ErrorCode.INPUT_TOO_LONG,
+        "items[0] has 9000 tokens; shorten it to at most 4096 tokens.",
+        model="m",
+        metadata={"user": 7},
+        timings={"total": 0.5},
+    )
+    assert result.status is ResultStatus.ERROR and not result.ok
+    assert result.scores == () and result.pooled_hidden_states is None and result.prompt_tokens == 0
+    decoded = roundtrip_result(result)
+    assert decoded == result
+    assert decoded.error == ErrorInfo(ErrorCode.INPUT_TOO_LONG, result.error.message)  # type: ignore[union-attr]
+    wire = msgpack.unpackb(encode_result(result))
+    assert wire["status"] == "error"
+    assert wire["error"] == {"code": "INPUT_TOO_LONG", "message": result.error.message}  # type: ignore[union-attr]
+
+
+def test_error_code_from_a_newer_worker_stays_readable() -> None:
+    body = {
+        "version": 1,
+        "request_id": "r",
+        "status": "error",
+        "error": {"code": "QUOTA_EXCEEDED", "message": "Slow down."},
+    }
+    result = decode_result(msgpack.packb(body))
+    assert result.error == ErrorInfo(ErrorCode.INTERNAL_ERROR, "[QUOTA_EXCEEDED] Slow down.")
+
+
+def test_result_wire_form_of_a_tensor() -> None:
+    tensor = Tensor.from_bfloat16_bits(np.array([0x3F80, 0xC020, 0x4049], dtype=np.uint16))
+    result = ScoreResult("r", ResultStatus.OK, scores=((1.0,),), pooled_hidden_states=(tensor,))
+    wire = msgpack.unpackb(encode_result(result))
+    assert wire["pooled_hidden_states"] == [
+        {"dtype": "bfloat16", "shape": [3], "data": bytes.fromhex("803f20c04940")}
+    ]
+    # The exact bytes the README shows for this tensor map.
+    assert msgpack.packb(wire["pooled_hidden_states"][0]).hex() == (
+        "83a56474797065a862666c6f61743136a573686170659103a464617461c406803f20c04940"
+    )
+
+
+def test_request_and_result_headers() -> None:
+    headers = request_headers("req-ü")
+    assert headers == [
+        (HEADER_REQUEST_ID, "req-ü".encode()),
+        (HEADER_CONTENT_TYPE, b"application/vnd.score-worker.request.v1+msgpack"),
+        (HEADER_SCHEMA_VERSION, b"1"),
+    ]
+    as_dict = headers_to_dict(result_headers("r"))
+    assert as_dict[HEADER_CONTENT_TYPE] == b"application/vnd.score-worker.result.v1+msgpack"
+    assert as_dict["x-request-id"] == b"r" and as_dict["x-schema-version"] == b"1"
+
+
+def test_headers_to_dict_reads_aiokafka_tuples() -> None:
+    raw = (("X-Request-ID", b"a"), ("x-request-id", b"b"), ("empty", None))
+    assert headers_to_dict(raw) == {"x-request-id": b"b", "empty": b""}
+    assert headers_to_dict(None) == {}
+
+
+def test_schema_error_pickles_and_reads_as_its_message() -> None:
+    error = SchemaError(ErrorCode.INVALID_REQUEST, "items is missing; send an array.", "r1")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.code, copy.message, copy.request_id) == (error.code, error.message, "r1")
+    assert str(error) == "items is missing; send an array."
+    assert str(ErrorCode.MODEL_ERROR) == "MODEL_ERROR" and str(HiddenDType.BFLOAT16) == "bfloat16"
