@@ -1,0 +1,203 @@
+"""Attention for packed sequences, plugged into HuggingFace models through AttentionInterface.
+
+The engine runs the base model on one packed sequence [1, T] (the items of a batch concatenated, position ids
+restarting at 0 for each item) and passes `cu_seq_lens_q/k` and `max_length_q/k` as keyword arguments; HF
+forwards them untouched from the model's forward to the attention function of every layer. So every HF
+decoder architecture keeps its own layers (q/k norms, qkv biases, rotary variants) and only attention is ours.
+
+Two implementations:
+- "reference": exact, per item, in float32 with SDPA (causal, optional sliding window and logit softcap).
+- "varlen": a varlen flash kernel (torch.nn.attention.varlen.varlen_attn by default, CUDA-only), with the
+  kernel injectable so CPU tests can drive the same wrapper logic with an SDPA-based kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+
+from models.config import VarlenKernel
+
+REFERENCE_ATTENTION = "score_worker_reference"
+VARLEN_ATTENTION = "score_worker_varlen"
+
+
+def attend_causal(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float | None,
+    left_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Exact causal attention of one sequence in float32: query [H, L, D], key/value [Hkv, L, D] -> [H, L, D].
+
+    `left_window` w lets a query at position i see keys i-w..i (flash-attention convention); None = all.
+    """
+    heads, length, head_dim = query.shape
+    q = query.float()
+    # Grouped-query attention: every KV head serves heads // kv_heads consecutive query heads (HF's layout).
+    k = key.float().repeat_interleave(heads // key.shape[0], dim=0)
+    v = value.float().repeat_interleave(heads // value.shape[0], dim=0)
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    if softcap is None and left_window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    rows = torch.arange(length, device=query.device).unsqueeze(1)
+    cols = torch.arange(length, device=query.device).unsqueeze(0)
+    allowed = cols <= rows
+    if left_window is not None:
+        allowed &= cols >= rows - left_window
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    # SDPA has no softcap: scores are capped as tanh(s / cap) * cap before the mask, as HF's eager path does.
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _left_window(sliding_window: int | None) -> int | None:
+    """HF's sliding_window W lets a token see W tokens including itself, i.e. a left window of W - 1."""
+    return None if sliding_window is None else int(sliding_window) - 1
+
+
+def reference_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None)."""
+    if cu_seq_lens_q is None:
+        raise ValueError("packed attention needs cu_seq_lens_q; call the model through models.Scorer")
+    bounds = cu_seq_lens_q.tolist()
+    out = torch.empty(
+        query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device
+    )  # [1, T, H, D]
+    window = _left_window(sliding_window)
+    for start, end in itertools.pairwise(bounds):
+        item = attend_causal(
+            query[0, :, start:end],
+            key[0, :, start:end],
+            value[0, :, start:end],
+            scale=scaling,
+            left_window=window,
+            softcap=softcap,
+        )  # [H, L, D]
+        out[0, start:end] = item.transpose(0, 1).to(query.dtype)
+    return out, None
+
+
+def kernel_supports_gqa(kernel: VarlenKernel) -> bool:
+    """torch 2.13's varlen_attn takes enable_gqa; 2.11's does not, and then K/V heads must be repeated."""
+    try:
+        return "enable_gqa" in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):  # builtins without a Python signature
+        return False
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    *,
+    kernel: VarlenKernel,
+    kernel_gqa: bool = False,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Varlen-kernel attention: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
+    if cu_seq_lens_q is None or max_length_q is None:
+        raise ValueError(
+            "packed attention needs cu_seq_lens_q and max_length_q; call it through models.Scorer"
+        )
+    if softcap is not None:
+        raise NotImplementedError(
+            "the varlen kernel has no attention logit softcap; use attention='reference'"
+        )
+    cu_q = cu_seq_lens_q.to(torch.int32)  # flash kernels index with int32 offsets
+    cu_k = cu_q if cu_seq_lens_k is None else cu_seq_lens_k.to(torch.int32)
+    max_k = max_length_q if max_length_k is None else max_length_k
+    # The kernel wants [T, H, D] with a unit-stride last dim; HF hands over [1, H, T, D].
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    extra: dict[str, Any] = {}
+    if q.shape[1] != k.shape[1]:
+        if kernel_gqa:
+            extra["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+    window = _left_window(sliding_window)
+    out = kernel(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        int(max_length_q),
+        int(max_k),
+        scale=scaling,
+        window_size=(-1 if window is None else window, 0),
+        **extra,
+    )  # [T, H, D]
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """Mask function for our attention names: the packing is described by cu_seqlens, so no [T, T] mask."""
+    return None
+
+
+def _default_varlen_kernel() -> VarlenKernel:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
+_registered_kernels: dict[int, tuple[VarlenKernel, str]] = {}
+
+
+def register_attention(kind: str, kernel: VarlenKernel | None = None) -> str:
+    """Register the attention (and no-op mask) function for `kind`; returns the attn_implementation name."""
+    if kind == "reference":
+        name = REFERENCE_ATTENTION
+        AttentionInterface.register(name, reference_attention)
+    elif kind == "varlen":
+        if kernel is None:
+            name, kernel = VARLEN_ATTENTION, _default_varlen_kernel()
+        else:
+            # One name per distinct injected kernel; the registry is global, so names must not collide.
+            _, name = _registered_kernels.setdefault(
+                id(kernel), (kernel, f"{VARLEN_ATTENTION}_{len(_registered_kernels) + 1}")
+            )
+        attention = functools.partial(varlen_attention, kernel=kernel, kernel_gqa=kernel_supports_gqa(kernel))
+        AttentionInterface.register(name, attention)
+    else:
+        raise ValueError(f"unknown attention kind {kind!r}")
+    AttentionMaskInterface.register(name, _no_mask)
+    return name

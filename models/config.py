@@ -1,0 +1,73 @@
+"""ScorerConfig: how the engine runs a model (device, dtype, attention kernel, batch size); validated once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+AttentionChoice = Literal["auto", "varlen", "reference"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+# A varlen kernel with the signature of torch.nn.attention.varlen.varlen_attn:
+# (q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, ...)
+VarlenKernel = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class ScorerConfig:
+    """Engine settings; `resolve_*` methods turn the "auto" values into concrete choices."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    attention: AttentionChoice = "auto"
+    max_batch_tokens: int = 16384
+    # None: the model's own limit (config.max_position_embeddings) is the only one.
+    max_input_tokens: int | None = None
+    # Replaces torch's varlen_attn for attention="varlen"; lets CPU tests drive the GPU wrapper logic.
+    varlen_kernel: VarlenKernel | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.attention not in ("auto", "varlen", "reference"):
+            raise ValueError(f"attention must be 'auto', 'varlen' or 'reference', got {self.attention!r}")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be at least 1, got {self.max_batch_tokens}")
+        if self.max_input_tokens is not None and self.max_input_tokens < 1:
+            raise ValueError(f"max_input_tokens must be at least 1 when set, got {self.max_input_tokens}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    def resolve_device(self) -> torch.device:
+        """The torch device to run on; 'auto' picks CUDA when it is available."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was asked for but CUDA is not available")
+        return device
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        """The weight/activation dtype: bfloat16 on GPU and float32 on CPU unless set explicitly."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def resolve_attention(self, device: torch.device) -> Literal["varlen", "reference"]:
+        """The attention path: the varlen kernel on CUDA (or an injected kernel), exact SDPA otherwise."""
+        if self.attention == "auto":
+            return "varlen" if device.type == "cuda" else "reference"
+        if self.attention == "varlen" and device.type != "cuda" and self.varlen_kernel is None:
+            raise ValueError(
+                "attention='varlen' needs a CUDA device (torch's varlen_attn is CUDA-only); "
+                "use attention='reference' on CPU"
+            )
+        return self.attention

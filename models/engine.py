@@ -1,0 +1,229 @@
+"""Scorer: the padding-free scoring engine (prepare, batch, packed forward, LAST pooling, head, results)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.attention import register_attention
+from models.config import ScorerConfig
+from models.errors import ModelLoadError
+from models.loading import LoadedModel, load_model
+from models.packing import PackedBatch, RowRequest, copy_rows_to_host, pack
+from models.prepare import PreparedRequest, PromptBuilder, PromptError
+from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
+
+
+@dataclass(frozen=True)
+class _BatchOutput:
+    """Host-side outputs of one forward batch."""
+
+    scores: list[list[tuple[float, ...]]]  # per request, per item
+    hidden: list[tuple[Tensor, ...] | None]  # per request; None where not asked
+    forward_s: float
+    copy_s: float
+
+
+class Scorer:
+    """Scores requests with a local *ForSequenceClassification model; one result per request, never raises."""
+
+    def __init__(self, model_dir: str | Path, config: ScorerConfig | None = None) -> None:
+        self.config = config or ScorerConfig()
+        try:
+            self.device = self.config.resolve_device()
+            self.dtype = self.config.resolve_dtype(self.device)
+            self.attention = self.config.resolve_attention(self.device)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        implementation = register_attention(self.attention, self.config.varlen_kernel)
+        self._loaded: LoadedModel = load_model(
+            Path(model_dir), device=self.device, dtype=self.dtype, attn_implementation=implementation
+        )
+        limit = self._loaded.max_position_embeddings
+        if self.config.max_input_tokens is not None:
+            limit = min(limit, self.config.max_input_tokens)
+        self._prompts = PromptBuilder(self._loaded.tokenizer, self._loaded.vocab_size, limit)
+
+    @property
+    def model_name(self) -> str:
+        """The model's name in results: its directory name."""
+        return self._loaded.name
+
+    @property
+    def max_input_tokens(self) -> int:
+        """The longest prompt (query + item, in tokens) this scorer accepts."""
+        return self._prompts.max_input_tokens
+
+    @property
+    def hidden_size(self) -> int:
+        """Length of a pooled hidden state vector."""
+        return int(self._loaded.model.config.get_text_config().hidden_size)
+
+    def prepare(self, request: ScoreRequest) -> PreparedRequest | ScoreResult:
+        """Tokenize and validate: a PreparedRequest, or an error result saying what is wrong."""
+        started = time.perf_counter()
+        try:
+            return self._prompts.prepare(request)
+        except PromptError as exc:
+            return self._failure(
+                request, exc.code, exc.message, {"tokenize_s": time.perf_counter() - started}
+            )
+        except Exception as exc:  # a tokenizer crash on odd input must not take the worker down
+            return self._failure(
+                request,
+                ErrorCode.INTERNAL_ERROR,
+                f"tokenization failed: {_describe(exc)}",
+                {"tokenize_s": time.perf_counter() - started},
+            )
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
+        """Score requests; results are in request order, one per request."""
+        return self.score_prepared([self.prepare(request) for request in requests])
+
+    def score_prepared(self, prepared: Sequence[PreparedRequest | ScoreResult]) -> list[ScoreResult]:
+        """Run prepared requests in batches of at most max_batch_tokens; error results pass through."""
+        results: list[ScoreResult | None] = [
+            item if isinstance(item, ScoreResult) else None for item in prepared
+        ]
+        pending = [(i, item) for i, item in enumerate(prepared) if isinstance(item, PreparedRequest)]
+        for batch in _split(pending, self.config.max_batch_tokens):
+            for (index, _), result in zip(batch, self._run_batch([p for _, p in batch]), strict=True):
+                results[index] = result
+        return [result for result in results if result is not None]
+
+    def _run_batch(self, batch: list[PreparedRequest]) -> list[ScoreResult]:
+        tokenize_s = sum(p.tokenize_s for p in batch)
+        try:
+            output = self._forward_batch(batch)
+        except Exception as exc:  # out of memory, kernel errors: the batch fails, the scorer keeps going
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            message = f"forward pass failed: {_describe(exc)}"
+            return [
+                self._failure(p.request, ErrorCode.MODEL_ERROR, message, {"tokenize_s": tokenize_s})
+                for p in batch
+            ]
+        timings = {"tokenize_s": tokenize_s, "forward_s": output.forward_s, "copy_s": output.copy_s}
+        return [
+            ScoreResult(
+                request_id=p.request.request_id,
+                status=ResultStatus.OK,
+                scores=tuple(scores),
+                pooled_hidden_states=hidden,
+                prompt_tokens=p.num_tokens,
+                model=self.model_name,
+                timings=dict(timings),
+                error=None,
+                metadata=p.request.metadata,
+            )
+            for p, scores, hidden in zip(batch, output.scores, output.hidden, strict=True)
+        ]
+
+    @torch.inference_mode()
+    def _forward_batch(self, batch: list[PreparedRequest]) -> _BatchOutput:
+        prompts = [prompt for p in batch for prompt in p.prompts]
+        item_counts = [len(p.prompts) for p in batch]
+        started = time.perf_counter()
+        if not prompts:  # only requests with no items: nothing to run
+            return _BatchOutput(
+                [[] for _ in batch], [() if _wants_hidden(p) else None for p in batch], 0.0, 0.0
+            )
+        packed = pack(prompts, self.device)
+        pooled = self._pooled_hidden(packed)  # [N, H] in the model dtype
+        logits = self._loaded.head(pooled).float()  # [N, L]: scores are float32 whatever the model dtype
+        softmax_rows = torch.tensor(
+            [p.request.apply_softmax for p, n in zip(batch, item_counts, strict=True) for _ in range(n)]
+        ).to(self.device, non_blocking=True)
+        scores = torch.where(softmax_rows.unsqueeze(1), torch.softmax(logits, dim=-1), logits)
+        self._synchronize()
+        forward_done = time.perf_counter()
+        host_scores = scores.cpu().tolist()
+        hidden = self._copy_hidden(batch, item_counts, pooled)
+        self._synchronize()
+        copy_done = time.perf_counter()
+        per_request: list[list[tuple[float, ...]]] = []
+        for rows in _item_ranges(item_counts):
+            per_request.append([tuple(host_scores[row]) for row in rows])
+        return _BatchOutput(per_request, hidden, forward_done - started, copy_done - forward_done)
+
+    def _pooled_hidden(self, packed: PackedBatch) -> torch.Tensor:
+        """Run the decoder on the packed row; LAST pooling: each item's final token, after the final norm."""
+        output = self._loaded.base(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            # Reach our attention function through HF's **kwargs plumbing (see models/attention.py).
+            cu_seq_lens_q=packed.cu_seqlens,
+            cu_seq_lens_k=packed.cu_seqlens,
+            max_length_q=packed.max_length,
+            max_length_k=packed.max_length,
+        )
+        hidden: torch.Tensor = output.last_hidden_state[0]  # [T, H]
+        return hidden.index_select(0, packed.last_rows)  # [N, H]
+
+    def _copy_hidden(
+        self, batch: list[PreparedRequest], item_counts: list[int], pooled: torch.Tensor
+    ) -> list[tuple[Tensor, ...] | None]:
+        """Pooled hidden states for the requests that asked; the others get None and cost nothing."""
+        asking = [i for i, p in enumerate(batch) if _wants_hidden(p)]
+        ranges = list(_item_ranges(item_counts))
+        wanted = [RowRequest(tuple(ranges[i]), batch[i].request.hidden_states_dtype) for i in asking]
+        copied = copy_rows_to_host(pooled, [w for w in wanted if w.rows])
+        copied_iter = iter(copied)
+        hidden: list[tuple[Tensor, ...] | None] = [None] * len(batch)
+        for i, entry in zip(asking, wanted, strict=True):
+            hidden[i] = next(copied_iter) if entry.rows else ()
+        return hidden
+
+    def _synchronize(self) -> None:
+        # CUDA work is asynchronous: without a sync, the clock would stop before the kernels finish.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _failure(
+        self, request: ScoreRequest, code: ErrorCode, message: str, timings: dict[str, float]
+    ) -> ScoreResult:
+        return ScoreResult.failure(
+            request.request_id,
+            code,
+            message,
+            model=self.model_name,
+            metadata=request.metadata,
+            timings=timings,
+        )
+
+
+def _wants_hidden(prepared: PreparedRequest) -> bool:
+    return bool(prepared.request.return_pooled_hidden_states)
+
+
+def _item_ranges(item_counts: Sequence[int]) -> Iterator[range]:
+    start = 0
+    for count in item_counts:
+        yield range(start, start + count)
+        start += count
+
+
+def _split(
+    pending: Sequence[tuple[int, PreparedRequest]], max_tokens: int
+) -> Iterator[list[tuple[int, PreparedRequest]]]:
+    """Consecutive batches of at most max_tokens tokens; a request over the budget runs alone."""
+    batch: list[tuple[int, PreparedRequest]] = []
+    tokens = 0
+    for entry in pending:
+        size = entry[1].num_tokens
+        if batch and tokens + size > max_tokens:
+            yield batch
+            batch, tokens = [], 0
+        batch.append(entry)
+        tokens += size
+    if batch:
+        yield batch
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

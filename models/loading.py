@@ -1,0 +1,120 @@
+"""Load a local HuggingFace *ForSequenceClassification directory: checks, model, head, tokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+from models.errors import ModelLoadError
+
+# Model types whose packed forward is covered by tests against HF's padded forward. Others may work, but
+# an untested architecture must not silently return wrong scores, so they are refused.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """The parts of a loaded directory the engine uses."""
+
+    model: PreTrainedModel
+    base: nn.Module  # the decoder stack; its output is the hidden state after the final norm
+    head: nn.Module  # the classification head, applied to pooled rows only
+    tokenizer: Any | None  # a transformers tokenizer, or None when the directory has none (token ids only)
+    vocab_size: int  # rows of the input embedding: the bound for token ids
+    max_position_embeddings: int
+    name: str
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """Read and check config.json without importing any model code."""
+    if not model_dir.is_dir():
+        raise ModelLoadError(
+            f"model path {str(model_dir)!r} is not a directory; pass a local HuggingFace "
+            "model directory (config.json, *.safetensors, tokenizer files)"
+        )
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(
+            f"{str(model_dir)!r} has no config.json; it must be a HuggingFace model directory"
+        )
+    try:
+        config: dict[str, Any] = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {str(config_path)!r}: {exc}") from exc
+    architectures = config.get("architectures") or []
+    if not any(str(arch).endswith("ForSequenceClassification") for arch in architectures):
+        raise ModelLoadError(
+            f"{str(model_dir)!r} holds {architectures or 'no declared architecture'}, not a "
+            "*ForSequenceClassification model; score-worker scores with a classification or reward head"
+        )
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config
+
+
+def find_head(model: nn.Module) -> nn.Module:
+    """The classification head of a *ForSequenceClassification model (`score` on HF decoders)."""
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            return head
+    raise ModelLoadError(f"{type(model).__name__} has no `score` or `classifier` head module")
+
+
+def _load_tokenizer(model_dir: Path) -> Any | None:
+    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # any failure here means the directory's tokenizer files are unusable
+        raise ModelLoadError(
+            f"cannot load the tokenizer of {str(model_dir)!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def load_model(
+    model_dir: Path, *, device: torch.device, dtype: torch.dtype, attn_implementation: str
+) -> LoadedModel:
+    """Load weights, head and tokenizer; the model is in eval mode on `device`."""
+    config = read_config(model_dir)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(model_dir), dtype=dtype, attn_implementation=attn_implementation
+        )
+    except Exception as exc:  # missing or corrupt weights, unknown config keys: all are load failures
+        raise ModelLoadError(
+            f"cannot load the model in {str(model_dir)!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    model.to(device).eval()
+    base = getattr(model, model.base_model_prefix, None)
+    if not isinstance(base, nn.Module):
+        raise ModelLoadError(
+            f"{type(model).__name__} has no base model attribute {model.base_model_prefix!r}"
+        )
+    embeddings = model.get_input_embeddings()
+    if not isinstance(embeddings, nn.Embedding):
+        raise ModelLoadError(f"{type(model).__name__} has no token embedding table")
+    softcap = getattr(model.config, "attn_logit_softcapping", None)
+    if softcap is not None and attn_implementation.startswith("score_worker_varlen"):
+        raise ModelLoadError(
+            "this model caps attention logits, which the varlen kernel cannot do; use attention='reference'"
+        )
+    return LoadedModel(
+        model=model,
+        base=base,
+        head=find_head(model),
+        tokenizer=_load_tokenizer(model_dir),
+        vocab_size=int(embeddings.num_embeddings),
+        max_position_embeddings=int(config.get("max_position_embeddings") or 2**31 - 1),
+        name=model_dir.resolve().name or str(config.get("_name_or_path", "")),
+    )

@@ -1,0 +1,114 @@
+"""Padding-free packing of prompts into one sequence, and the single device-to-host copy of selected rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from schemas import HiddenDType, Tensor
+
+_TORCH_DTYPES: dict[HiddenDType, torch.dtype] = {
+    HiddenDType.FLOAT32: torch.float32,
+    HiddenDType.FLOAT16: torch.float16,
+    HiddenDType.BFLOAT16: torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Prompts concatenated into one row; item i spans tokens cu_seqlens[i]:cu_seqlens[i+1]."""
+
+    input_ids: torch.Tensor  # [1, T] int64
+    position_ids: torch.Tensor  # [1, T] int64, restarting at 0 for every item
+    cu_seqlens: torch.Tensor  # [N + 1] int32
+    last_rows: torch.Tensor  # [N] int64: the pooled (last) token of every item
+    max_length: int
+
+
+def pack(prompts: Sequence[Sequence[int]], device: torch.device) -> PackedBatch:
+    """Pack non-empty prompts; built on the host with numpy, then moved to `device` in one go each."""
+    lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    total = int(ends[-1])
+    ids = np.fromiter((token for prompt in prompts for token in prompt), dtype=np.int64, count=total)
+    positions = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+    cu = np.concatenate(([0], ends)).astype(np.int32)
+    non_blocking = device.type == "cuda"
+    return PackedBatch(
+        input_ids=_to_device(ids, device, non_blocking).unsqueeze(0),
+        position_ids=_to_device(positions, device, non_blocking).unsqueeze(0),
+        cu_seqlens=_to_device(cu, device, non_blocking),
+        last_rows=_to_device(ends - 1, device, non_blocking),
+        max_length=int(lengths.max()),
+    )
+
+
+def _to_device(array: np.ndarray, device: torch.device, non_blocking: bool) -> torch.Tensor:
+    host = torch.from_numpy(array)
+    if non_blocking:
+        host = host.pin_memory()
+    return host.to(device, non_blocking=non_blocking)
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    """Rows of the pooled matrix that one request asked for, and in which dtype."""
+
+    rows: tuple[int, ...]
+    dtype: HiddenDType
+
+
+def copy_rows_to_host(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> list[tuple[Tensor, ...]]:
+    """Gather only the asked rows of pooled [N, H], cast on device, and copy them to the host at once.
+
+    Rows are grouped by dtype (one gather and one cast per dtype) and laid out as raw bytes in one buffer,
+    so even a batch with mixed dtypes costs a single device-to-host copy.
+    Returns one tuple of schemas.Tensor per entry of `wanted`.
+    """
+    if not wanted:
+        return []
+    hidden = pooled.shape[1]
+    dtypes = list(dict.fromkeys(entry.dtype for entry in wanted))
+    chunks: list[torch.Tensor] = []
+    group_offset: dict[HiddenDType, int] = {}
+    offset = 0
+    for dtype in dtypes:
+        rows = [row for entry in wanted if entry.dtype is dtype for row in entry.rows]
+        index = torch.tensor(rows, dtype=torch.long).to(pooled.device, non_blocking=True)
+        gathered = pooled.index_select(0, index).to(_TORCH_DTYPES[dtype]).contiguous()  # [n, H]
+        chunks.append(gathered.view(torch.uint8).reshape(-1))
+        group_offset[dtype] = offset
+        offset += chunks[-1].numel()
+    buffer = _to_host(torch.cat(chunks) if len(chunks) > 1 else chunks[0]).numpy()
+    out: list[tuple[Tensor, ...]] = []
+    for entry in wanted:
+        width = hidden * _TORCH_DTYPES[entry.dtype].itemsize
+        start = group_offset[entry.dtype]
+        out.append(
+            tuple(
+                _to_tensor(buffer[start + i * width : start + (i + 1) * width], entry.dtype)
+                for i in range(len(entry.rows))
+            )
+        )
+        group_offset[entry.dtype] = start + len(entry.rows) * width
+    return out
+
+
+def _to_host(device_bytes: torch.Tensor) -> torch.Tensor:
+    if device_bytes.device.type != "cuda":
+        return device_bytes
+    # Pinned memory makes the copy a real asynchronous DMA; wait for it on this stream only.
+    host = torch.empty(device_bytes.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(device_bytes, non_blocking=True)
+    torch.cuda.current_stream(device_bytes.device).synchronize()
+    return host
+
+
+def _to_tensor(raw: np.ndarray, dtype: HiddenDType) -> Tensor:
+    if dtype is HiddenDType.BFLOAT16:
+        return Tensor.from_bfloat16_bits(raw.view(np.uint16).copy())
+    return Tensor.from_numpy(raw.view(np.float32 if dtype is HiddenDType.FLOAT32 else np.float16).copy())

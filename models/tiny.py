@@ -1,0 +1,159 @@
+"""Tiny random-weight *ForSequenceClassification models with a locally trained tokenizer (tests, demos)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+from tokenizers.trainers import BpeTrainer
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+)
+
+ARCHITECTURES = ("llama", "qwen3", "qwen2", "mistral")
+SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")  # ids 0..3 in this order
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
+_VOCAB_SIZE = 512
+
+# A built-in English corpus (a few hundred words) to train the tokenizer on: no download, same every time.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog while the farmer watches from the old wooden fence.
+A reward model reads a prompt and a response, then returns a single number that says how good the answer is.
+Scores are computed for every item of a request; the query comes first unless the item is placed before it.
+Streaming workers read requests from a topic, batch them by tokens, run the model, and publish the results.
+When the weather is fine we walk along the river, count the boats, and talk about books, music and science.
+Mathematics, physics, chemistry and biology explain how the world works, from atoms to stars and galaxies.
+She asked whether the library opens early on Sunday morning, and he answered that it opens at nine o'clock.
+Good answers are helpful, honest and harmless; bad answers are rude, wrong, or they ignore the question.
+Please summarise the following article in three sentences and list the main people who are mentioned.
+Numbers like one, two, three, four, five, six, seven, eight, nine and ten appear in many simple examples.
+The city council will meet on Tuesday to discuss new parks, safer streets, cleaner water and cheaper buses.
+Cooking dinner takes time: wash the vegetables, cut the onions, boil the pasta and season the sauce well.
+Computers store text as tokens; a tokenizer splits words into pieces and maps every piece to an integer id.
+In spring the garden is full of flowers, birds sing in the trees and children play until the sun goes down.
+Is this response correct? Yes, it is correct. No, it is not correct. Maybe it needs more detail and care.
+""".strip()
+
+
+def train_tokenizer(seed: int, vocab_size: int = _VOCAB_SIZE) -> Tokenizer:
+    """A small byte-level BPE tokenizer with <pad>, <unk>, <s> (prepended as BOS) and </s>."""
+    tokenizer = Tokenizer(BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # The seed picks the order of the corpus lines, so different seeds give (slightly) different merges.
+    lines = _CORPUS.splitlines()
+    order = torch.randperm(len(lines), generator=torch.Generator().manual_seed(seed)).tolist()
+    tokenizer.train_from_iterator([lines[i] for i in order], trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)]
+    )
+    return tokenizer
+
+
+def tiny_config(architecture: str, vocab_size: int, num_labels: int) -> PretrainedConfig:
+    """A small config of `architecture` (GQA with 4 query and 2 KV heads) for a sequence classifier."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {', '.join(ARCHITECTURES)}, got {architecture!r}")
+    fields: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        # Larger than HF's 0.02 so that attention patterns and every layer visibly change the output.
+        "initializer_range": 0.1,
+        "pad_token_id": PAD_ID,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "tie_word_embeddings": False,
+        "num_labels": num_labels,
+    }
+    if architecture == "qwen3":
+        fields["head_dim"] = 32  # qwen3 decouples head_dim from hidden_size / heads; exercise that
+    if architecture == "mistral":
+        fields["sliding_window"] = 16  # short, so that test prompts are longer than the window
+    config = AutoConfig.for_model(architecture, **fields)
+    config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForSequenceClassification"]
+    return config
+
+
+def write_tiny_model(
+    path: str | Path, architecture: str = "llama", seed: int = 0, num_labels: int = 1
+) -> Path:
+    """Write a random-weight model (safetensors) and its tokenizer to `path`; deterministic from `seed`."""
+    target = Path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(seed)
+    config = tiny_config(architecture, tokenizer.get_vocab_size(), num_labels)
+    with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG state
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    _fill_zero_initialised(model, seed)
+    model.save_pretrained(str(target))
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=config.max_position_embeddings,
+    )
+    fast.save_pretrained(str(target))
+    _fix_architectures(target, config)
+    return target
+
+
+def _fill_zero_initialised(model: torch.nn.Module, seed: int) -> None:
+    """HF initialises biases to zero and norms to one; random values make a wrong q/k-norm or bias show."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                base = 1.0 if "norm" in name else 0.0
+                noise = torch.randn(parameter.shape, generator=generator) * 0.1
+                parameter.copy_(base + noise)
+
+
+def _fix_architectures(target: Path, config: PretrainedConfig) -> None:
+    """from_config models record their own class; make sure config.json names the classification class."""
+    config_path = target / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved["architectures"] = config.architectures
+    config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `score-worker make-tiny-model`."""
+    parser.add_argument("directory", type=Path, help="where to write the model (created if missing)")
+    parser.add_argument("--architecture", choices=ARCHITECTURES, default="llama")
+    parser.add_argument("--seed", type=int, default=0, help="weights and tokenizer are deterministic from it")
+    parser.add_argument("--num-labels", type=int, default=1, help="outputs of the head (1 = reward model)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the tiny model; returns the process exit code."""
+    if args.num_labels < 1:
+        print("--num-labels must be at least 1")
+        return 2
+    target = write_tiny_model(args.directory, args.architecture, args.seed, args.num_labels)
+    print(
+        f"wrote a tiny {args.architecture} model (seed {args.seed}, {args.num_labels} label(s)) to {target}"
+    )
+    return 0

@@ -1,0 +1,179 @@
+"""Engine test helpers: a float32 HuggingFace reference and CPU stand-ins for the varlen GPU kernel."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from models.attention import attend_causal
+
+# Float32 on CPU: the packed path and HF's padded eager path do the same math in a different order
+# (SDPA vs explicit matmuls, other GEMM shapes), which moves O(1) values by about 1e-6. A packing, mask or
+# position bug moves them by 1e-2 or more, so 1e-4 separates the two with a wide margin on both sides.
+ATOL = 1e-4
+RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class Reference:
+    """HF's outputs for prompts: pooled logits [N, L] and hidden_states[-1] at the last token [N, H]."""
+
+    logits: np.ndarray
+    hidden: np.ndarray
+
+
+@functools.cache
+def _reference_model(model_dir: str) -> Any:
+    # eager: plain matmul attention, independent of the SDPA and varlen code paths under test.
+    return AutoModelForSequenceClassification.from_pretrained(
+        model_dir, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+
+
+@functools.cache
+def tokenizer(model_dir: str | Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def tokenize(model_dir: str | Path, text: str) -> list[int]:
+    """What the engine must feed the model for a text prompt: the tokenizer's ids with special tokens."""
+    return list(tokenizer(model_dir)(text, add_special_tokens=True)["input_ids"])
+
+
+def hf_reference(
+    model_dir: str | Path, prompts: Sequence[Sequence[int]], *, left_pad: bool = False
+) -> Reference:
+    """Run HF's own forward on a padded batch of token-id prompts (the pad id must not occur in them)."""
+    model = _reference_model(str(model_dir))
+    pad = model.config.pad_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        span = slice(width - len(prompt), width) if left_pad else slice(0, len(prompt))
+        ids[row, span] = torch.tensor(prompt)
+        mask[row, span] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as HF's generate does, so left padding shifts nothing
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
+    last = torch.full((len(prompts),), width - 1) if left_pad else mask.sum(1) - 1
+    hidden = out.hidden_states[-1][torch.arange(len(prompts)), last]
+    return Reference(logits=out.logits.float().numpy(), hidden=hidden.float().numpy())
+
+
+def hidden_of(result: Any) -> np.ndarray:
+    """The pooled hidden states of a result as one float32 matrix [items, H]."""
+    assert result.pooled_hidden_states is not None
+    return np.stack([tensor.to_numpy().astype(np.float32) for tensor in result.pooled_hidden_states])
+
+
+def scores_of(result: Any) -> np.ndarray:
+    assert result.ok, result.error
+    return np.asarray(result.scores, dtype=np.float32)
+
+
+def _reference_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float | None,
+    window_size: tuple[int, int],
+) -> torch.Tensor:
+    """varlen_attn's contract checked strictly (layout, dtypes, causal window), computed exactly per item."""
+    assert query.dim() == 3 and key.dim() == 3 and value.dim() == 3, "varlen q/k/v are [T, H, D]"
+    assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+    assert cu_seq_q.dtype == torch.int32 and cu_seq_k.dtype == torch.int32, "cu_seqlens must be int32"
+    assert torch.equal(cu_seq_q, cu_seq_k)
+    lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+    assert max_q == max(lengths) and max_k == max(lengths)
+    assert window_size[1] == 0, "scoring is causal: no right window"
+    left = None if window_size[0] < 0 else window_size[0]
+    out = torch.empty_like(query)
+    bounds = cu_seq_q.tolist()
+    for start, end in itertools.pairwise(bounds):
+        item = attend_causal(
+            query[start:end].transpose(0, 1),
+            key[start:end].transpose(0, 1),
+            value[start:end].transpose(0, 1),
+            scale=scale,
+            left_window=left,
+        )
+        out[start:end] = item.transpose(0, 1).to(query.dtype)
+    return out
+
+
+@dataclass
+class CpuVarlenKernel:
+    """torch 2.11's varlen_attn signature (no enable_gqa): K/V must arrive with as many heads as Q."""
+
+    calls: list[list[int]] = field(default_factory=list)  # cu_seqlens of every call, to observe batching
+    fail_next: str | None = None  # an error message to raise once, to simulate a failing forward
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cu_seq_q: torch.Tensor,
+        cu_seq_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        *,
+        return_aux: Any = None,
+        scale: float | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+    ) -> torch.Tensor:
+        self._record(cu_seq_q)
+        assert key.shape[1] == query.shape[1], "without enable_gqa, K/V heads must be repeated to Q's"
+        return _reference_varlen(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size
+        )
+
+    def _record(self, cu_seq_q: torch.Tensor) -> None:
+        self.calls.append(cu_seq_q.tolist())
+        if self.fail_next is not None:
+            message, self.fail_next = self.fail_next, None
+            raise RuntimeError(message)
+
+
+@dataclass
+class CpuVarlenKernelGqa(CpuVarlenKernel):
+    """torch 2.13's signature: takes enable_gqa, and K/V may keep fewer heads than Q."""
+
+    gqa_calls: int = 0
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cu_seq_q: torch.Tensor,
+        cu_seq_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        *,
+        return_aux: Any = None,
+        scale: float | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        self._record(cu_seq_q)
+        if key.shape[1] != query.shape[1]:
+            assert enable_gqa, "fewer K/V heads than Q heads needs enable_gqa=True"
+            self.gqa_calls += 1
+        return _reference_varlen(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size
+        )

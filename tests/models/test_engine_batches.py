@@ -1,0 +1,175 @@
+"""Batching behaviour of the engine: composition invariance, token-budget splits, per-request errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scoring_testkit import CpuVarlenKernel, hidden_of, scores_of
+
+from models import PreparedRequest, Scorer, ScorerConfig
+from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult
+
+# The same request computed inside different packs: per-item attention is identical, only GEMM row blocking
+# can differ, so float32 results agree to about 1e-6.
+INVARIANCE_ATOL = 1e-5
+
+
+def _ids(length: int, seed: int) -> tuple[int, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(4, 500, (length,), generator=generator).tolist())
+
+
+def _request(request_id: str, *lengths: int, seed: int = 0, hidden: bool = True) -> ScoreRequest:
+    items = tuple(_ids(length, seed + i) for i, length in enumerate(lengths))
+    return ScoreRequest(request_id=request_id, items=items, return_pooled_hidden_states=hidden)
+
+
+def test_same_request_alone_or_in_any_batch(llama_scorer: Scorer) -> None:
+    target = _request("target", 33, 5, seed=10)
+    (alone,) = llama_scorer.score([target])
+    neighbours = [_request(f"n{i}", 40 - 9 * i, 3 + i, seed=20 + i) for i in range(4)]
+    packs = [[*neighbours[:2], target], [target, *neighbours], [neighbours[3], target, neighbours[0]]]
+    for pack in packs:
+        results = llama_scorer.score(pack)
+        (inside,) = [r for r in results if r.request_id == "target"]
+        np.testing.assert_allclose(scores_of(inside), scores_of(alone), atol=INVARIANCE_ATOL, rtol=0)
+        np.testing.assert_allclose(hidden_of(inside), hidden_of(alone), atol=INVARIANCE_ATOL, rtol=0)
+
+
+def test_max_batch_tokens_splits_in_order(tiny_llama_dir: Path, llama_scorer: Scorer) -> None:
+    kernel = CpuVarlenKernel()
+    scorer = Scorer(
+        tiny_llama_dir,
+        ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel, max_batch_tokens=30),
+    )
+    requests = [
+        _request("a", 10, seed=1),
+        _request("b", 15, seed=2),
+        _request("c", 50, seed=3),
+        _request("d", 8, 8, seed=4),
+        _request("e", 12, seed=5),
+    ]
+    results = scorer.score(requests)
+    layers = 2  # the kernel runs once per layer and forward
+    batches = kernel.calls[::layers]
+    assert kernel.calls == [cu for cu in batches for _ in range(layers)]
+    # a+b fit 30; c (50 tokens) is over the budget and runs alone; d (16) + e (12) fit together.
+    assert batches == [[0, 10, 25], [0, 50], [0, 8, 16, 28]]
+    assert [r.request_id for r in results] == ["a", "b", "c", "d", "e"]
+    assert results[0].timings["forward_s"] == results[1].timings["forward_s"]  # batch-level timings
+    for result, expected in zip(results, llama_scorer.score(requests), strict=True):
+        np.testing.assert_allclose(scores_of(result), scores_of(expected), atol=INVARIANCE_ATOL, rtol=0)
+
+
+def test_prepare_then_score_prepared(llama_scorer: Scorer) -> None:
+    requests = [_request("a", 6), ScoreRequest(request_id="bad", items=((),)), _request("b", 4, 9)]
+    prepared = [llama_scorer.prepare(r) for r in requests]
+    assert isinstance(prepared[0], PreparedRequest) and prepared[0].num_tokens == 6
+    assert isinstance(prepared[1], ScoreResult) and prepared[1].error is not None
+    assert isinstance(prepared[2], PreparedRequest) and prepared[2].num_tokens == 13
+    results = llama_scorer.score_prepared(prepared)
+    assert [r.request_id for r in results] == ["a", "bad", "b"]
+    assert [r.status for r in results] == [ResultStatus.OK, ResultStatus.ERROR, ResultStatus.OK]
+
+
+def _error_requests(vocab: int, limit: int) -> dict[str, tuple[ScoreRequest, ErrorCode]]:
+    return {
+        "empty": (ScoreRequest(request_id="empty", items=((),)), ErrorCode.EMPTY_INPUT),
+        "empty-second": (ScoreRequest(request_id="empty-second", items=((5, 6), ())), ErrorCode.EMPTY_INPUT),
+        "vocab": (ScoreRequest(request_id="vocab", items=((5, vocab),)), ErrorCode.TOKEN_ID_OUT_OF_RANGE),
+        "query-vocab": (
+            ScoreRequest(request_id="query-vocab", query=(vocab + 7,), items=((5,),)),
+            ErrorCode.TOKEN_ID_OUT_OF_RANGE,
+        ),
+        "long": (ScoreRequest(request_id="long", items=(_ids(limit + 1, 0),)), ErrorCode.INPUT_TOO_LONG),
+        "long-joined": (
+            ScoreRequest(request_id="long-joined", query=_ids(limit, 1), items=((5,),)),
+            ErrorCode.INPUT_TOO_LONG,
+        ),
+    }
+
+
+def test_bad_requests_get_error_codes_and_spare_the_batch(llama_scorer: Scorer) -> None:
+    vocab, limit = 512, llama_scorer.max_input_tokens
+    assert limit == 512  # the tiny model's max_position_embeddings
+    errors = _error_requests(vocab, limit)
+    good = [_request(f"good{i}", 12 + i, seed=i) for i in range(3)]
+    mixed = [good[0], *(request for request, _ in errors.values()), good[1], good[2]]
+    results = llama_scorer.score(mixed)
+    by_id = {r.request_id: r for r in results}
+    for name, (_, code) in errors.items():
+        result = by_id[name]
+        assert result.status is ResultStatus.ERROR and result.error is not None, name
+        assert result.error.code is code, (name, result.error)
+        assert result.scores == () and result.pooled_hidden_states is None
+        assert result.model == llama_scorer.model_name
+    assert "item 1" in by_id["empty-second"].error.message  # type: ignore[union-attr]
+    for request, alone in zip(good, llama_scorer.score(good), strict=True):
+        np.testing.assert_allclose(
+            scores_of(by_id[request.request_id]), scores_of(alone), atol=INVARIANCE_ATOL, rtol=0
+        )
+
+
+def test_configured_input_limit(tiny_llama_dir: Path) -> None:
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_input_tokens=20))
+    assert scorer.max_input_tokens == 20
+    ok, too_long = scorer.score(
+        [
+            ScoreRequest(request_id="ok", items=(_ids(20, 0),)),
+            ScoreRequest(request_id="long", items=("word " * 30,)),
+        ]
+    )
+    assert ok.ok
+    assert too_long.error is not None and too_long.error.code is ErrorCode.INPUT_TOO_LONG
+    assert "limit of 20" in too_long.error.message
+
+
+def test_empty_items_is_ok_without_scores(llama_scorer: Scorer) -> None:
+    asked, plain, other = llama_scorer.score(
+        [
+            ScoreRequest(request_id="asked", items=(), return_pooled_hidden_states=True),
+            ScoreRequest(request_id="plain", items=()),
+            _request("other", 7),
+        ]
+    )
+    assert asked.ok and asked.scores == () and asked.pooled_hidden_states == () and asked.prompt_tokens == 0
+    assert plain.ok and plain.scores == () and plain.pooled_hidden_states is None
+    assert other.ok and len(other.scores) == 1
+    (only_empty,) = llama_scorer.score([ScoreRequest(request_id="e", items=())])
+    assert only_empty.ok and only_empty.scores == ()
+
+
+def test_forward_failure_fails_its_batch_only(tiny_llama_dir: Path) -> None:
+    kernel = CpuVarlenKernel()
+    scorer = Scorer(
+        tiny_llama_dir,
+        ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel, max_batch_tokens=20),
+    )
+    requests = [_request("a", 10, seed=1), _request("b", 10, seed=2), _request("c", 10, seed=3)]
+    kernel.fail_next = "CUDA out of memory (simulated)"
+    first, second, third = scorer.score(requests)
+    for result in (first, second):
+        assert result.error is not None and result.error.code is ErrorCode.MODEL_ERROR
+        assert "RuntimeError" in result.error.message and "out of memory (simulated)" in result.error.message
+        assert result.metadata is None and result.scores == ()
+    assert third.ok  # the next batch of the same call ran normally
+    again = scorer.score(requests)  # and the scorer keeps working
+    assert all(r.ok for r in again)
+
+
+@pytest.mark.parametrize("text", ["", "hello"])
+def test_text_without_tokenizer_is_invalid(text: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((tiny_llama_dir / name).read_bytes())
+    scorer = Scorer(bare, ScorerConfig(device="cpu"))
+    text_result, ids_result = scorer.score(
+        [ScoreRequest(request_id="t", items=(text,)), ScoreRequest(request_id="i", items=((5, 6, 7),))]
+    )
+    assert text_result.error is not None and text_result.error.code is ErrorCode.INVALID_REQUEST
+    assert "token ids" in text_result.error.message
+    assert ids_result.ok

@@ -1,0 +1,180 @@
+"""The packed engine against HuggingFace's own padded float32 forward: scores and pooled hidden states."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scoring_testkit import ATOL, RTOL, hf_reference, hidden_of, scores_of, tokenize
+from transformers import AutoModelForSequenceClassification
+
+from models import Scorer, ScorerConfig
+from schemas import HiddenDType, ScoreRequest
+
+TEXTS = (
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the old wooden fence.",
+    "Yes",
+    "A reward model reads a prompt and a response, then returns a single number that says how good the "
+    "answer is; scores are computed for every item of a request.",
+    "Is this response correct? Maybe it needs more detail.",
+)
+QUERY = "Question: is the following answer helpful and honest? Answer:"
+
+
+def _ids(count: int, length: int, seed: int) -> list[tuple[int, ...]]:
+    # Ids from 4 up: 0..3 are <pad>, <unk>, <s>, </s>; the HF reference finds the last token by the pad id.
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        tuple(torch.randint(4, 500, (length + 7 * i,), generator=generator).tolist()) for i in range(count)
+    ]
+
+
+def _assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
+    np.testing.assert_allclose(actual, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "qwen2", "mistral"])
+def test_text_requests_match_hf(architecture: str, model_dirs: dict[str, Path]) -> None:
+    model_dir = model_dirs[architecture]
+    scorer = Scorer(model_dir, ScorerConfig(device="cpu"))
+    requests = [
+        ScoreRequest(request_id=f"single-{i}", items=(text,), return_pooled_hidden_states=True)
+        for i, text in enumerate(TEXTS)
+    ]
+    requests.append(
+        ScoreRequest(request_id="multi", query=QUERY, items=TEXTS, return_pooled_hidden_states=True)
+    )
+    results = scorer.score(requests)
+
+    prompts = [tokenize(model_dir, text) for text in TEXTS] + [tokenize(model_dir, QUERY + t) for t in TEXTS]
+    reference = hf_reference(model_dir, prompts)
+    assert max(len(p) for p in prompts) > 16, "prompts must be longer than mistral's sliding window"
+    actual_scores = np.concatenate([scores_of(r) for r in results])
+    actual_hidden = np.concatenate([hidden_of(r) for r in results])
+    _assert_close(actual_scores, reference.logits)
+    _assert_close(actual_hidden, reference.hidden)
+    assert [r.prompt_tokens for r in results[:4]] == [len(p) for p in prompts[:4]]
+    assert results[4].prompt_tokens == sum(len(p) for p in prompts[4:])
+
+
+def test_reference_is_self_consistent(tiny_llama_dir: Path) -> None:
+    """Guards the reference itself: HF's hidden_states[-1] is the post-norm state the head reads."""
+    reference = hf_reference(tiny_llama_dir, _ids(3, 20, seed=0))
+    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model.score(torch.from_numpy(reference.hidden)).numpy()
+    _assert_close(logits, reference.logits)
+
+
+def test_left_and_right_padding_agree_with_engine(llama_scorer: Scorer, tiny_llama_dir: Path) -> None:
+    prompts = _ids(3, 15, seed=1)
+    results = llama_scorer.score(
+        [
+            ScoreRequest(request_id=f"r{i}", items=(p,), return_pooled_hidden_states=True)
+            for i, p in enumerate(prompts)
+        ]
+    )
+    for left_pad in (False, True):
+        reference = hf_reference(tiny_llama_dir, prompts, left_pad=left_pad)
+        _assert_close(np.concatenate([scores_of(r) for r in results]), reference.logits)
+        _assert_close(np.concatenate([hidden_of(r) for r in results]), reference.hidden)
+
+
+@pytest.mark.parametrize("item_first", [False, True])
+def test_token_ids_are_joined_verbatim(item_first: bool, qwen3_scorer: Scorer, tiny_qwen3_dir: Path) -> None:
+    query, *items = _ids(4, 9, seed=2)
+    request = ScoreRequest(
+        request_id="ids",
+        query=query,
+        items=tuple(items),
+        item_first=item_first,
+        return_pooled_hidden_states=True,
+    )
+    (result,) = qwen3_scorer.score([request])
+    prompts = [item + query if item_first else query + item for item in items]
+    reference = hf_reference(tiny_qwen3_dir, prompts)
+    _assert_close(scores_of(result), reference.logits)
+    _assert_close(hidden_of(result), reference.hidden)
+    assert result.prompt_tokens == sum(len(p) for p in prompts)  # no special tokens added to token ids
+
+
+def test_text_item_first_tokenizes_item_then_query(llama_scorer: Scorer, tiny_llama_dir: Path) -> None:
+    request = ScoreRequest(request_id="text", query=" is it good?", items=TEXTS[:2], item_first=True)
+    (result,) = llama_scorer.score([request])
+    reference = hf_reference(
+        tiny_llama_dir, [tokenize(tiny_llama_dir, t + " is it good?") for t in TEXTS[:2]]
+    )
+    _assert_close(scores_of(result), reference.logits)
+    assert result.pooled_hidden_states is None
+
+
+def test_three_labels_and_softmax(three_label_dir: Path) -> None:
+    scorer = Scorer(three_label_dir, ScorerConfig(device="cpu"))
+    plain, soft = scorer.score(
+        [
+            ScoreRequest(request_id="plain", items=TEXTS),
+            ScoreRequest(request_id="soft", items=TEXTS, apply_softmax=True),
+        ]
+    )
+    reference = hf_reference(three_label_dir, [tokenize(three_label_dir, t) for t in TEXTS])
+    assert scores_of(plain).shape == (len(TEXTS), 3)
+    _assert_close(scores_of(plain), reference.logits)
+    expected = torch.softmax(torch.from_numpy(reference.logits), dim=-1).numpy()
+    _assert_close(scores_of(soft), expected)
+    np.testing.assert_allclose(scores_of(soft).sum(axis=1), 1.0, atol=1e-6)
+
+
+def test_softmax_over_one_label_is_one(llama_scorer: Scorer) -> None:
+    (result,) = llama_scorer.score([ScoreRequest(request_id="one", items=TEXTS, apply_softmax=True)])
+    assert result.scores == ((1.0,),) * len(TEXTS)
+
+
+def _assert_rounded(actual: np.ndarray, reference: np.ndarray, dtype: torch.dtype) -> None:
+    """actual equals the float32 reference rounded to `dtype`, give or take one unit in the last place."""
+    expected = torch.from_numpy(reference).to(dtype).float().numpy()
+    relative_ulp = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+    np.testing.assert_array_less(np.abs(actual - expected), np.abs(expected) * relative_ulp + 1e-7)
+
+
+def test_mixed_batch_hidden_state_flags_and_dtypes(llama_scorer: Scorer, tiny_llama_dir: Path) -> None:
+    asks = [None, HiddenDType.FLOAT32, None, HiddenDType.FLOAT16, HiddenDType.BFLOAT16, None]
+    requests = [
+        ScoreRequest(
+            request_id=f"r{i}",
+            items=(TEXTS[i % 4], TEXTS[(i + 1) % 4]),
+            metadata={"i": i},
+            return_pooled_hidden_states=dtype is not None,
+            hidden_states_dtype=dtype or HiddenDType.FLOAT32,
+        )
+        for i, dtype in enumerate(asks)
+    ]
+    results = llama_scorer.score(requests)
+    for i, (result, dtype) in enumerate(zip(results, asks, strict=True)):
+        prompts = [tokenize(tiny_llama_dir, t) for t in requests[i].items]
+        reference = hf_reference(tiny_llama_dir, prompts)
+        _assert_close(scores_of(result), reference.logits)
+        assert result.metadata == {"i": i} and result.request_id == f"r{i}"
+        if dtype is None:
+            assert result.pooled_hidden_states is None
+            continue
+        assert result.pooled_hidden_states is not None
+        assert [t.dtype for t in result.pooled_hidden_states] == [dtype.value] * 2
+        assert all(t.shape == (llama_scorer.hidden_size,) for t in result.pooled_hidden_states)
+        if dtype is HiddenDType.FLOAT32:
+            _assert_close(hidden_of(result), reference.hidden)
+        else:
+            torch_dtype = torch.float16 if dtype is HiddenDType.FLOAT16 else torch.bfloat16
+            _assert_rounded(hidden_of(result), reference.hidden, torch_dtype)
+
+
+def test_result_fields(llama_scorer: Scorer, tiny_llama_dir: Path) -> None:
+    (result,) = llama_scorer.score([ScoreRequest(request_id="f", items=("a", "b c"), metadata=[1, "x"])])
+    assert result.ok and result.error is None
+    assert result.model == tiny_llama_dir.name == llama_scorer.model_name
+    assert result.metadata == [1, "x"]
+    assert result.prompt_tokens == len(tokenize(tiny_llama_dir, "a")) + len(tokenize(tiny_llama_dir, "b c"))
+    assert set(result.timings) == {"tokenize_s", "forward_s", "copy_s"}
+    assert all(value >= 0 for value in result.timings.values())
+    assert result.timings["forward_s"] > 0

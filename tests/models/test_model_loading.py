@@ -1,0 +1,137 @@
+"""Loading errors, configuration checks and the tiny-model writer (library and command line)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from models import ModelLoadError, Scorer, ScorerConfig, tiny, write_tiny_model
+from schemas import ScoreRequest
+
+
+def _copy_with_config(source: Path, target: Path, **changes: object) -> Path:
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_not_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        Scorer(tmp_path / "missing", ScorerConfig(device="cpu"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        Scorer(tmp_path / "file", ScorerConfig(device="cpu"))
+
+
+def test_no_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        Scorer(tmp_path, ScorerConfig(device="cpu"))
+
+
+def test_unreadable_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        Scorer(tmp_path, ScorerConfig(device="cpu"))
+
+
+def test_not_a_sequence_classifier(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    causal = _copy_with_config(tiny_llama_dir, tmp_path / "lm", architectures=["LlamaForCausalLM"])
+    with pytest.raises(ModelLoadError, match="ForSequenceClassification"):
+        Scorer(causal, ScorerConfig(device="cpu"))
+
+
+def test_unsupported_architecture(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    other = _copy_with_config(
+        tiny_llama_dir, tmp_path / "gpt2", model_type="gpt2", architectures=["GPT2ForSequenceClassification"]
+    )
+    with pytest.raises(ModelLoadError, match=r"not supported.*llama"):
+        Scorer(other, ScorerConfig(device="cpu"))
+
+
+def test_missing_weights(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    broken = _copy_with_config(tiny_llama_dir, tmp_path / "noweights")
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="cannot load the model"):
+        Scorer(broken, ScorerConfig(device="cpu"))
+
+
+def test_broken_tokenizer(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    broken = _copy_with_config(tiny_llama_dir, tmp_path / "badtok")
+    (broken / "tokenizer.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        Scorer(broken, ScorerConfig(device="cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where CUDA is missing")
+def test_cuda_requested_without_cuda(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="CUDA is not available"):
+        Scorer(tiny_llama_dir, ScorerConfig(device="cuda"))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"dtype": "float64"}, "dtype"),
+        ({"attention": "flash"}, "attention"),
+        ({"max_batch_tokens": 0}, "max_batch_tokens"),
+        ({"max_input_tokens": 0}, "max_input_tokens"),
+        ({"device": "tpu"}, "device"),
+    ],
+)
+def test_config_validation(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ScorerConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_defaults_on_cpu(tiny_llama_dir: Path) -> None:
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    assert scorer.dtype == torch.float32 and scorer.attention == "reference"
+    bf16 = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", dtype="bfloat16"))
+    (result,) = bf16.score(
+        [ScoreRequest(request_id="x", items=("hello there",), return_pooled_hidden_states=True)]
+    )
+    assert result.ok and result.pooled_hidden_states is not None  # bf16 weights on CPU run too
+
+
+def test_write_tiny_model_is_deterministic(tmp_path: Path) -> None:
+    first = write_tiny_model(tmp_path / "a", "qwen2", seed=5, num_labels=3)
+    second = write_tiny_model(tmp_path / "b", "qwen2", seed=5, num_labels=3)
+    other = write_tiny_model(tmp_path / "c", "qwen2", seed=6, num_labels=3)
+    names = sorted(p.name for p in first.iterdir())
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(names)
+    for name in names:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    assert (first / "model.safetensors").read_bytes() != (other / "model.safetensors").read_bytes()
+    config = json.loads((first / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForSequenceClassification"] and config["pad_token_id"] == 0
+    assert AutoConfig.from_pretrained(str(first)).num_labels == 3
+
+
+def test_tiny_tokenizer_adds_bos(tiny_llama_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    ids = tokenizer("the reward model", add_special_tokens=True)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id == 2 and len(ids) > 1
+    assert tokenizer.pad_token_id == 0 and tokenizer.unk_token_id == 1
+
+
+def test_make_tiny_model_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    tiny.add_arguments(parser)
+    args = parser.parse_args(
+        [str(tmp_path / "m"), "--architecture", "mistral", "--seed", "3", "--num-labels", "2"]
+    )
+    assert tiny.run(args) == 0
+    assert "mistral" in capsys.readouterr().out
+    scorer = Scorer(tmp_path / "m", ScorerConfig(device="cpu"))
+    (result,) = scorer.score([ScoreRequest(request_id="x", items=("hello",))])
+    assert result.ok and len(result.scores[0]) == 2
+    bad = parser.parse_args([str(tmp_path / "n"), "--num-labels", "0"])
+    assert tiny.run(bad) == 2
