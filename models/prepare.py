@@ -67,7 +67,7 @@ class PromptBuilder:
         if self.tokenizer is None:
             raise PromptError(
                 ErrorCode.INVALID_REQUEST,
-                "this model directory has no tokenizer; send query and items as token ids",
+                "This model directory has no tokenizer, so text cannot be scored; send query and items as token ids.",
             )
         query = request.query if isinstance(request.query, str) else ""
         texts = [
@@ -81,16 +81,20 @@ class PromptBuilder:
 
     def _check(self, index: int, prompt: Sequence[int]) -> None:
         if not prompt:
-            raise PromptError(ErrorCode.EMPTY_INPUT, f"item {index} has an empty prompt (0 tokens)")
+            raise PromptError(
+                ErrorCode.EMPTY_INPUT,
+                f"Item {index} has an empty prompt (0 tokens); send a non-empty query or item.",
+            )
         if len(prompt) > self.max_input_tokens:
             raise PromptError(
                 ErrorCode.INPUT_TOO_LONG,
-                f"item {index} has {len(prompt)} prompt tokens, more than the limit of "
-                f"{self.max_input_tokens}; shorten the query or item",
+                f"Item {index} has {len(prompt)} prompt tokens, more than the limit of "
+                f"{self.max_input_tokens}; shorten the query or the item.",
             )
         largest = max(prompt)
         if largest >= self.vocab_size:
             raise PromptError(
                 ErrorCode.TOKEN_ID_OUT_OF_RANGE,
-                f"item {index} has token id {largest}, outside the model's vocabulary of {self.vocab_size}",
+                f"Item {index} has token id {largest}, outside the model's vocabulary of {self.vocab_size}; "
+                "send ids from this model's tokenizer.",
             )

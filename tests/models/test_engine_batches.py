@@ -106,7 +106,7 @@ def test_bad_requests_get_error_codes_and_spare_the_batch(llama_scorer: Scorer) 
         assert result.error.code is code, (name, result.error)
         assert result.scores == () and result.pooled_hidden_states is None
         assert result.model == llama_scorer.model_name
-    assert "item 1" in by_id["empty-second"].error.message  # type: ignore[union-attr]
+    assert "Item 1 " in by_id["empty-second"].error.message  # type: ignore[union-attr]
     for request, alone in zip(good, llama_scorer.score(good), strict=True):
         np.testing.assert_allclose(
             scores_of(by_id[request.request_id]), scores_of(alone), atol=INVARIANCE_ATOL, rtol=0
