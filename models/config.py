@@ -61,13 +61,22 @@ class ScorerConfig:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
 
-    def resolve_attention(self, device: torch.device) -> Literal["varlen", "reference"]:
+    def resolve_attention(
+        self, device: torch.device, dtype: torch.dtype | None = None
+    ) -> Literal["varlen", "reference"]:
         """The attention path: the varlen kernel on CUDA (or an injected kernel), exact SDPA otherwise."""
+        # torch's varlen_attn is a flash kernel: float16/bfloat16 only; float32 would fail every batch.
+        half = dtype is None or dtype in (torch.float16, torch.bfloat16)
         if self.attention == "auto":
-            return "varlen" if device.type == "cuda" else "reference"
+            return "varlen" if device.type == "cuda" and half else "reference"
         if self.attention == "varlen" and device.type != "cuda" and self.varlen_kernel is None:
             raise ValueError(
                 "attention='varlen' needs a CUDA device (torch's varlen_attn is CUDA-only); "
                 "use attention='reference' on CPU"
+            )
+        if self.attention == "varlen" and not half and self.varlen_kernel is None:
+            raise ValueError(
+                "attention='varlen' runs in float16 or bfloat16 only (the flash kernel has no float32); "
+                "use dtype='bfloat16' or attention='reference'"
             )
         return self.attention

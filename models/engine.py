@@ -36,7 +36,7 @@ class Scorer:
         try:
             self.device = self.config.resolve_device()
             self.dtype = self.config.resolve_dtype(self.device)
-            self.attention = self.config.resolve_attention(self.device)
+            self.attention = self.config.resolve_attention(self.device, self.dtype)
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
         implementation = register_attention(self.attention, self.config.varlen_kernel)

@@ -67,7 +67,8 @@ class PromptBuilder:
         if self.tokenizer is None:
             raise PromptError(
                 ErrorCode.INVALID_REQUEST,
-                "This model directory has no tokenizer, so text cannot be scored; send query and items as token ids.",
+                "This model directory has no tokenizer, so text cannot be scored; "
+                "send query and items as token ids.",
             )
         query = request.query if isinstance(request.query, str) else ""
         texts = [

@@ -135,3 +135,17 @@ def test_make_tiny_model_command(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert result.ok and len(result.scores[0]) == 2
     bad = parser.parse_args([str(tmp_path / "n"), "--num-labels", "0"])
     assert tiny.run(bad) == 2
+
+
+def test_attention_choice_follows_device_and_dtype() -> None:
+    # The flash-based varlen kernel has no float32: float32 on CUDA must take the exact path, not fail.
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto = ScorerConfig()
+    assert auto.resolve_attention(cuda, torch.bfloat16) == "varlen"
+    assert auto.resolve_attention(cuda, torch.float16) == "varlen"
+    assert auto.resolve_attention(cuda, torch.float32) == "reference"
+    assert auto.resolve_attention(cpu, torch.bfloat16) == "reference"
+    with pytest.raises(ValueError, match="float16 or bfloat16 only"):
+        ScorerConfig(attention="varlen").resolve_attention(cuda, torch.float32)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ScorerConfig(attention="varlen").resolve_attention(cpu, torch.bfloat16)
