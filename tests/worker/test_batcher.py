@@ -1,0 +1,114 @@
+"""TokenBudgetBatcher: batches close on the token budget, the request count and the maximum wait."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from worker.batcher import Batch, TokenBudgetBatcher
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(
+    max_tokens: int = 10, max_requests: int = 4, max_wait_s: float = 0.5
+) -> tuple[TokenBudgetBatcher[str], FakeClock]:
+    clock = FakeClock()
+    return TokenBudgetBatcher(max_tokens, max_requests, max_wait_s, clock=clock), clock
+
+
+def test_closes_before_the_item_that_would_exceed_the_budget() -> None:
+    batcher, _ = make(max_tokens=10)
+    assert batcher.add("a", 4) == []
+    assert batcher.add("b", 4) == []
+    closed = batcher.add("c", 3)  # 11 > 10: a and b leave, c opens the next batch
+    assert closed == [Batch(("a", "b"), 8)]
+    assert len(batcher) == 1 and batcher.pending_tokens == 3
+
+
+def test_closes_when_the_budget_is_met_exactly() -> None:
+    batcher, _ = make(max_tokens=10)
+    batcher.add("a", 6)
+    assert batcher.add("b", 4) == [Batch(("a", "b"), 10)]
+    assert len(batcher) == 0
+
+
+def test_closes_on_request_count() -> None:
+    batcher, _ = make(max_tokens=1000, max_requests=3)
+    assert batcher.add("a", 1) == [] and batcher.add("b", 1) == []
+    assert batcher.add("c", 1) == [Batch(("a", "b", "c"), 3)]
+
+
+def test_oversized_item_forms_a_batch_alone_after_the_open_one() -> None:
+    batcher, _ = make(max_tokens=10)
+    batcher.add("a", 3)
+    closed = batcher.add("huge", 25)
+    assert closed == [Batch(("a",), 3), Batch(("huge",), 25)]
+    assert len(batcher) == 0
+    assert batcher.add("alone", 11) == [Batch(("alone",), 11)]
+
+
+def test_max_wait_counts_from_the_first_item() -> None:
+    batcher, clock = make(max_wait_s=0.5)
+    assert batcher.due_in() is None and batcher.take_due() is None
+    batcher.add("a", 1)
+    clock.now += 0.3
+    batcher.add("b", 1)  # a later item does not extend the wait
+    assert batcher.due_in() == pytest.approx(0.2)
+    assert batcher.take_due() is None
+    clock.now += 0.2
+    assert batcher.due_in() == 0.0
+    assert batcher.take_due() == Batch(("a", "b"), 2)
+    assert batcher.due_in() is None
+    # The next batch's clock starts at its own first item.
+    clock.now += 10
+    batcher.add("c", 1)
+    assert batcher.due_in() == pytest.approx(0.5)
+
+
+def test_zero_wait_is_due_at_once_and_flush_returns_the_rest() -> None:
+    batcher, _ = make(max_wait_s=0.0)
+    batcher.add("a", 1)
+    assert batcher.take_due() == Batch(("a",), 1)
+    batcher.add("b", 2)
+    assert batcher.flush() == Batch(("b",), 2)
+    assert batcher.flush() is None
+
+
+def test_rejects_invalid_limits_and_negative_tokens() -> None:
+    with pytest.raises(ValueError):
+        TokenBudgetBatcher(0, 1, 0.1)
+    with pytest.raises(ValueError):
+        TokenBudgetBatcher(1, 0, 0.1)
+    with pytest.raises(ValueError):
+        TokenBudgetBatcher(1, 1, -1)
+    batcher, _ = make()
+    with pytest.raises(ValueError):
+        batcher.add("a", -1)
+
+
+@given(
+    tokens=st.lists(st.integers(min_value=0, max_value=40), max_size=60),
+    max_tokens=st.integers(min_value=1, max_value=30),
+    max_requests=st.integers(min_value=1, max_value=8),
+)
+def test_batches_keep_order_and_respect_limits(tokens: list[int], max_tokens: int, max_requests: int) -> None:
+    batcher, _ = make(max_tokens=max_tokens, max_requests=max_requests)
+    batches: list[Batch[int]] = []
+    for index, count in enumerate(tokens):
+        batches += batcher.add(index, count)  # type: ignore[arg-type]
+    rest = batcher.flush()
+    if rest is not None:
+        batches.append(rest)
+    assert [i for b in batches for i in b.items] == list(range(len(tokens)))  # nothing lost, order kept
+    for batch in batches:
+        assert batch.tokens == sum(tokens[i] for i in batch.items)
+        assert 1 <= len(batch.items) <= max_requests
+        assert batch.tokens <= max_tokens or len(batch.items) == 1

@@ -1,0 +1,63 @@
+"""The score-worker command line: help, subcommand dispatch, unavailable commands, bad model directories."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from worker import cli
+
+
+def test_help_lists_every_command() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    for command in ("run", "submit", "demo", "make-tiny-model"):
+        assert command in proc.stdout
+
+
+def test_run_flags_mirror_settings_but_not_secrets() -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_run_arguments(parser)
+    args = parser.parse_args(["--model", "/m", "--max-wait-ms", "3", "--no-create-topics"])
+    assert (args.model_dir, args.max_wait_ms, args.create_topics) == ("/m", "3", False)
+    assert args.group_id is None  # unset flags leave the environment and defaults in charge
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sasl-password", "x"])
+
+
+def test_external_command_is_imported_only_when_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("fake_cmd")
+    calls: list[argparse.Namespace] = []
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--count", type=int, default=1)
+
+    def run(args: argparse.Namespace) -> int:
+        calls.append(args)
+        return 5
+
+    fake.add_arguments = add_arguments  # type: ignore[attr-defined]
+    fake.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_cmd", fake)
+    monkeypatch.setitem(cli.EXTERNAL_COMMANDS, "submit", ("fake_cmd", "fake"))
+    monkeypatch.setitem(cli.EXTERNAL_COMMANDS, "demo", ("no_such_module_anywhere", "missing"))
+    assert cli.main(["--log-level", "warning", "submit", "--count", "3"]) == 5
+    assert calls[0].count == 3
+    # The missing "demo" module does not matter until demo itself is asked for.
+    assert cli.main(["demo"]) == 1
+
+
+def test_unloadable_model_dir_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    code = cli.main(
+        ["run", "--model", str(tmp_path), "--bootstrap-servers", "127.0.0.1:1", "--device", "cpu"]
+    )
+    assert code == 2
+    assert "cannot load the model" in capsys.readouterr().err

@@ -1,0 +1,59 @@
+"""EmbeddedBroker (Tansu) and topic creation: start, metadata, stop, clear errors, idempotent topics."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+
+import pytest
+from worker_testkit import Names
+
+from worker.broker import EmbeddedBroker, metadata_brokers
+from worker.config import WorkerSettings
+from worker.errors import BrokerBinaryNotFound, BrokerError
+from worker.topics import ensure_topics
+
+
+def test_starts_answers_metadata_and_stops(tmp_path: Path) -> None:
+    broker = EmbeddedBroker(log_dir=tmp_path)
+    with pytest.raises(BrokerError, match="not running"):
+        _ = broker.bootstrap_servers
+    with broker:
+        host, port = broker.bootstrap_servers.split(":")
+        assert metadata_brokers(host, int(port)) == [(host, int(port))]
+        assert broker.log_path is not None and broker.log_path.parent == tmp_path
+    with pytest.raises(OSError):
+        metadata_brokers(host, int(port), timeout_s=0.5)
+    broker.stop()  # idempotent
+
+
+def test_missing_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    not_executable = tmp_path / "tansu"
+    not_executable.write_text("")
+    monkeypatch.setenv("CALF_TANSU_BIN", str(not_executable))
+    with pytest.raises(BrokerBinaryNotFound, match="CALF_TANSU_BIN"):
+        EmbeddedBroker().start()
+
+
+def test_a_binary_that_exits_reports_its_output(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = tmp_path / "tansu"
+    fake.write_text("#!/bin/sh\necho 'cannot bind: address in use' >&2\nexit 3\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CALF_TANSU_BIN", str(fake))
+    with pytest.raises(BrokerError, match=r"(?s)exited with code 3.*address in use"):
+        EmbeddedBroker(log_dir=tmp_path).start()
+
+
+def test_ensure_topics_creates_missing_ones_once(kafka_bootstrap: str, tmp_path: Path) -> None:
+    names = Names.unique("topics")
+    settings = WorkerSettings(
+        bootstrap_servers=kafka_bootstrap,
+        model_dir=tmp_path,
+        requests_topic=names.requests,
+        results_topic=names.results,
+        dlq_topic=names.dlq,
+        topic_partitions=2,
+    )
+    assert sorted(asyncio.run(ensure_topics(settings))) == sorted([names.requests, names.results, names.dlq])
+    assert asyncio.run(ensure_topics(settings)) == []

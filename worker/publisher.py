@@ -1,0 +1,144 @@
+"""Publishing: result and dead-letter records sized to the record limit, delivered with acks and retries."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from aiokafka.structs import ConsumerRecord
+
+from schemas import (
+    HEADER_ERROR_CODE,
+    HEADER_ERROR_MESSAGE,
+    ErrorCode,
+    ScoreResult,
+    encode_result,
+    result_headers,
+)
+from worker.config import WorkerSettings
+from worker.errors import PublishError
+
+log = logging.getLogger(__name__)
+
+Headers = list[tuple[str, bytes]]
+
+_SEND_ATTEMPTS = 5
+# DLQ headers are for people reading the topic; a traceback-sized message does not belong there.
+_MAX_HEADER_MESSAGE = 1000
+
+
+@dataclass(frozen=True)
+class OutRecord:
+    """One record to publish."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: Headers
+
+
+def record_size(key: bytes | None, value: bytes | None, headers: Headers) -> int:
+    """The size aiokafka checks against max_request_size (raising MessageSizeTooLargeError above it)."""
+    return int(DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, headers))
+
+
+def result_record(settings: WorkerSettings, key: bytes | None, result: ScoreResult) -> OutRecord:
+    """The result as a record keyed like its request; above the record limit, a RESULT_TOO_LARGE error."""
+    headers = result_headers(result.request_id)
+    value = encode_result(result)
+    size = record_size(key, value, headers)
+    limit = settings.max_record_bytes
+    if size > limit:
+        message = (
+            f"the result is {size} bytes, above the record limit of {limit} bytes (max_record_bytes); "
+            "send fewer items per request, ask for float16/bfloat16 hidden states, or raise the limit"
+        )
+        failure = ScoreResult.failure(
+            result.request_id,
+            ErrorCode.RESULT_TOO_LARGE,
+            message,
+            model=result.model,
+            metadata=result.metadata,
+        )
+        value = encode_result(failure)
+    return OutRecord(settings.results_topic, key, value, headers)
+
+
+def dead_letter_record(
+    settings: WorkerSettings, record: ConsumerRecord[bytes, bytes], code: ErrorCode, message: str
+) -> OutRecord:
+    """A copy of a rejected request record (key, value, headers) plus the reason and where it came from."""
+    headers: Headers = list(record.headers)
+    headers += [
+        (HEADER_ERROR_CODE, str(code).encode()),
+        (HEADER_ERROR_MESSAGE, message[:_MAX_HEADER_MESSAGE].encode("utf-8", errors="replace")),
+        ("x-source-topic", record.topic.encode()),
+        ("x-source-partition", str(record.partition).encode()),
+        ("x-source-offset", str(record.offset).encode()),
+    ]
+    value = record.value
+    if record_size(record.key, value, headers) > settings.max_record_bytes:
+        # The copy would break the producer limit: keep the evidence (headers, size), not the body.
+        headers.append(("x-value-omitted-bytes", str(len(value or b"")).encode()))
+        value = None
+    return OutRecord(settings.dlq_topic, record.key, value, headers)
+
+
+class Publisher:
+    """The worker's producer: acks="all", no idempotence (Tansu lacks InitProducerId), batches raised."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        # max_batch_size follows the record limit so results share produce requests instead of each result
+        # above the 16 KiB default travelling alone.
+        self._producer = AIOKafkaProducer(
+            **settings.kafka_client_kwargs(),
+            acks="all",
+            linger_ms=2,
+            max_batch_size=settings.max_record_bytes,
+            max_request_size=settings.max_record_bytes,
+            enable_idempotence=False,
+        )
+
+    async def start(self) -> None:
+        await self._producer.start()
+
+    async def stop(self) -> None:
+        """Flush what is buffered, then close."""
+        await self._producer.stop()
+
+    async def deliver(self, records: Sequence[OutRecord]) -> None:
+        """Send and wait for the broker's acknowledgement of every record, retrying the failed ones.
+
+        Raises PublishError after the last attempt: the caller must not mark those records done.
+        """
+        pending = list(records)
+        error: BaseException | None = None
+        for attempt in range(1, _SEND_ATTEMPTS + 1):
+            outcomes = await self._send_all(pending)
+            failed = [(r, o) for r, o in zip(pending, outcomes, strict=True) if isinstance(o, BaseException)]
+            if not failed:
+                return
+            pending, error = [r for r, _ in failed], failed[0][1]
+            log.warning("%d of %d sends failed (attempt %d): %r", len(failed), len(outcomes), attempt, error)
+            if attempt < _SEND_ATTEMPTS:
+                await asyncio.sleep(0.2 * 2**attempt)
+        raise PublishError(f"could not deliver {len(pending)} records to {pending[0].topic}: {error!r}")
+
+    async def _send_all(self, records: list[OutRecord]) -> list[object]:
+        """Enqueue in order (keeps per-partition order), then wait for all acks; exceptions are returned."""
+        acks: list[asyncio.Future[object]] = []
+        for record in records:
+            try:
+                acks.append(
+                    await self._producer.send(record.topic, record.value, record.key, headers=record.headers)
+                )
+            except KafkaError as exc:
+                failed: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+                failed.set_exception(exc)
+                acks.append(failed)
+        return list(await asyncio.gather(*acks, return_exceptions=True))
