@@ -1,0 +1,267 @@
+"""Shared pieces of the GPU benchmarks: environment facts, CUDA timing, the W1 workload and its FLOP count."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Token-id requests (one item each) in arrival order."""
+
+    token_ids: list[torch.Tensor]  # each [L] int64 on the CPU
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(t.numel()) for t in self.token_ids]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def make_lognormal_workload(
+    num_requests: int,
+    vocab_size: int,
+    *,
+    seed: int = 1,
+    median: float = 500.0,
+    sigma: float = 0.7,
+    min_len: int = 32,
+    max_len: int = 2048,
+) -> Workload:
+    """W1's request stream: lengths exp(N(0,1)*sigma + ln median) clipped and truncated, then uniform ids."""
+    gen = torch.Generator().manual_seed(seed)
+    # Lengths first, then ids, from the one generator: the reference's order, so the stream is reproducible.
+    raw = torch.exp(torch.randn(num_requests, generator=gen) * sigma + math.log(median))
+    lengths = raw.clamp(min_len, max_len).long().tolist()
+    ids = [torch.randint(1, vocab_size, (length,), generator=gen, dtype=torch.int64) for length in lengths]
+    return Workload(token_ids=ids)
+
+
+def token_budget_chunks(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Greedy arrival-order batches of request indices whose token sum stays within max_tokens."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index, length in enumerate(lengths):
+        if current and used + length > max_tokens:
+            chunks.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += length
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def non_embedding_params(model: torch.nn.Module) -> int:
+    """Parameters that cost 2 FLOPs per token: everything but the input embedding table."""
+    return sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+
+
+def flops_per_token(
+    non_embedding: int, layers: int, attn_width: int, lengths: Sequence[int]
+) -> dict[str, float]:
+    """2 x non-embedding params plus causal attention (4 * layers * width * L / 2 per token)."""
+    total = sum(lengths)
+    # A token of a length-L row attends to L/2 keys on average (QK^T and AV: 2 + 2 FLOPs per key and dim).
+    attention = sum(4.0 * layers * attn_width * (length / 2.0) * length for length in lengths) / total
+    dense = 2.0 * non_embedding
+    return {"dense": dense, "attention": attention, "total": dense + attention}
+
+
+def _event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+def matmul_tflops(size: int = 8192, warmup: int = 5, repeats: int = 30) -> dict[str, float]:
+    """bf16 size^3 matmul rate with CUDA events: the arithmetic ceiling the roofline is drawn from."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # Two input sets, alternated, so no repeat reads operands a previous product left in L2; never zeros.
+    pairs = [
+        tuple(torch.randn(size, size, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        for _ in range(2)
+    ]
+    out = torch.empty(size, size, device="cuda", dtype=torch.bfloat16)
+    for i in range(warmup):
+        torch.mm(*pairs[i % 2], out=out)
+    events = [(_event(), _event()) for _ in range(repeats)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        torch.mm(*pairs[i % 2], out=out)
+        end.record()
+    torch.cuda.synchronize()
+    if not torch.isfinite(out).all():
+        raise RuntimeError("matmul roofline produced non-finite values")
+    millis = [start.elapsed_time(end) for start, end in events]
+    flops = 2.0 * size**3
+    median_ms = statistics.median(millis)
+    return {
+        "size": float(size),
+        "median_ms": median_ms,
+        "tflops_median": flops / (median_ms * 1e-3) / 1e12,
+        "tflops_best": flops / (min(millis) * 1e-3) / 1e12,
+        "tflops_worst": flops / (max(millis) * 1e-3) / 1e12,
+    }
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """Run fn between two device synchronisations; return its value and the wall seconds."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    value = fn()
+    torch.cuda.synchronize()
+    return value, time.perf_counter() - start
+
+
+def _nvidia_smi() -> dict[str, str]:
+    query = "name,driver_version,memory.total,clocks.max.sm"
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"error": str(exc)}
+    fields = [f.strip() for f in proc.stdout.strip().splitlines()[0].split(",")]
+    return dict(zip(query.split(","), fields, strict=False))
+
+
+def environment() -> dict[str, Any]:
+    """What ran the benchmark: versions, GPU, driver and the date."""
+    import transformers
+
+    info: dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
+        info["gpu_sms"] = props.multi_processor_count
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["nvidia_smi"] = _nvidia_smi()
+    return info
+
+
+def relative_errors(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Per-row ||v - r|| / ||r|| in float64."""
+    diff = np.linalg.norm(values.astype(np.float64) - reference.astype(np.float64), axis=-1)
+    return np.asarray(diff / np.maximum(np.linalg.norm(reference.astype(np.float64), axis=-1), 1e-30))
+
+
+def out_dir() -> Path | None:
+    """$OUT on the device machine (results come back from there); None elsewhere."""
+    value = os.environ.get("OUT")
+    return Path(value) if value else None
+
+
+def layer_gemm_ceiling(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, mlp: int, tokens: int = 16384, repeats: int = 10
+) -> dict[str, float]:
+    """A decoder layer's seven projections at M=tokens, timed alone: what the matmuls allow a packed batch."""
+    # (in, out) of q, k, v, o, gate, up, down: F.linear with weight [out, in], as the HF layers call it.
+    shapes = [
+        (hidden, heads * head_dim),
+        (hidden, kv_heads * head_dim),
+        (hidden, kv_heads * head_dim),
+        (heads * head_dim, hidden),
+        (hidden, mlp),
+        (hidden, mlp),
+        (mlp, hidden),
+    ]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    operands = [
+        (
+            torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=gen),
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02,
+        )
+        for k, n in shapes
+    ]
+
+    def layer() -> None:
+        for x, w in operands:
+            torch.nn.functional.linear(x, w)
+
+    for _ in range(3):
+        layer()
+    events = [(_event(), _event()) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        layer()
+        end.record()
+    torch.cuda.synchronize()
+    median_ms = statistics.median(start.elapsed_time(end) for start, end in events)
+    flops = 2.0 * tokens * sum(k * n for k, n in shapes)
+    return {"tokens": float(tokens), "ms_per_layer": median_ms, "tflops": flops / (median_ms * 1e-3) / 1e12}
+
+
+class GpuSampler:
+    """Samples SM clock, power and temperature through NVML on a thread while a timed pass runs."""
+
+    def __init__(self, period_s: float = 0.25) -> None:
+        self._period = period_s
+        self._samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._handle: Any = None
+
+    def __enter__(self) -> GpuSampler:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception:  # NVML is a diagnostic: without it the pass is still timed, only not annotated
+            return self
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        import pynvml
+
+        while not self._stop.wait(self._period):
+            clock = pynvml.nvmlDeviceGetClockInfo(self._handle, pynvml.NVML_CLOCK_SM)
+            power = pynvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0
+            temp = pynvml.nvmlDeviceGetTemperature(self._handle, pynvml.NVML_TEMPERATURE_GPU)
+            self._samples.append((float(clock), power, float(temp)))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def summary(self) -> dict[str, float]:
+        if not self._samples:
+            return {}
+        clocks, power, temp = (np.array(column) for column in zip(*self._samples, strict=True))
+        return {
+            "sm_clock_mhz_median": float(np.median(clocks)),
+            "sm_clock_mhz_min": float(clocks.min()),
+            "power_w_median": float(np.median(power)),
+            "power_w_max": float(power.max()),
+            "temp_c_max": float(temp.max()),
+        }

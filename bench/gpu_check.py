@@ -1,0 +1,353 @@
+"""GPU correctness check of the packed varlen Scorer against HuggingFace float32, on small local models.
+
+Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/gpu_check.py
+For each model (the four tiny architectures of models.write_tiny_model, plus a llama with 4:1 grouped-query
+attention and head_dim 128) and each dtype, one mixed batch (single items of 1..N tokens, multi-item requests
+with a query, item_first, text items, mixed hidden-state flags and dtypes, apply_softmax, one invalid
+request) is scored in several packs, compared with per-prompt HF float32 forwards, and with the same
+requests scored one at a time. An error is accepted when it is within twice HF's own error in that dtype plus
+a small floor. Prints PASS/FAIL lines with the numbers; writes $OUT/gpu_check.json; exits 1 on any FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from bench.common import environment, out_dir, relative_errors
+
+Attention = Literal["auto", "varlen", "reference"]
+# float32 with varlen may be refused at start (flash kernels are half precision only) but must not fail later;
+# float32 with "auto" must work on the GPU, through whatever exact path the engine falls back to.
+GPU_RUNS: tuple[tuple[str, Attention], ...] = (
+    ("bfloat16", "varlen"),
+    ("float16", "varlen"),
+    ("float32", "varlen"),
+    ("float32", "auto"),
+)
+# Floors for (score error / score scale, hidden relative error): rounding of the dtype over a few layers.
+FLOORS = {"bfloat16": (2e-2, 1e-2), "float16": (3e-3, 2e-3), "float32": (1e-4, 1e-4)}
+HIDDEN_DTYPES = ("float32", "float16", "bfloat16")
+# Relative rounding of a vector stored in a narrower dtype (unit roundoff 2^-11 and 2^-8, with margin).
+NARROW_ROUNDING = {"float16": 1e-3, "bfloat16": 8e-3}
+MAX_BATCH_TOKENS = 700  # small, so the mixed batch is cut into several packs
+
+
+@dataclass
+class Outcome:
+    """One model x dtype check."""
+
+    model: str
+    dtype: str
+    attention: str
+    failures: list[str] = field(default_factory=list)
+    numbers: dict[str, float | str] = field(default_factory=dict)
+
+    def expect(self, ok: bool, what: str) -> None:
+        if not ok:
+            self.failures.append(what)
+
+
+def write_models(root: Path) -> dict[str, Path]:
+    """The tiny models of every supported architecture, plus one with realistic head size and 4:1 GQA."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from bench.packed_path import attach_tokenizer
+    from models import write_tiny_model
+
+    dirs: dict[str, Path] = {}
+    for arch in ("llama", "qwen3", "qwen2", "mistral"):
+        dirs[arch] = root / arch
+        write_tiny_model(dirs[arch], architecture=arch, seed=1, num_labels=1)
+    shapes: dict[str, Any] = {
+        "hidden_size": 512,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 128,
+        "intermediate_size": 1024,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+        "num_labels": 3,
+        "pad_token_id": 0,
+    }
+    torch.manual_seed(2)
+    dirs["llama-gqa4-d128-3labels"] = root / "llama-gqa"
+    model = LlamaForSequenceClassification(LlamaConfig(**shapes))  # type: ignore[no-untyped-call]
+    model.save_pretrained(dirs["llama-gqa4-d128-3labels"])
+    attach_tokenizer(dirs["llama-gqa4-d128-3labels"])
+    return dirs
+
+
+def make_requests(max_tokens: int, vocab: int, seed: int) -> list[Any]:
+    """A mixed batch; request i asks for hidden states unless i % 4 == 3, cycling the hidden dtypes."""
+    from schemas import HiddenDType, ScoreRequest
+
+    rng = random.Random(seed)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(4, vocab) for _ in range(n))
+
+    lengths = [1, 2, 17, 64, 255, max_tokens // 2, max_tokens]
+    specs: list[dict[str, Any]] = [{"items": (ids(n),)} for n in lengths]
+    specs += [
+        {"query": ids(20), "items": tuple(ids(rng.randrange(1, 40)) for _ in range(3))},
+        {"query": ids(9), "items": (ids(30), ids(1)), "item_first": True},
+        {"items": ("a reward model reads a prompt", "the quick brown fox"), "query": "Is this correct?"},
+        {"items": (ids(33),), "apply_softmax": True},
+        {"items": (ids(12), ids(50))},
+    ]
+    requests = []
+    for i, spec in enumerate(specs):
+        dtype = HiddenDType(HIDDEN_DTYPES[i % 3])
+        requests.append(
+            ScoreRequest(
+                request_id=f"c{i}", return_pooled_hidden_states=i % 4 != 3, hidden_states_dtype=dtype, **spec
+            )
+        )
+    return requests
+
+
+@torch.inference_mode()
+def hf_per_prompt(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Logits [n, labels] and final-norm hidden state at the last token [n, H], one prompt per forward."""
+    scores, hidden = [], []
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)], device=next(model.parameters()).device)
+        out = model(input_ids=ids, output_hidden_states=True)
+        scores.append(out.logits[0].float().cpu().numpy())
+        hidden.append(out.hidden_states[-1][0, -1].float().cpu().numpy())
+    return np.stack(scores), np.stack(hidden)
+
+
+def load_hf(model_dir: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    from transformers import AutoModelForSequenceClassification
+
+    model: torch.nn.Module = AutoModelForSequenceClassification.from_pretrained(
+        str(model_dir), dtype=dtype, attn_implementation="sdpa"
+    )
+    return model.to(device).eval()
+
+
+def flatten(results: Sequence[Any], prepared: Sequence[Any]) -> dict[str, Any]:
+    """Per-prompt packed scores and (where asked) hidden states, with the dtype each was returned in."""
+    scores, hidden, rows = [], [], []
+    for result, prep in zip(results, prepared, strict=True):
+        if not hasattr(prep, "prompts"):
+            continue
+        for item, score in enumerate(result.scores):
+            scores.append(np.asarray(score, dtype=np.float64))
+            if result.pooled_hidden_states is not None:
+                tensor = result.pooled_hidden_states[item]
+                hidden.append((len(scores) - 1, tensor.dtype, tensor.shape, tensor.to_numpy()))
+            rows.append((prep.request, item))
+    return {"scores": np.stack(scores), "hidden": hidden, "rows": rows}
+
+
+def check_results(
+    outcome: Outcome, requests: Sequence[Any], results: Sequence[Any], hidden_size: int
+) -> None:
+    """Statuses, result order, and that hidden states come exactly where asked, in the asked dtype."""
+    outcome.expect(len(results) == len(requests), f"{len(results)} results for {len(requests)} requests")
+    for request, result in zip(requests, results, strict=False):
+        outcome.expect(
+            result.request_id == request.request_id, f"order: {result.request_id} at {request.request_id}"
+        )
+        if request.request_id == "bad":
+            outcome.expect(result.status.value == "error", "out-of-range token id was not refused")
+            continue
+        outcome.expect(result.status.value == "ok", f"{request.request_id}: {result.error}")
+        if result.status.value != "ok":
+            continue
+        asked = request.return_pooled_hidden_states
+        got = result.pooled_hidden_states
+        outcome.expect(
+            (got is not None) == asked, f"{request.request_id}: hidden asked={asked} got={got is not None}"
+        )
+        for tensor in got or ():
+            outcome.expect(tensor.dtype == request.hidden_states_dtype.value, f"hidden dtype {tensor.dtype}")
+            outcome.expect(tuple(tensor.shape) == (hidden_size,), f"hidden shape {tensor.shape}")
+
+
+def expected_scores(logits: np.ndarray, rows: Sequence[tuple[Any, int]]) -> np.ndarray:
+    out = logits.astype(np.float64).copy()
+    for i, (request, _) in enumerate(rows):
+        if request.apply_softmax:
+            shifted = np.exp(out[i] - out[i].max())
+            out[i] = shifted / shifted.sum()
+    return out
+
+
+def compare_to_reference(
+    outcome: Outcome,
+    packed: dict[str, Any],
+    ref: tuple[np.ndarray, np.ndarray],
+    same: tuple[np.ndarray, np.ndarray],
+) -> None:
+    """Packed error vs float32, accepted within 2x HF's own error in the same dtype plus a floor."""
+    rows = packed["rows"]
+    ref_scores, same_scores = expected_scores(ref[0], rows), expected_scores(same[0], rows)
+    scale = max(1.0, float(np.abs(ref_scores).max()))
+    score_err = float(np.abs(packed["scores"] - ref_scores).max()) / scale
+    hf_score_err = float(np.abs(same_scores - ref_scores).max()) / scale
+    floor_s, floor_h = FLOORS[outcome.dtype]
+    outcome.numbers.update(score_err=score_err, hf_score_err=hf_score_err)
+    outcome.expect(
+        score_err <= 2 * hf_score_err + floor_s, f"score err {score_err:.2e} vs HF {hf_score_err:.2e}"
+    )
+    hf_index = [i for i, *_ in packed["hidden"]]
+    outcome.numbers["hf_hidden_err"] = float(relative_errors(same[1][hf_index], ref[1][hf_index]).max())
+    for returned in HIDDEN_DTYPES:  # each returned dtype separately: a narrow one adds its own rounding
+        index = [i for i, dtype, *_ in packed["hidden"] if dtype == returned]
+        if not index:
+            continue
+        values = np.stack([h for _, dtype, _, h in packed["hidden"] if dtype == returned])
+        err = float(relative_errors(values, ref[1][index]).max())
+        hf_err = float(relative_errors(same[1][index], ref[1][index]).max())
+        outcome.numbers[f"hidden_err_{returned}"] = err
+        limit = 2 * hf_err + floor_h + NARROW_ROUNDING.get(returned, 0.0)
+        outcome.expect(err <= limit, f"hidden ({returned}) err {err:.2e} vs HF {hf_err:.2e}")
+
+
+def varlen_kernel_names(scorer: Any, requests: Sequence[Any]) -> list[str]:
+    """CUDA kernels with flash/varlen/attention in their names during one score call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        scorer.score(requests)
+        torch.cuda.synchronize()
+    names = {evt.key for evt in prof.key_averages()}
+    return sorted(n for n in names if any(s in n.lower() for s in ("flash", "varlen", "fmha", "attention")))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model's inputs and float32 reference, shared by its dtype checks."""
+
+    name: str
+    model_dir: Path
+    requests: list[Any]
+    prompts: list[tuple[int, ...]]  # every valid request's prompts, in order
+    reference: tuple[np.ndarray, np.ndarray]  # HF float32 (scores, hidden) per prompt
+    device: str  # "cuda"; "cpu" only for --cpu-smoke
+
+
+def check_one(case: Case, dtype: str, attention: Attention, same_model: torch.nn.Module) -> Outcome:
+    """Score the mixed batch with the Scorer in `dtype` and `attention` and check it from every side."""
+    from models import ModelLoadError, Scorer, ScorerConfig
+
+    outcome = Outcome(model=case.name, dtype=dtype, attention=attention)
+    config = ScorerConfig(
+        device=case.device, dtype=dtype, attention=attention, max_batch_tokens=MAX_BATCH_TOKENS
+    )
+    try:
+        scorer = Scorer(str(case.model_dir), config)
+    except ModelLoadError as exc:
+        if dtype == "float32" and attention == "varlen":  # flash kernels have no float32: refusing is right
+            outcome.numbers["refused_at_start"] = str(exc)
+            return outcome
+        raise
+    requests = case.requests
+    prepared = [scorer.prepare(r) for r in requests]
+    results = scorer.score(requests)
+    check_results(outcome, requests, results, scorer.hidden_size)
+    if outcome.failures:
+        return outcome
+    packed = flatten(results, prepared)
+    same = hf_per_prompt(same_model, case.prompts)
+    compare_to_reference(outcome, packed, case.reference, same)
+    # Batch invariance: each request alone (one pack) against the same request inside the mixed batch.
+    alone = flatten([scorer.score([r])[0] for r in requests], prepared)
+    drift = float(np.abs(alone["scores"] - packed["scores"]).max())
+    outcome.numbers["batch_drift"] = drift
+    outcome.expect(
+        drift <= FLOORS[dtype][0] * max(1.0, float(np.abs(packed["scores"]).max())), f"drift {drift:.2e}"
+    )
+    if attention != "varlen":
+        return outcome
+    kernels = varlen_kernel_names(scorer, requests[:3])
+    outcome.numbers["attention_kernels"] = len(kernels)
+    outcome.expect(
+        any("flash" in k.lower() or "varlen" in k.lower() for k in kernels), f"no varlen kernel: {kernels}"
+    )
+    return outcome
+
+
+def check_model(
+    name: str, model_dir: Path, device: str, runs: Sequence[tuple[str, Attention]]
+) -> list[Outcome]:
+    """float32 HF reference once per model, then every dtype of the packed path against it."""
+    from models import Scorer, ScorerConfig
+    from schemas import ScoreRequest
+
+    probe = Scorer(str(model_dir), ScorerConfig(device=device, dtype="float32", attention="reference"))
+    requests = make_requests(min(probe.max_input_tokens, MAX_BATCH_TOKENS), 512, seed=7)
+    prompts = [p for r in requests for p in probe.prepare(r).prompts]  # type: ignore[union-attr]
+    del probe
+    # An out-of-range token id among valid requests: refused alone, without disturbing its batch.
+    requests.insert(4, ScoreRequest(request_id="bad", items=((1, 2, 10**6),)))
+    reference = load_hf(model_dir, torch.float32, device)
+    case = Case(name, model_dir, requests, prompts, hf_per_prompt(reference, prompts), device)
+    del reference
+    outcomes = []
+    for dtype, attention in runs:
+        same_model = load_hf(model_dir, getattr(torch, dtype), device)
+        try:
+            outcomes.append(check_one(case, dtype, attention, same_model))
+        except Exception as exc:  # a kernel refusing a dtype is a result to report, not a crash of the check
+            failure = f"raised {type(exc).__name__}: {exc}"
+            outcomes.append(Outcome(model=name, dtype=dtype, attention=attention, failures=[failure]))
+        del same_model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return outcomes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="the same checks on the CPU with exact reference attention (tests this script, not the kernel)",
+    )
+    args = parser.parse_args(argv)
+    device = "cpu" if args.cpu_smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32, not TF32
+    print(json.dumps(environment()), flush=True)
+    outcomes: list[Outcome] = []
+    # On the CPU only float32 is checked: half-precision CPU kernels are not what this script is about.
+    runs: tuple[tuple[str, Attention], ...] = (("float32", "reference"),) if args.cpu_smoke else GPU_RUNS
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, model_dir in write_models(Path(tmp)).items():
+            outcomes.extend(check_model(name, model_dir, device, runs))
+    for o in outcomes:
+        status = "PASS" if not o.failures else "FAIL"
+        numbers = " ".join(
+            f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in o.numbers.items()
+        )
+        label = f"{o.dtype}/{o.attention}"
+        print(f"{status} {o.model:<24} {label:<17} {numbers} {'; '.join(o.failures)[:400]}")
+    failed = sum(bool(o.failures) for o in outcomes)
+    print(f"gpu_check: {len(outcomes) - failed} PASS, {failed} FAIL")
+    target = (out_dir() or Path(".")) / "gpu_check.json"
+    target.write_text(json.dumps([o.__dict__ for o in outcomes], indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Drives our packed Scorer (models/) for the benchmarks: model directory, requests, results as arrays."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.hf_paths import PathOutput
+
+# Files of a HF model directory that describe the weights; everything else write_tiny_model leaves is the
+# tokenizer, which the benchmark model borrows (its requests are token ids, so the vocabulary is unused).
+_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
+
+
+def scorer_available() -> str | None:
+    """None when models.Scorer imports; otherwise why not (the benchmark then runs the baselines only)."""
+    try:
+        from models import Scorer, ScorerConfig, write_tiny_model  # noqa: F401
+    except Exception as exc:  # any import failure means the same thing here: no packed path to time
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def attach_tokenizer(model_dir: Path) -> list[str]:
+    """Copy the tokenizer files of a tiny llama from models.write_tiny_model into model_dir."""
+    from models import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tiny_model(tmp, architecture="llama", seed=0, num_labels=1)
+        copied = []
+        for path in sorted(Path(tmp).iterdir()):
+            if path.is_file() and path.name not in _MODEL_FILES and not path.name.endswith(".safetensors"):
+                shutil.copy2(path, model_dir / path.name)
+                copied.append(path.name)
+    return copied
+
+
+def save_model_dir(model: torch.nn.Module, model_dir: Path) -> list[str]:
+    """Write the in-memory model (safetensors) plus a tokenizer: what Scorer(model_dir) loads."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(model_dir)  # type: ignore[operator]
+    return attach_tokenizer(model_dir)
+
+
+def make_requests(token_ids: Sequence[torch.Tensor], hidden: bool = True) -> list[Any]:
+    """One single-item token-id request per row, each asking for its pooled hidden state."""
+    from schemas import ScoreRequest
+
+    return [
+        ScoreRequest(request_id=f"w1-{i}", items=(tuple(row.tolist()),), return_pooled_hidden_states=hidden)
+        for i, row in enumerate(token_ids)
+    ]
+
+
+def make_scorer(model_dir: Path, max_batch_tokens: int, dtype: str = "bfloat16") -> Any:
+    from models import Scorer, ScorerConfig
+
+    config = ScorerConfig(device="cuda", dtype=dtype, attention="varlen", max_batch_tokens=max_batch_tokens)
+    return Scorer(str(model_dir), config)
+
+
+def run_scorer(scorer: Any, requests: Sequence[Any], chunks: Sequence[Sequence[int]]) -> list[Any]:
+    """Score the requests in the given token-budget chunks (as the worker's batcher would hand them over)."""
+    results: list[Any] = [None] * len(requests)
+    for chunk in chunks:
+        for index, result in zip(chunk, scorer.score([requests[i] for i in chunk]), strict=True):
+            results[index] = result
+    return results
+
+
+def results_to_arrays(results: Sequence[Any], hidden_size: int) -> PathOutput:
+    """Scores and pooled hidden states as float32 arrays; raises on any error result or missing row."""
+    bad = [r for r in results if r is None or r.status.value != "ok"]
+    if bad:
+        first = bad[0]
+        detail = "missing" if first is None else f"{first.error.code.value}: {first.error.message}"
+        raise RuntimeError(f"{len(bad)} of {len(results)} requests failed; first: {detail}")
+    scores = np.array([r.scores[0] for r in results], dtype=np.float32)
+    hidden = np.zeros((len(results), hidden_size), dtype=np.float32)
+    for i, result in enumerate(results):
+        if result.pooled_hidden_states is None:
+            raise RuntimeError(f"request {result.request_id} asked for hidden states and got none")
+        hidden[i] = result.pooled_hidden_states[0].to_numpy().reshape(hidden_size)
+    return PathOutput(scores=scores, hidden=hidden)
+
+
+def stage_timings(results: Sequence[Any]) -> dict[str, float]:
+    """Mean of each stage timing the Scorer reports per result (diagnostic only)."""
+    sums: dict[str, float] = {}
+    for result in results:
+        for key, value in (result.timings or {}).items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    return {key: value / max(len(results), 1) for key, value in sums.items()}

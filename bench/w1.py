@@ -1,0 +1,347 @@
+"""W1 benchmark (8B reward model, 512 mixed-length requests): HF padded baselines vs our packed Scorer.
+
+Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/w1.py [--quick]
+Prints a table (tokens/s, % of the matmul roofline, ratio vs HF padded-8, all measured in this process)
+and correctness figures, and writes everything to $OUT/w1.json (or --json PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench import hf_paths, packed_path
+from bench.common import (
+    GpuSampler,
+    Workload,
+    environment,
+    flops_per_token,
+    layer_gemm_ceiling,
+    make_lognormal_workload,
+    matmul_tflops,
+    non_embedding_params,
+    out_dir,
+    relative_errors,
+    timed,
+    token_budget_chunks,
+)
+from bench.hf_paths import PathOutput
+from bench.profiling import kernel_breakdown, print_breakdown
+
+# Llama-3-8B shapes (the reference's W1); random weights with the HF default init (normal, std 0.02).
+W1_SHAPES: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+}
+QUICK_SHAPES: dict[str, Any] = {
+    "hidden_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 1536,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+HF8 = "hf_sdpa_padded8_arrival"
+
+
+def build_model(shapes: dict[str, Any]) -> torch.nn.Module:
+    """LlamaForSequenceClassification built straight on the GPU in bf16 (no 32 GB float32 detour)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    settings: dict[str, Any] = {
+        **shapes,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "rms_norm_eps": 1e-5,
+        "num_labels": 1,
+        "pad_token_id": hf_paths.PAD_ID,
+        "initializer_range": 0.02,
+    }
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model: torch.nn.Module = LlamaForSequenceClassification._from_config(  # type: ignore[no-untyped-call]
+            LlamaConfig(**settings), dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    return model.eval()
+
+
+def gemm_ceiling(shapes: dict[str, Any], tokens: int) -> dict[str, float]:
+    """Tokens/s if a forward were only its projection matmuls at the packed batch size (no attention)."""
+    heads = shapes["num_attention_heads"]
+    gemms = layer_gemm_ceiling(
+        shapes["hidden_size"],
+        heads,
+        shapes["num_key_value_heads"],
+        shapes["hidden_size"] // heads,
+        shapes["intermediate_size"],
+        tokens=tokens,
+    )
+    gemms["tokens_per_s_gemm_only"] = tokens / (shapes["num_hidden_layers"] * gemms["ms_per_layer"] * 1e-3)
+    return gemms
+
+
+def measure(name: str, run: Callable[[], Any], warmup: Callable[[], Any], repeats: int) -> dict[str, Any]:
+    """Warm up, then time `repeats` full passes; keeps the last pass's output for the correctness checks."""
+    warmup()
+    torch.cuda.reset_peak_memory_stats()
+    seconds = []
+    output = None
+    gpu = []
+    for _ in range(repeats):
+        with GpuSampler() as sampler:
+            output, elapsed = timed(run)
+        seconds.append(elapsed)
+        gpu.append(sampler.summary())
+        print(f"  {name}: pass {len(seconds)} {elapsed:.2f} s; GPU {gpu[-1]}", flush=True)
+    return {
+        "name": name,
+        "seconds": seconds,
+        "best_seconds": min(seconds),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "gpu_samples": gpu,
+        "output": output,
+    }
+
+
+def hf_runs(model: torch.nn.Module, work: Workload, repeats: int) -> list[dict[str, Any]]:
+    """(b) padded batches of 8 in arrival order and (c) batches of 32 sorted by length; SDPA, bf16."""
+    runs = []
+    for name, size, sort in ((HF8, 8, False), ("hf_sdpa_padded32_sorted", 32, True)):
+        batches = hf_paths.padded_batches(work.lengths, size, sort)
+
+        def run(batches: Sequence[Sequence[int]] = batches) -> PathOutput:
+            return hf_paths.run_padded(model, work.token_ids, batches)
+
+        def warm(batches: Sequence[Sequence[int]] = batches) -> PathOutput:
+            return hf_paths.run_padded(model, work.token_ids, batches[:3])
+
+        runs.append(measure(name, run, warm, repeats))
+    return runs
+
+
+def packed_run(
+    model: torch.nn.Module, work: Workload, max_batch_tokens: int, repeats: int, workdir: Path
+) -> dict[str, Any]:
+    """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request."""
+    model_dir = workdir / "w1-model"
+    (copied, save_s) = timed(lambda: packed_path.save_model_dir(model, model_dir))
+    print(f"  saved model dir in {save_s:.1f} s (tokenizer files: {copied})", flush=True)
+    scorer, load_s = timed(lambda: packed_path.make_scorer(model_dir, max_batch_tokens))
+    print(f"  Scorer loaded in {load_s:.1f} s", flush=True)
+    requests = packed_path.make_requests(work.token_ids)
+    chunks = token_budget_chunks(work.lengths, max_batch_tokens)
+    config: Any = model.config
+    hidden_size = int(config.hidden_size)
+
+    result = measure(
+        "packed_varlen",
+        lambda: packed_path.run_scorer(scorer, requests, chunks),
+        lambda: packed_path.run_scorer(scorer, requests, chunks[:3]),
+        repeats,
+    )
+    # Results become arrays outside the timed region: that conversion is the benchmark's, not the engine's.
+    result["stage_timings"] = packed_path.stage_timings(result["output"])
+    result["output"] = packed_path.results_to_arrays(result["output"], hidden_size)
+    result.update(batches=len(chunks), save_seconds=save_s, load_seconds=load_s)
+    # Where the time goes, on a few batches: unprofiled wall time first, then the kernels under the profiler.
+    sample = chunks[: min(4, len(chunks))]
+    try:
+        _, wall = timed(lambda: packed_path.run_scorer(scorer, requests, sample))
+        result["profile"] = kernel_breakdown(lambda: packed_path.run_scorer(scorer, requests, sample))
+    except Exception:  # the profile is a diagnostic: its failure must not cost the timed figures
+        traceback.print_exc()
+        return result
+    result["profile"].update(wall_s=wall, batches=len(sample))
+    print_breakdown(f"packed_varlen, {len(sample)} batches", wall, result["profile"])
+    return result
+
+
+def float32_reference(model: torch.nn.Module, work: Workload, count: int) -> tuple[list[int], PathOutput]:
+    """HF float32 scores and hidden states, one request per forward, on `count` requests of spread lengths."""
+    by_length = sorted(range(len(work.lengths)), key=lambda i: work.lengths[i])
+    picks = sorted({by_length[round(k * (len(by_length) - 1) / max(count - 1, 1))] for k in range(count)})
+    reference = copy.deepcopy(model).to(torch.float32)
+    output = hf_paths.run_reference(reference, [work.token_ids[i] for i in picks])
+    del reference
+    gc.collect()
+    torch.cuda.empty_cache()
+    return picks, output
+
+
+def compare(values: PathOutput, reference: PathOutput) -> dict[str, float]:
+    """Max |score difference| and pooled-hidden relative error (max and median over requests)."""
+    rel = relative_errors(values.hidden, reference.hidden)
+    return {
+        "max_abs_score_diff": float(np.max(np.abs(values.scores - reference.scores))),
+        "hidden_rel_err_max": float(np.max(rel)),
+        "hidden_rel_err_median": float(np.median(rel)),
+        "all_finite": bool(np.isfinite(values.scores).all() and np.isfinite(values.hidden).all()),
+    }
+
+
+def correctness(runs: dict[str, dict[str, Any]], picks: list[int], ref: PathOutput) -> dict[str, Any]:
+    """Each path against the float32 reference on the subset; the packed path against HF bf16 on all."""
+    report: dict[str, Any] = {
+        "fp32_subset": picks,
+        "fp32_score_scale": float(np.max(np.abs(ref.scores))),
+        "vs_fp32": {},
+    }
+    for name, run in runs.items():
+        out: PathOutput = run["output"]
+        report["vs_fp32"][name] = compare(PathOutput(out.scores[picks], out.hidden[picks]), ref)
+    if "packed_varlen" in runs and HF8 in runs:
+        report["packed_vs_hf8_bf16"] = compare(runs["packed_varlen"]["output"], runs[HF8]["output"])
+    return report
+
+
+def table(runs: dict[str, dict[str, Any]], tokens: int, roofline_tps: float) -> list[dict[str, Any]]:
+    """Rows of path, tokens/s, % of roofline and ratio vs HF padded-8 (same process, same inputs)."""
+    base = runs[HF8]["best_seconds"] if HF8 in runs else None
+    rows = []
+    for name, run in runs.items():
+        tps = tokens / run["best_seconds"]
+        rows.append(
+            {
+                "path": name,
+                "tokens_per_s": tps,
+                "pct_roofline": 100.0 * tps / roofline_tps,
+                "ratio_vs_hf8": (base / run["best_seconds"]) if base else None,
+                "passes_s": run["seconds"],
+                "peak_memory_gib": run["peak_memory_gib"],
+            }
+        )
+    return rows
+
+
+def print_summary(rows: list[dict[str, Any]], roofline: dict[str, Any], checks: dict[str, Any]) -> None:
+    print(
+        f"\nroofline: matmul {roofline['tflops_median']:.0f} TFLOP/s / "
+        f"{roofline['flops_per_token']['total'] / 1e9:.2f} GFLOP per token = "
+        f"{roofline['tokens_per_s']:.0f} tokens/s"
+    )
+    gemms = roofline["layer_gemms"]
+    print(
+        f"layer projections alone at M={gemms['tokens']:.0f}: {gemms['tflops']:.0f} TFLOP/s, "
+        f"{gemms['tokens_per_s_gemm_only']:.0f} tokens/s if a forward were only those matmuls"
+    )
+    print(f"{'path':<28}{'tokens/s':>12}{'% roofline':>12}{'vs HF pad-8':>13}{'peak GiB':>10}")
+    for row in rows:
+        ratio = f"{row['ratio_vs_hf8']:.2f}x" if row["ratio_vs_hf8"] else "-"
+        print(
+            f"{row['path']:<28}{row['tokens_per_s']:>12.0f}{row['pct_roofline']:>11.1f}%"
+            f"{ratio:>13}{row['peak_memory_gib']:>10.1f}"
+        )
+    print(
+        f"\ncorrectness (float32 HF reference on {len(checks.get('fp32_subset', []))} requests, "
+        f"score scale {checks.get('fp32_score_scale', float('nan')):.3f}):"
+    )
+    for name, c in checks.get("vs_fp32", {}).items():
+        print(
+            f"  {name:<26} max|dscore| {c['max_abs_score_diff']:.4f}  hidden rel err max "
+            f"{c['hidden_rel_err_max']:.2e} median {c['hidden_rel_err_median']:.2e}  finite {c['all_finite']}"
+        )
+    if "packed_vs_hf8_bf16" in checks:
+        c = checks["packed_vs_hf8_bf16"]
+        print(
+            f"  packed vs HF pad-8 (bf16, all requests): max|dscore| {c['max_abs_score_diff']:.4f}  "
+            f"hidden rel err max {c['hidden_rel_err_max']:.2e} median {c['hidden_rel_err_median']:.2e}"
+        )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny model and 64 requests: a smoke test")
+    parser.add_argument("--requests", type=int, default=None, help="number of requests (default 512)")
+    parser.add_argument("--skip-baselines", action="store_true", help="time the packed path only")
+    parser.add_argument("--no-scorer", action="store_true", help="skip the packed path (models/ not needed)")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=2, help="timed passes per path; the best is reported")
+    parser.add_argument("--fp32-requests", type=int, default=16, help="requests in the float32 reference")
+    parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/w1.json)")
+    return parser.parse_args(argv)
+
+
+def run_paths(args: argparse.Namespace, model: torch.nn.Module, work: Workload) -> dict[str, dict[str, Any]]:
+    runs: dict[str, dict[str, Any]] = {}
+    if not args.skip_baselines:
+        runs.update((r["name"], r) for r in hf_runs(model, work, args.repeats))
+        torch.cuda.empty_cache()
+    why_not = None if args.no_scorer else packed_path.scorer_available()
+    if args.no_scorer or why_not:
+        print(f"packed path skipped: {why_not or '--no-scorer'}", flush=True)
+        return runs
+    with tempfile.TemporaryDirectory(dir="/tmp") as workdir:
+        try:
+            runs["packed_varlen"] = packed_run(
+                model, work, args.max_batch_tokens, args.repeats, Path(workdir)
+            )
+        except Exception:  # keep the baselines' figures; the traceback says what broke in the packed path
+            traceback.print_exc()
+            print("packed path FAILED; reporting the baselines only", flush=True)
+    gc.collect()  # the Scorer (a second copy of the weights) is gone once packed_run returns
+    torch.cuda.empty_cache()
+    return runs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("W1 needs a CUDA GPU", file=sys.stderr)
+        return 2
+    env = environment()
+    print(json.dumps(env), flush=True)
+    shapes = QUICK_SHAPES if args.quick else W1_SHAPES
+    model = build_model(shapes)
+    work = make_lognormal_workload(args.requests or (64 if args.quick else 512), shapes["vocab_size"])
+    attn_width = shapes["num_attention_heads"] * (shapes["hidden_size"] // shapes["num_attention_heads"])
+    flops = flops_per_token(
+        non_embedding_params(model), shapes["num_hidden_layers"], attn_width, work.lengths
+    )
+    roofline: dict[str, Any] = matmul_tflops()
+    roofline["flops_per_token"] = flops
+    roofline["tokens_per_s"] = roofline["tflops_median"] * 1e12 / flops["total"]
+    roofline["layer_gemms"] = gemm_ceiling(shapes, args.max_batch_tokens)
+    print(f"model built; {len(work.lengths)} requests, {work.total_tokens} tokens; {roofline}", flush=True)
+    runs = run_paths(args, model, work)
+    picks, ref = float32_reference(model, work, args.fp32_requests)
+    checks = correctness(runs, picks, ref)
+    rows = table(runs, work.total_tokens, roofline["tokens_per_s"])
+    print_summary(rows, roofline, checks)
+    extras = {name: {k: v for k, v in run.items() if k != "output"} for name, run in runs.items()}
+    report = {
+        "workload": {"requests": len(work.lengths), "tokens": work.total_tokens, "lengths": work.lengths},
+        "model_shapes": shapes,
+        "non_embedding_params": non_embedding_params(model),
+        "environment": env,
+        "roofline": roofline,
+        "rows": rows,
+        "runs": extras,
+        "correctness": checks,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    target = args.json or ((out_dir() or Path(".")) / ("w1-quick.json" if args.quick else "w1.json"))
+    target.write_text(json.dumps(report, indent=2))
+    print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
