@@ -142,16 +142,7 @@ def varlen_attention(
     max_k = max_length_q if max_length_k is None else max_length_k
     # The kernel wants [T, H, D] with a unit-stride last dim; HF hands over [1, H, T, D].
     q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).contiguous()
-    v = value[0].transpose(0, 1).contiguous()
-    extra: dict[str, Any] = {}
-    if q.shape[1] != k.shape[1]:
-        if kernel_gqa:
-            extra["enable_gqa"] = True
-        else:
-            groups = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+    k, v, extra = _kernel_kv(q.shape[1], key[0].transpose(0, 1), value[0].transpose(0, 1), kernel_gqa)
     window = _left_window(sliding_window)
     out = kernel(
         q,
@@ -166,6 +157,19 @@ def varlen_attention(
         **extra,
     )  # [T, H, D]
     return out.unsqueeze(0), None
+
+
+def _kernel_kv(
+    heads: int, key: torch.Tensor, value: torch.Tensor, kernel_gqa: bool
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """K/V [T, Hkv, D] as the kernel takes them, and its extra arguments for grouped-query attention."""
+    if key.shape[1] == heads:
+        return key.contiguous(), value.contiguous(), {}
+    if kernel_gqa:
+        return key.contiguous(), value.contiguous(), {"enable_gqa": True}
+    # torch 2.11's kernel has no GQA: every KV head serves heads // kv_heads consecutive query heads.
+    groups = heads // key.shape[1]
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), {}
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

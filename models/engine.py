@@ -29,7 +29,13 @@ class _BatchOutput:
 
 
 class Scorer:
-    """Scores requests with a local *ForSequenceClassification model; one result per request, never raises."""
+    """Scores requests with a local *ForSequenceClassification model; one result per request, never raises.
+
+    Threads: `prepare` is the only method that uses the tokenizer, and `score_prepared` only runs the model,
+    so one thread may prepare while another scores (the worker does this). Neither method may run on two
+    threads at once: HF fast tokenizers fail ("Already borrowed") when shared that way, and one model runs
+    one batch at a time. `score` does both steps on the calling thread.
+    """
 
     def __init__(self, model_dir: str | Path, config: ScorerConfig | None = None) -> None:
         self.config = config or ScorerConfig()
@@ -73,11 +79,12 @@ class Scorer:
                 request, exc.code, exc.message, {"tokenize_s": time.perf_counter() - started}
             )
         except Exception as exc:  # a tokenizer crash on odd input must not take the worker down
+            message = (
+                f"The model's tokenizer failed on this request ({_describe(exc)}); send the query and items "
+                "as token ids instead, or report the request id."
+            )
             return self._failure(
-                request,
-                ErrorCode.INTERNAL_ERROR,
-                f"tokenization failed: {_describe(exc)}",
-                {"tokenize_s": time.perf_counter() - started},
+                request, ErrorCode.INTERNAL_ERROR, message, {"tokenize_s": time.perf_counter() - started}
             )
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
@@ -102,7 +109,10 @@ class Scorer:
         except Exception as exc:  # out of memory, kernel errors: the batch fails, the scorer keeps going
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            message = f"forward pass failed: {_describe(exc)}"
+            message = (
+                f"The forward pass failed for this request's batch ({_describe(exc)}); send the request "
+                "again, and if it keeps failing, send fewer or shorter items."
+            )
             return [
                 self._failure(p.request, ErrorCode.MODEL_ERROR, message, {"tokenize_s": tokenize_s})
                 for p in batch
@@ -135,30 +145,32 @@ class Scorer:
         packed = pack(prompts, self.device)
         pooled = self._pooled_hidden(packed)  # [N, H] in the model dtype
         logits = self._loaded.head(pooled).float()  # [N, L]: scores are float32 whatever the model dtype
-        softmax_rows = torch.tensor(
-            [p.request.apply_softmax for p, n in zip(batch, item_counts, strict=True) for _ in range(n)]
-        ).to(self.device, non_blocking=True)
-        scores = torch.where(softmax_rows.unsqueeze(1), torch.softmax(logits, dim=-1), logits)
         self._synchronize()
         forward_done = time.perf_counter()
-        host_scores = scores.cpu().tolist()
+        host_logits = logits.cpu()  # [N, L], a few bytes per item: softmax on the host needs no extra upload
         hidden = self._copy_hidden(batch, item_counts, pooled)
         self._synchronize()
         copy_done = time.perf_counter()
         per_request: list[list[tuple[float, ...]]] = []
-        for rows in _item_ranges(item_counts):
-            per_request.append([tuple(host_scores[row]) for row in rows])
+        for p, rows in zip(batch, _item_ranges(item_counts), strict=True):
+            scores = host_logits[rows.start : rows.stop]
+            if p.request.apply_softmax:
+                scores = torch.softmax(scores, dim=-1)
+            per_request.append([tuple(row) for row in scores.tolist()])
         return _BatchOutput(per_request, hidden, forward_done - started, copy_done - forward_done)
 
     def _pooled_hidden(self, packed: PackedBatch) -> torch.Tensor:
         """Run the decoder on the packed row; LAST pooling: each item's final token, after the final norm."""
+        # The varlen kernel reads the bounds on the device; the exact path loops over items in Python, and
+        # reading them from a device tensor would stall on a device-to-host copy in every layer.
+        cu_seqlens = packed.cu_seqlens if self.attention == "varlen" else packed.host_cu_seqlens
         output = self._loaded.base(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
             use_cache=False,
             # Reach our attention function through HF's **kwargs plumbing (see models/attention.py).
-            cu_seq_lens_q=packed.cu_seqlens,
-            cu_seq_lens_k=packed.cu_seqlens,
+            cu_seq_lens_q=cu_seqlens,
+            cu_seq_lens_k=cu_seqlens,
             max_length_q=packed.max_length,
             max_length_k=packed.max_length,
         )

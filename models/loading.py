@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as hf_logging
+from transformers.utils.import_utils import is_accelerate_available
 
 from models.errors import ModelLoadError
 
@@ -82,19 +87,76 @@ def _load_tokenizer(model_dir: Path) -> Any | None:
         ) from exc
 
 
+@contextlib.contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """Turn off the tqdm bars of transformers and huggingface_hub for one call, then restore their setting.
+
+    Loading prints a "Loading weights" bar (and saving a "Writing model shards" bar) on stderr, which floods a
+    service's logs; log warnings (e.g. the load report of unexpected weights) are not affected.
+    """
+    transformers_bars = hf_logging.is_progress_bar_enabled()
+    hub_bars = not are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # also huggingface_hub's bars
+    try:
+        yield
+    finally:
+        if transformers_bars:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]  # huggingface_hub's too
+        if not hub_bars:
+            disable_progress_bars()
+        elif not transformers_bars:
+            enable_progress_bars()
+
+
+def _placement(device: torch.device) -> dict[str, Any]:
+    """from_pretrained arguments that load the weights straight onto a GPU instead of through host tensors.
+
+    A modest gain (a 0.54B bf16 model on the H200, transformers 5.17: 0.72 s instead of 0.84 s). transformers
+    needs accelerate for a device_map; without it the weights are loaded on the host and moved after.
+    """
+    if device.type != "cuda" or not is_accelerate_available():
+        return {}
+    return {"device_map": {"": device}}
+
+
+def _check_all_weights_loaded(model_dir: Path, info: dict[str, Any]) -> None:
+    """Refuse a checkpoint that lacks weights of the model (HF would initialise them randomly and only warn).
+
+    The common case is a base or causal-LM checkpoint under a *ForSequenceClassification config: its head
+    would be random and every score noise. Extra weights in the checkpoint (e.g. an lm_head) are harmless.
+    """
+    missing = sorted(info.get("missing_keys") or ())
+    # mismatched entries are (name, checkpoint shape, model shape) in transformers 5
+    mismatched = sorted(str(e[0] if isinstance(e, tuple) else e) for e in info.get("mismatched_keys") or ())
+    absent = missing + mismatched
+    if absent:
+        shown = ", ".join(absent[:5]) + (f" and {len(absent) - 5} more" if len(absent) > 5 else "")
+        raise ModelLoadError(
+            f"The checkpoint in {str(model_dir)!r} has no (or wrongly shaped) weights for {shown}, which "
+            "would be randomly initialised and make every score noise; point the worker at a trained "
+            "*ForSequenceClassification checkpoint that includes its classification head."
+        )
+
+
 def load_model(
     model_dir: Path, *, device: torch.device, dtype: torch.dtype, attn_implementation: str
 ) -> LoadedModel:
     """Load weights, head and tokenizer; the model is in eval mode on `device`."""
     config = read_config(model_dir)
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            str(model_dir), dtype=dtype, attn_implementation=attn_implementation
-        )
+        with quiet_progress_bars():
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                str(model_dir),
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                output_loading_info=True,
+                **_placement(device),
+            )
     except Exception as exc:  # missing or corrupt weights, unknown config keys: all are load failures
         raise ModelLoadError(
             f"cannot load the model in {str(model_dir)!r}: {type(exc).__name__}: {exc}"
         ) from exc
+    _check_all_weights_loaded(model_dir, info)
     model.to(device).eval()
     base = getattr(model, model.base_model_prefix, None)
     if not isinstance(base, nn.Module):

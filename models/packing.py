@@ -23,7 +23,8 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # [1, T] int64
     position_ids: torch.Tensor  # [1, T] int64, restarting at 0 for every item
-    cu_seqlens: torch.Tensor  # [N + 1] int32
+    cu_seqlens: torch.Tensor  # [N + 1] int32, on the device
+    host_cu_seqlens: torch.Tensor  # the same on the host: reading item bounds from it needs no device sync
     last_rows: torch.Tensor  # [N] int64: the pooled (last) token of every item
     max_length: int
 
@@ -42,6 +43,7 @@ def pack(prompts: Sequence[Sequence[int]], device: torch.device) -> PackedBatch:
         input_ids=_to_device(ids, device, non_blocking).unsqueeze(0),
         position_ids=_to_device(positions, device, non_blocking).unsqueeze(0),
         cu_seqlens=_to_device(cu, device, non_blocking),
+        host_cu_seqlens=torch.from_numpy(cu),
         last_rows=_to_device(ends - 1, device, non_blocking),
         max_length=int(lengths.max()),
     )

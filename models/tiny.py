@@ -18,6 +18,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from models.loading import quiet_progress_bars
+
 ARCHITECTURES = ("llama", "qwen3", "qwen2", "mistral")
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")  # ids 0..3 in this order
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
@@ -106,7 +108,8 @@ def write_tiny_model(
         torch.manual_seed(seed)
         model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     _fill_zero_initialised(model, seed)
-    model.save_pretrained(str(target))
+    with quiet_progress_bars():
+        model.save_pretrained(str(target))
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         bos_token="<s>",

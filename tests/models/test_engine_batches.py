@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -173,3 +174,63 @@ def test_text_without_tokenizer_is_invalid(text: str, tiny_llama_dir: Path, tmp_
     assert text_result.error is not None and text_result.error.code is ErrorCode.INVALID_REQUEST
     assert "token ids" in text_result.error.message
     assert ids_result.ok
+
+
+def _assert_sentence(message: str) -> None:
+    """Error messages are sentences that say what to change: capitalised, with a remedy after ';', ended."""
+    assert message[:1].isupper() and message.endswith(".") and "; " in message, message
+
+
+def test_forward_failure_message_says_what_to_do(tiny_llama_dir: Path) -> None:
+    kernel = CpuVarlenKernel(fail_next="CUDA out of memory (simulated)")
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel))
+    (result,) = scorer.score([_request("a", 10)])
+    assert result.error is not None and result.error.code is ErrorCode.MODEL_ERROR
+    _assert_sentence(result.error.message)
+
+
+class _BrokenTokenizer:
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        raise ValueError("tokenizer exploded")
+
+
+class _NoTokenizer:
+    """Stands in for the tokenizer where the engine must not touch it (any use fails the test)."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"the tokenizer was used ({name}) outside Scorer.prepare")
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        raise AssertionError("the tokenizer was called outside Scorer.prepare")
+
+
+def test_tokenizer_failure_is_an_error_result(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    monkeypatch.setattr(
+        scorer, "_prompts", dataclasses.replace(scorer._prompts, tokenizer=_BrokenTokenizer())
+    )
+    result = scorer.prepare(ScoreRequest(request_id="t", items=("hello",)))
+    assert isinstance(result, ScoreResult) and result.error is not None
+    assert result.error.code is ErrorCode.INTERNAL_ERROR and "tokenizer exploded" in result.error.message
+    _assert_sentence(result.error.message)
+
+
+def test_score_prepared_never_uses_the_tokenizer(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker tokenizes on one thread and runs the model on another; HF fast tokenizers are not safe to
+    # use from two threads at once, so score_prepared must not touch the tokenizer at all.
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    requests = [
+        ScoreRequest(
+            request_id="text", query="Is it good? ", items=("yes", "no"), return_pooled_hidden_states=True
+        ),
+        _request("ids", 9, 4),
+        ScoreRequest(request_id="bad", items=((),)),
+    ]
+    prepared = [scorer.prepare(request) for request in requests]
+    expected = scorer.score_prepared(prepared)
+    monkeypatch.setattr(scorer, "_prompts", dataclasses.replace(scorer._prompts, tokenizer=_NoTokenizer()))
+    results = scorer.score_prepared(prepared)
+    assert [r.status for r in results] == [ResultStatus.OK, ResultStatus.OK, ResultStatus.ERROR]
+    assert [r.scores for r in results] == [r.scores for r in expected]

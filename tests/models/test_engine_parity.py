@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,9 @@ import torch
 from scoring_testkit import ATOL, RTOL, hf_reference, hidden_of, scores_of, tokenize
 from transformers import AutoModelForSequenceClassification
 
-from models import Scorer, ScorerConfig
-from schemas import HiddenDType, ScoreRequest
+from models import Scorer, ScorerConfig, engine
+from models.packing import RowRequest, copy_rows_to_host
+from schemas import HiddenDType, ScoreRequest, Tensor
 
 TEXTS = (
     "The quick brown fox jumps over the lazy dog while the farmer watches from the old wooden fence.",
@@ -138,7 +140,22 @@ def _assert_rounded(actual: np.ndarray, reference: np.ndarray, dtype: torch.dtyp
     np.testing.assert_array_less(np.abs(actual - expected), np.abs(expected) * relative_ulp + 1e-7)
 
 
-def test_mixed_batch_hidden_state_flags_and_dtypes(llama_scorer: Scorer, tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_mixed_batch_hidden_state_flags_and_dtypes(
+    architecture: str,
+    model_dirs: dict[str, Path],
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scorer: Scorer = request.getfixturevalue(f"{architecture}_scorer")
+    model_dir = model_dirs[architecture]
+    copied: list[RowRequest] = []
+
+    def spy(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> list[tuple[Tensor, ...]]:
+        copied.extend(wanted)
+        return copy_rows_to_host(pooled, wanted)
+
+    monkeypatch.setattr(engine, "copy_rows_to_host", spy)
     asks = [None, HiddenDType.FLOAT32, None, HiddenDType.FLOAT16, HiddenDType.BFLOAT16, None]
     requests = [
         ScoreRequest(
@@ -150,10 +167,16 @@ def test_mixed_batch_hidden_state_flags_and_dtypes(llama_scorer: Scorer, tiny_ll
         )
         for i, dtype in enumerate(asks)
     ]
-    results = llama_scorer.score(requests)
+    results = scorer.score(requests)
+    # Only the asked rows leave the device, each in the asked dtype: items 2-3, 6-7 and 8-9 of the pack.
+    assert [(w.rows, w.dtype) for w in copied] == [
+        ((2, 3), HiddenDType.FLOAT32),
+        ((6, 7), HiddenDType.FLOAT16),
+        ((8, 9), HiddenDType.BFLOAT16),
+    ]
     for i, (result, dtype) in enumerate(zip(results, asks, strict=True)):
-        prompts = [tokenize(tiny_llama_dir, t) for t in requests[i].items]
-        reference = hf_reference(tiny_llama_dir, prompts)
+        prompts = [tokenize(model_dir, t) for t in requests[i].items if isinstance(t, str)]
+        reference = hf_reference(model_dir, prompts)
         _assert_close(scores_of(result), reference.logits)
         assert result.metadata == {"i": i} and result.request_id == f"r{i}"
         if dtype is None:
@@ -161,7 +184,7 @@ def test_mixed_batch_hidden_state_flags_and_dtypes(llama_scorer: Scorer, tiny_ll
             continue
         assert result.pooled_hidden_states is not None
         assert [t.dtype for t in result.pooled_hidden_states] == [dtype.value] * 2
-        assert all(t.shape == (llama_scorer.hidden_size,) for t in result.pooled_hidden_states)
+        assert all(t.shape == (scorer.hidden_size,) for t in result.pooled_hidden_states)
         if dtype is HiddenDType.FLOAT32:
             _assert_close(hidden_of(result), reference.hidden)
         else:

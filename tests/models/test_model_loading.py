@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
-from models import ModelLoadError, Scorer, ScorerConfig, tiny, write_tiny_model
+from models import ModelLoadError, Scorer, ScorerConfig, loading, tiny, write_tiny_model
 from schemas import ScoreRequest
 
 
@@ -149,3 +151,57 @@ def test_attention_choice_follows_device_and_dtype() -> None:
         ScorerConfig(attention="varlen").resolve_attention(cuda, torch.float32)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         ScorerConfig(attention="varlen").resolve_attention(cpu, torch.bfloat16)
+
+
+def test_checkpoint_without_head_weights_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # A causal-LM checkpoint under a classifier config: HF would give it a freshly initialised random head,
+    # warn once in a log, and every score would be noise. That must stop the start-up instead.
+    broken = _copy_with_config(tiny_llama_dir, tmp_path / "nohead")
+    weights = load_file(broken / "model.safetensors")
+    del weights["score.weight"]
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"score\.weight") as error:
+        Scorer(broken, ScorerConfig(device="cpu"))
+    assert "randomly initialised" in str(error.value) and str(error.value).endswith(".")
+
+
+def test_extra_checkpoint_weights_are_allowed(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # Weights the classifier does not use (e.g. an lm_head kept from training) change nothing.
+    extra = _copy_with_config(tiny_llama_dir, tmp_path / "extra")
+    weights = load_file(extra / "model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, extra / "model.safetensors", metadata={"format": "pt"})
+    request = ScoreRequest(request_id="x", items=("hello there",))
+    (with_extra,) = Scorer(extra, ScorerConfig(device="cpu")).score([request])
+    (plain,) = Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).score([request])
+    assert with_extra.scores == plain.scores
+
+
+def test_loading_and_writing_print_no_progress_bars(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    capfd.readouterr()
+    model_dir = write_tiny_model(tmp_path / "m", "qwen2", seed=9)
+    Scorer(model_dir, ScorerConfig(device="cpu"))
+    captured = capfd.readouterr()
+    for bar in ("Loading weights", "Writing model shards", "it/s"):
+        assert bar not in captured.err + captured.out, captured.err
+    # The switch is scoped to our own calls: a caller's progress bars keep their setting.
+    assert hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        Scorer(model_dir, ScorerConfig(device="cpu"))
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+def test_weights_load_straight_onto_a_gpu_when_transformers_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers needs accelerate for a device_map; without it the engine loads on the host and moves.
+    cuda = torch.device("cuda", 1)
+    monkeypatch.setattr(loading, "is_accelerate_available", lambda: True)
+    assert loading._placement(cuda) == {"device_map": {"": cuda}}
+    assert loading._placement(torch.device("cpu")) == {}
+    monkeypatch.setattr(loading, "is_accelerate_available", lambda: False)
+    assert loading._placement(cuda) == {}

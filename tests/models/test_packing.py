@@ -16,6 +16,7 @@ def test_pack_layout() -> None:
     assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 10]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
     assert packed.cu_seqlens.dtype == torch.int32 and packed.cu_seqlens.tolist() == [0, 3, 4, 6]
+    assert packed.host_cu_seqlens.device.type == "cpu" and packed.host_cu_seqlens.tolist() == [0, 3, 4, 6]
     assert packed.last_rows.tolist() == [2, 3, 5]
     assert packed.max_length == 3
     assert packed.input_ids.dtype == packed.position_ids.dtype == torch.int64
