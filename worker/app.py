@@ -177,6 +177,9 @@ class ScoreWorker:
             session_timeout_ms=settings.session_timeout_ms,
             heartbeat_interval_ms=settings.heartbeat_interval_ms,
             max_poll_interval_ms=settings.max_poll_interval_ms,
+            # How long the group waits for members to rejoin: a revocation finishing in-flight work needs
+            # up to half of it (aiokafka's default, the session timeout, would evict this worker mid-wait).
+            rebalance_timeout_ms=settings.max_poll_interval_ms,
         )
 
     async def _consume(self) -> None:
@@ -221,6 +224,9 @@ class ScoreWorker:
             if isinstance(outcome, _Accepted):
                 for batch in self._batcher.add(outcome, outcome.prepared.num_tokens):
                     self._dispatch(batch)
+        # A revocation that began while these were being prepared is waiting for them: wake it to close
+        # the batch they joined (the fetch loop cannot: getmany blocks until the rebalance is over).
+        self._progress.set()
 
     def _prepare_all(self, records: list[ConsumerRecord[bytes, bytes]]) -> list[_Accepted | _Rejected]:
         return [self._prepare_one(record) for record in records]
@@ -282,9 +288,10 @@ class ScoreWorker:
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._fatal is None:
-            self._fatal = task.exception()
-            log.error("stopping: %s", self._fatal)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            # The first failure stops the worker; later ones are logged too, not swallowed.
+            log.error("stopping: %s", error, exc_info=error)
+            self._fatal = self._fatal or error
         self._progress.set()
 
     async def _run_batch(self, batch: Batch[_Accepted]) -> None:
@@ -321,8 +328,11 @@ class ScoreWorker:
         if not offsets or self._consumer is None:
             return
         try:
-            await self._consumer.commit(offsets)
-        except (CommitFailedError, KafkaError) as exc:
+            # aiokafka retries a commit until the coordinator answers, forever while the broker is away;
+            # past the session timeout the group has moved on anyway, and a stop must not hang on it.
+            async with asyncio.timeout(self._settings.session_timeout_ms / 1000):
+                await self._consumer.commit(offsets)
+        except (CommitFailedError, KafkaError, TimeoutError) as exc:
             # Lost the partitions in a rebalance (or the broker is away): the next owner re-reads from the
             # last commit, so this means duplicates, never loss.
             log.warning("commit of %d partitions failed: %r", len(offsets), exc)
@@ -330,31 +340,40 @@ class ScoreWorker:
         self._tracker.mark_committed(offsets)
 
     async def _drain(self) -> None:
-        """Stop fetching, close the open batch, wait until everything fetched is published."""
+        """Stop fetching and wait until everything fetched is published."""
         assert self._consumer is not None
         self._consumer.pause(*self._consumer.assignment())
-        self._dispatch(self._batcher.flush())
-        while self._tasks and self._fatal is None:
-            self._progress.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), timeout=_POLL_MS / 1000)
-            # Keep polling (nothing comes back: all paused) so a long drain does not exceed max_poll_interval.
-            await self._consumer.getmany(timeout_ms=0)
+        await self._finish_in_flight(None, timeout_s=None, keep_polling=True)
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Before losing partitions, let their in-flight requests finish (bounded), commit, forget them."""
         if not revoked:
             return
-        self._dispatch(self._batcher.flush())
         limit_s = min(self._settings.max_poll_interval_ms / 2000, 30.0)
-        deadline = time.monotonic() + limit_s
-        while self._tracker.pending(revoked) and self._fatal is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                log.warning("%d requests still in flight at revocation", self._tracker.pending(revoked))
-                break
-            self._progress.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), timeout=remaining)
+        if not await self._finish_in_flight(revoked, timeout_s=limit_s, keep_polling=False):
+            log.warning("%d requests still in flight at revocation", self._tracker.pending(revoked))
         await self._commit(revoked)
         self._tracker.drop(revoked)
+
+    async def _finish_in_flight(
+        self, partitions: set[TopicPartition] | None, timeout_s: float | None, keep_polling: bool
+    ) -> bool:
+        """Wait until the fetched requests of `partitions` (all when None) are published; False on timeout.
+
+        The open batch is closed on every wake-up, not once: requests that were still being prepared join
+        it later. `keep_polling` calls getmany (nothing comes back: all paused) so that a long drain does
+        not exceed max_poll_interval; a revocation must not, as getmany waits for the rebalance to end.
+        """
+        assert self._consumer is not None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._tracker.pending(partitions) and self._fatal is None:
+            self._dispatch(self._batcher.flush())
+            remaining = _POLL_MS / 1000 if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._progress.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), timeout=min(remaining, _POLL_MS / 1000))
+            if keep_polling:
+                await self._consumer.getmany(timeout_ms=0)
+        return True

@@ -53,8 +53,10 @@ class WorkerSettings(BaseSettings):
     heartbeat_interval_ms: int = Field(3_000, gt=0, description="consumer heartbeat interval")
     max_poll_interval_ms: int = Field(300_000, gt=0, description="longest gap between polls")
     commit_interval_ms: int = Field(1_000, gt=0, description="how often finished offsets are committed")
+    # The floor leaves room for the largest error result and dead-letter reason (256-character request ids,
+    # 1000-byte messages, 249-character topics): those must always fit, or one record stops the worker.
     max_record_bytes: int = Field(
-        1_048_576, ge=1024, description="largest result record; larger results become RESULT_TOO_LARGE"
+        1_048_576, ge=4096, description="largest result record; larger results become RESULT_TOO_LARGE"
     )
     create_topics: bool = Field(True, description="create missing topics at start-up")
     topic_partitions: int = Field(4, gt=0, description="partitions of topics this worker creates")

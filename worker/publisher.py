@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 Headers = list[tuple[str, bytes]]
 
 _SEND_ATTEMPTS = 5
-# DLQ headers are for people reading the topic; a traceback-sized message does not belong there.
+# DLQ headers are for people reading the topic; a traceback-sized message does not belong there (bytes).
 _MAX_HEADER_MESSAGE = 1000
 
 
@@ -50,43 +51,71 @@ def record_size(key: bytes | None, value: bytes | None, headers: Headers) -> int
 def result_record(settings: WorkerSettings, key: bytes | None, result: ScoreResult) -> OutRecord:
     """The result as a record keyed like its request; above the record limit, a RESULT_TOO_LARGE error."""
     headers = result_headers(result.request_id)
+    return _first_within(settings.max_record_bytes, _result_candidates(settings, key, result, headers))
+
+
+def _result_candidates(
+    settings: WorkerSettings, key: bytes | None, result: ScoreResult, headers: Headers
+) -> Iterator[OutRecord]:
+    topic = settings.results_topic
     value = encode_result(result)
-    size = record_size(key, value, headers)
-    limit = settings.max_record_bytes
-    if size > limit:
-        message = (
-            f"the result is {size} bytes, above the record limit of {limit} bytes (max_record_bytes); "
-            "send fewer items per request, ask for float16/bfloat16 hidden states, or raise the limit"
-        )
-        failure = ScoreResult.failure(
-            result.request_id,
-            ErrorCode.RESULT_TOO_LARGE,
-            message,
-            model=result.model,
-            metadata=result.metadata,
-        )
-        value = encode_result(failure)
-    return OutRecord(settings.results_topic, key, value, headers)
+    yield OutRecord(topic, key, value, headers)
+    size, limit = record_size(key, value, headers), settings.max_record_bytes
+    message = (
+        f"the result is {size} bytes, above the record limit of {limit} bytes (max_record_bytes); "
+        "send fewer items or less metadata per request, ask for float16/bfloat16 hidden states, "
+        "or raise the limit"
+    )
+    failure = ScoreResult.failure(
+        result.request_id, ErrorCode.RESULT_TOO_LARGE, message, model=result.model, metadata=result.metadata
+    )
+    yield OutRecord(topic, key, encode_result(failure), headers)
+    # The echoed metadata, then the key, can be what breaks the limit on their own. Without them the
+    # result always fits; a record that can never be sent would stop the worker at it on every restart.
+    bare = encode_result(dataclasses.replace(failure, metadata=None))
+    yield OutRecord(topic, key, bare, headers)
+    yield OutRecord(topic, None, bare, headers)
 
 
 def dead_letter_record(
     settings: WorkerSettings, record: ConsumerRecord[bytes, bytes], code: ErrorCode, message: str
 ) -> OutRecord:
-    """A copy of a rejected request record (key, value, headers) plus the reason and where it came from."""
-    headers: Headers = list(record.headers)
-    headers += [
+    """A copy of a rejected request record (key, value, headers) plus the reason and where it came from.
+
+    Above the record limit the copy loses, in turn, its value, the request's headers and its key: the
+    reason and the source position always remain, so the record can be found in the requests topic.
+    """
+    reason: Headers = [
         (HEADER_ERROR_CODE, str(code).encode()),
-        (HEADER_ERROR_MESSAGE, message[:_MAX_HEADER_MESSAGE].encode("utf-8", errors="replace")),
+        (HEADER_ERROR_MESSAGE, _shorten_utf8(message, _MAX_HEADER_MESSAGE)),
         ("x-source-topic", record.topic.encode()),
         ("x-source-partition", str(record.partition).encode()),
         ("x-source-offset", str(record.offset).encode()),
     ]
-    value = record.value
-    if record_size(record.key, value, headers) > settings.max_record_bytes:
-        # The copy would break the producer limit: keep the evidence (headers, size), not the body.
-        headers.append(("x-value-omitted-bytes", str(len(value or b"")).encode()))
-        value = None
-    return OutRecord(settings.dlq_topic, record.key, value, headers)
+    topic, key, value, headers = settings.dlq_topic, record.key, record.value, list(record.headers)
+    no_value = [("x-value-omitted-bytes", str(len(value or b"")).encode())]
+    header_bytes = sum(len(name.encode()) + len(data or b"") for name, data in headers)
+    no_headers = [("x-headers-omitted-bytes", str(header_bytes).encode())]
+    candidates = [
+        OutRecord(topic, key, value, headers + reason),
+        OutRecord(topic, key, None, headers + reason + no_value),
+        OutRecord(topic, key, None, reason + no_value + no_headers),
+        OutRecord(topic, None, None, reason + no_value + no_headers),
+    ]
+    return _first_within(settings.max_record_bytes, candidates)
+
+
+def _shorten_utf8(text: str, max_bytes: int) -> bytes:
+    """At most `max_bytes` of UTF-8, cut on a character boundary (a message may quote any characters)."""
+    return text.encode("utf-8", errors="replace")[:max_bytes].decode("utf-8", errors="ignore").encode()
+
+
+def _first_within(limit: int, candidates: Iterable[OutRecord]) -> OutRecord:
+    """The first candidate within the size limit, else the last (smallest) one."""
+    for candidate in candidates:
+        if record_size(candidate.key, candidate.value, candidate.headers) <= limit:
+            return candidate
+    return candidate
 
 
 class Publisher:

@@ -12,10 +12,20 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from worker_testkit import Names, committed_offsets, fast_settings, log_ends, produce, read_topic
+from worker_testkit import (
+    Names,
+    Outcome,
+    committed_offsets,
+    fast_settings,
+    finish,
+    log_ends,
+    produce,
+    read_topic,
+    request_record,
+)
 
 from models import Scorer, ScorerConfig
-from schemas import ResultStatus, ScoreRequest, decode_result, encode_request, request_headers
+from schemas import ResultStatus, ScoreRequest, decode_result
 from worker.app import ScoreWorker
 from worker.config import WorkerSettings
 from worker.topics import ensure_topics
@@ -79,9 +89,8 @@ def test_sigterm_drains_in_flight_work_and_a_successor_finishes(
     names = Names.unique("shutdown")
     settings = fast_settings(kafka_bootstrap, tiny_llama_dir, names)
     requests = _requests()
-    records = [(r.request_id.encode(), encode_request(r), request_headers(r.request_id)) for r in requests]
     asyncio.run(ensure_topics(settings))
-    asyncio.run(produce(kafka_bootstrap, names.requests, records))
+    asyncio.run(produce(kafka_bootstrap, names.requests, [request_record(r) for r in requests]))
 
     log_path = tmp_path / "worker.log"
     with open(log_path, "wb") as log_file:
@@ -105,23 +114,15 @@ def test_sigterm_drains_in_flight_work_and_a_successor_finishes(
     assert len(first_results) == int(in_flight.group(1)) < TOTAL
     first_committed = asyncio.run(committed_offsets(kafka_bootstrap, names.group, names.requests))
     assert sum(first_committed.values()) == len(first_results)
-    results, committed, ends = asyncio.run(_finish_with_successor(settings))
+    outcome = asyncio.run(_finish_with_successor(settings))
+    results = outcome.results
     counts = Counter(decode_result(r.value).request_id for r in results)
     assert sorted(counts) == sorted(r.request_id for r in requests)  # nothing lost
     assert set(counts.values()) == {1}  # nothing duplicated
     assert all(decode_result(r.value).status == ResultStatus.OK for r in results)
-    assert committed == ends
+    assert outcome.committed == log_ends(outcome.sources)
 
 
-async def _finish_with_successor(settings: WorkerSettings) -> tuple[list, dict[int, int], dict[int, int]]:
-    scorer = Scorer(settings.model_dir, ScorerConfig(device="cpu"))
-    worker = ScoreWorker(settings, scorer)
-    task = asyncio.create_task(worker.run())
-    results = await read_topic(settings.bootstrap_servers, settings.results_topic, TOTAL, timeout_s=180)
-    worker.stop()
-    await asyncio.wait_for(task, timeout=60)
-    sources = await read_topic(settings.bootstrap_servers, settings.requests_topic, TOTAL, settle_s=0.2)
-    committed = await committed_offsets(
-        settings.bootstrap_servers, settings.group_id, settings.requests_topic
-    )
-    return results, committed, log_ends(sources)
+async def _finish_with_successor(settings: WorkerSettings) -> Outcome:
+    worker = ScoreWorker(settings, Scorer(settings.model_dir, ScorerConfig(device="cpu")))
+    return await finish(settings, [(worker, asyncio.create_task(worker.run()))], TOTAL, TOTAL)

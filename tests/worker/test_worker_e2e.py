@@ -6,19 +6,22 @@ import asyncio
 import random
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
 from worker_testkit import (
     Names,
+    Outcome,
     Record,
-    committed_offsets,
     fast_settings,
+    finish,
     header,
     log_ends,
     produce,
     read_topic,
+    request_record,
 )
 
 from models import Scorer, ScorerConfig
@@ -29,8 +32,6 @@ from schemas import (
     ScoreRequest,
     ScoreResult,
     decode_result,
-    encode_request,
-    request_headers,
 )
 from worker.app import ScoreWorker
 from worker.topics import ensure_topics
@@ -73,10 +74,6 @@ def make_requests(count: int, seed: int = 7) -> list[ScoreRequest]:
     return requests
 
 
-def _record(request: ScoreRequest) -> Record:
-    return request.request_id.encode(), encode_request(request), request_headers(request.request_id)
-
-
 def malformed_records() -> dict[str, Record]:
     """Records that break the wire contract or cannot be scored, by what the worker must do with them."""
     invalid = msgpack.packb({"request_id": "bad-invalid", "items": [[1, -5]], "version": 1})
@@ -85,7 +82,7 @@ def malformed_records() -> dict[str, Record]:
         "bytes-no-id": (b"k1", bytes(random.Random(1).randrange(256) for _ in range(64)), []),
         "bytes-with-id": (b"k2", b"\xc1\xc1 not msgpack", [("x-request-id", b"bad-bytes-with-id")]),
         "invalid-with-id": (b"k3", invalid, [("trace", b"abc")]),
-        "unscorable": _record(out_of_range),
+        "unscorable": request_record(out_of_range),
         # An id in the header that no result could carry (over 256 characters): dead letter only.
         "bytes-unusable-id": (b"k5", b"\xc1 junk", [("x-request-id", b"x" * 300)]),
     }
@@ -117,27 +114,24 @@ def test_mixed_stream_is_scored_once_each_and_committed(kafka_bootstrap: str, ti
     scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
     requests = make_requests(500)
     bad = malformed_records()
-    records = [_record(r) for r in requests]
+    records = [request_record(r) for r in requests]
     for position, record in zip((40, 260, 261, 420, 421), bad.values(), strict=True):
         records.insert(position, record)
     expected_results = len(requests) + 3  # every bad record with a usable id gets a result
 
-    async def scenario() -> tuple[list, list, list, dict[int, int]]:
+    async def scenario() -> tuple[Outcome, list[Any]]:
         await ensure_topics(settings)
         # Half before the worker starts (a new group must start from the earliest offset), half while it runs.
         await produce(kafka_bootstrap, names.requests, records[:250])
         worker = ScoreWorker(settings, scorer)
         task = asyncio.create_task(worker.run())
         await produce(kafka_bootstrap, names.requests, records[250:])
-        results = await read_topic(kafka_bootstrap, names.results, expected_results, timeout_s=240)
-        dlq = await read_topic(kafka_bootstrap, names.dlq, 4, settle_s=0.2)
-        await asyncio.sleep(0.5)  # let a periodic commit pass before the final one at stop
-        worker.stop()
-        await asyncio.wait_for(task, timeout=60)
-        sources = await read_topic(kafka_bootstrap, names.requests, len(records), settle_s=0.2)
-        return results, dlq, sources, await committed_offsets(kafka_bootstrap, names.group, names.requests)
+        # finish() waits a second after the last result: periodic commits pass before the final one at stop.
+        outcome = await finish(settings, [(worker, task)], expected_results, len(records))
+        return outcome, await read_topic(kafka_bootstrap, names.dlq, 4, settle_s=0.2)
 
-    results, dlq, sources, committed = asyncio.run(scenario())
+    outcome, dlq = asyncio.run(scenario())
+    results, sources, committed = outcome.results, outcome.sources, outcome.committed
 
     decoded = {}
     counts = Counter()

@@ -10,7 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from worker_testkit import Names, committed_offsets, fast_settings, log_ends, produce, read_topic
+from worker_testkit import (
+    Names,
+    Outcome,
+    Record,
+    fast_settings,
+    finish,
+    header,
+    log_ends,
+    produce,
+    read_topic,
+    request_record,
+)
 
 from models import PreparedRequest, Scorer, ScorerConfig
 from schemas import (
@@ -20,8 +31,6 @@ from schemas import (
     ScoreRequest,
     ScoreResult,
     decode_result,
-    encode_request,
-    request_headers,
 )
 from worker.app import ScoreWorker
 from worker.topics import ensure_topics
@@ -62,18 +71,29 @@ class ObservedScorer:
 
 def _requests() -> list[ScoreRequest]:
     requests = [ScoreRequest(request_id=f"lim-{i:03d}", items=(f"short text {i}",)) for i in range(40)]
-    # 12 items x 64 float32 values = 3 KiB of hidden states: above the 2 KiB record limit below.
+    # 24 items x 64 float32 values = 6 KiB of hidden states: above the 4 KiB record limit below.
     requests.insert(
         10,
         ScoreRequest(
             request_id="too-large",
-            items=tuple(f"item {j}" for j in range(12)),
+            items=tuple(f"item {j}" for j in range(24)),
             return_pooled_hidden_states=True,
             hidden_states_dtype=HiddenDType.FLOAT32,
         ),
     )
     requests.insert(25, ScoreRequest(request_id="explode", items=("this batch fails",)))
     return requests
+
+
+def _echo_breakers() -> dict[str, Record]:
+    """Records whose result or dead-letter copy is too large because of what is echoed from the request:
+    the worker must still answer them, or it would stop at them on every restart."""
+    big_metadata = ScoreRequest(request_id="big-metadata", items=("short",), metadata={"note": "m" * 6000})
+    return {
+        "big-metadata": request_record(big_metadata),
+        "big-key": request_record(ScoreRequest(request_id="big-key", items=("short",)), key=b"k" * 6000),
+        "big-header": (b"k", b"\xc1 junk", [("x-request-id", b"big-header"), ("trace", b"t" * 6000)]),
+    }
 
 
 def test_backpressure_oversized_results_and_failing_batches(
@@ -86,29 +106,31 @@ def test_backpressure_oversized_results_and_failing_batches(
         names,
         max_inflight_requests=MAX_INFLIGHT,
         max_batch_requests=4,
-        max_record_bytes=2048,
+        max_record_bytes=4096,
     )
     scorer = ObservedScorer(Scorer(tiny_llama_dir, ScorerConfig(device="cpu")), fail_request_id="explode")
     requests = _requests()
-    records = [(r.request_id.encode(), encode_request(r), request_headers(r.request_id)) for r in requests]
+    breakers = _echo_breakers()
+    records = [request_record(r) for r in requests]
+    for position, record in zip((5, 20, 30), breakers.values(), strict=True):
+        records.insert(position, record)
 
-    async def scenario() -> tuple[list[Any], list[Any], dict[int, int]]:
+    async def scenario() -> tuple[Outcome, list[Any]]:
         await ensure_topics(settings)
         # All requests wait in the topic before the worker starts: only backpressure limits its fetching.
         await produce(kafka_bootstrap, names.requests, records)
         worker = ScoreWorker(settings, scorer)
         scorer.worker = worker
-        task = asyncio.create_task(worker.run())
-        results = await read_topic(kafka_bootstrap, names.results, len(requests), timeout_s=120)
-        worker.stop()
-        await asyncio.wait_for(task, timeout=60)
-        sources = await read_topic(kafka_bootstrap, names.requests, len(requests), settle_s=0.2)
-        return results, sources, await committed_offsets(kafka_bootstrap, names.group, names.requests)
+        outcome = await finish(
+            settings, [(worker, asyncio.create_task(worker.run()))], len(records), len(records)
+        )
+        return outcome, await read_topic(kafka_bootstrap, names.dlq, 1, settle_s=0.2)
 
-    results, sources, committed = asyncio.run(scenario())
+    outcome, dlq = asyncio.run(scenario())
+    results = outcome.results
 
     by_id = {decode_result(r.value).request_id: decode_result(r.value) for r in results}
-    assert len(results) == len(by_id) == len(requests)
+    assert len(results) == len(by_id) == len(records)
     assert max(scorer.in_flight_seen) == MAX_INFLIGHT  # reached, never exceeded
     assert max(scorer.batch_sizes) <= 4
     assert len(scorer.thread_names) == 1 and next(iter(scorer.thread_names)).startswith("score-model")
@@ -121,5 +143,25 @@ def test_backpressure_oversized_results_and_failing_batches(
     failed = [r for r in by_id.values() if r.error is not None and r.error.code == ErrorCode.INTERNAL_ERROR]
     assert "explode" in {r.request_id for r in failed}
     assert 1 <= len(failed) <= 4  # only the failing batch
-    assert all(r.status == ResultStatus.OK for r in by_id.values() if r not in failed and r is not too_large)
-    assert committed == log_ends(sources)
+    special = {*breakers, "too-large"} | {r.request_id for r in failed}
+    assert all(r.status == ResultStatus.OK for r in by_id.values() if r.request_id not in special)
+    _check_echo_breakers(by_id, results, dlq)
+    assert outcome.committed == log_ends(outcome.sources)
+
+
+def _check_echo_breakers(by_id: dict[str, ScoreResult], results: list[Any], dlq: list[Any]) -> None:
+    for request_id in ("big-metadata", "big-key"):
+        result = by_id[request_id]
+        assert result.error is not None and result.error.code == ErrorCode.RESULT_TOO_LARGE, result.error
+        assert result.metadata is None
+    keys = {decode_result(r.value).request_id: r.key for r in results}
+    assert keys["big-metadata"] == b"big-metadata"
+    assert keys["big-key"] is None  # the key alone breaks the limit: the result goes out without it
+    malformed = by_id["big-header"].error
+    assert malformed is not None and malformed.code == ErrorCode.MALFORMED_MESSAGE
+    # The dead-letter copy keeps the reason, the source and the key; the oversized headers are left out.
+    (copy,) = dlq
+    assert copy.key == b"k" and copy.value is None
+    assert header(copy, "x-error-code") == b"MALFORMED_MESSAGE"
+    assert header(copy, "x-source-offset") is not None
+    assert header(copy, "trace") is None and header(copy, "x-headers-omitted-bytes") is not None

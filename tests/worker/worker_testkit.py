@@ -13,6 +13,8 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from schemas import ScoreRequest, encode_request, request_headers
+from worker.app import ScoreWorker
 from worker.config import WorkerSettings
 
 Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, value, headers
@@ -51,6 +53,12 @@ def fast_settings(bootstrap: str, model_dir: Path, names: Names, **overrides: An
     }
     values.update(overrides)
     return WorkerSettings(**values)
+
+
+def request_record(request: ScoreRequest, key: bytes | None = None) -> Record:
+    """A request as a producer following the contract writes it: keyed by its id, with the usual headers."""
+    key = request.request_id.encode() if key is None else key
+    return key, encode_request(request), request_headers(request.request_id)
 
 
 async def produce(bootstrap: str, topic: str, records: Sequence[Record]) -> None:
@@ -126,3 +134,29 @@ async def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int,
 
 def header(record: ConsumerRecord[bytes, bytes], name: str) -> bytes | None:
     return next((value for key, value in record.headers if key == name), None)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a run left behind: the results, the request records, the group's committed offsets."""
+
+    results: list[ConsumerRecord[bytes, bytes]]
+    sources: list[ConsumerRecord[bytes, bytes]]
+    committed: dict[int, int]
+
+
+async def finish(
+    settings: WorkerSettings,
+    workers: Sequence[tuple[ScoreWorker, asyncio.Task[None]]],
+    results: int,
+    requests: int,
+) -> Outcome:
+    """Wait for `results` results, stop the workers (they drain and commit), read back what they left."""
+    bootstrap = settings.bootstrap_servers
+    got = await read_topic(bootstrap, settings.results_topic, results, timeout_s=180, settle_s=1.0)
+    for worker, _ in workers:
+        worker.stop()
+    await asyncio.wait_for(asyncio.gather(*(task for _, task in workers)), timeout=60)
+    sources = await read_topic(bootstrap, settings.requests_topic, requests, settle_s=0.2)
+    committed = await committed_offsets(bootstrap, settings.group_id, settings.requests_topic)
+    return Outcome(got, sources, committed)
