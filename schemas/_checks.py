@@ -26,6 +26,13 @@ def invalid(message: str) -> SchemaError:
     return SchemaError(ErrorCode.INVALID_REQUEST, message)
 
 
+def quoted(value: object, limit: int = 64) -> str:
+    """repr() of a value for an error sentence, cut to `limit` characters: messages quote user input, and a
+    200 KB string echoed back would make the error result itself too large to publish."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-2:]}"
+
+
 def describe(value: object) -> str:
     """The msgpack name of a value's type, for error sentences a non-Python producer understands."""
     if value is None:

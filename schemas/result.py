@@ -15,6 +15,7 @@ from schemas._checks import (
     check_str,
     describe,
     invalid,
+    quoted,
 )
 from schemas.errors import ErrorCode, SchemaError
 from schemas.request import check_version
@@ -35,7 +36,9 @@ def check_error_code(value: object, field: str) -> ErrorCode:
         return value
     if isinstance(value, str) and value in ErrorCode.__members__:
         return ErrorCode(value)
-    raise invalid(f"{field} is {describe(value)} {value!r}; send one of the error codes of schema version 1.")
+    raise invalid(
+        f"{field} is {describe(value)} {quoted(value)}; send one of the error codes of schema version 1."
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +78,7 @@ def _check_pooled(value: object) -> tuple[Tensor, ...] | None:
 def _check_timings(value: object) -> dict[str, float]:
     if not isinstance(value, Mapping):
         raise invalid(f"timings must be a map of stage name to seconds, not {describe(value)}.")
-    return {check_str(k, "a timings key"): check_float(v, f"timings[{k!r}]") for k, v in value.items()}
+    return {check_str(k, "a timings key"): check_float(v, f"timings[{quoted(k)}]") for k, v in value.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +106,7 @@ class ScoreResult:
     def _validate(self) -> None:
         check_version(self.version)
         if not isinstance(self.status, str) or self.status not in ("ok", "error"):
-            raise invalid(f'status is {describe(self.status)} {self.status!r}; send "ok" or "error".')
+            raise invalid(f'status is {describe(self.status)} {quoted(self.status)}; send "ok" or "error".')
         object.__setattr__(self, "status", ResultStatus(self.status))
         object.__setattr__(self, "scores", _check_scores(self.scores))
         object.__setattr__(self, "pooled_hidden_states", _check_pooled(self.pooled_hidden_states))

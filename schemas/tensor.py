@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from schemas._checks import describe, invalid
+from schemas._checks import describe, invalid, quoted
 
 MAX_TENSOR_DIMS = 8
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -34,7 +34,7 @@ def check_dtype(value: object, field: str) -> str:
     if isinstance(value, HiddenDType):
         return value.value
     if not isinstance(value, str) or value not in _ITEMSIZE:
-        shown = repr(value) if isinstance(value, str) else describe(value)
+        shown = quoted(value) if isinstance(value, str) else describe(value)
         raise invalid(f'{field} is {shown}; send one of "float32", "float16" or "bfloat16".')
     return value
 

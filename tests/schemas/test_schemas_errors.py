@@ -282,3 +282,22 @@ def test_a_decoder_defect_still_surfaces_as_schema_error(monkeypatch: pytest.Mon
     error = result_error(result_map(pooled_hidden_states=[tensor]))
     assert (error.code, error.request_id) == (ErrorCode.INTERNAL_ERROR, "res-7")
     assert isinstance(error.__cause__, KeyError)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        request_map(hidden_states_dtype="é" * 100_000),
+        result_map(status="x" * 100_000),
+        result_map(status="error", error={"code": "Z" * 100_000, "message": "m"}),
+    ],
+    ids=["request-dtype", "result-status", "result-error-code"],
+)
+def test_messages_quote_user_input_briefly(body: dict[str, Any]) -> None:
+    # An error result echoes its message: quoting a 100 KB field whole would make that result too large
+    # to publish, and the producer would lose the precise code. The sentence still says what to change.
+    decode = decode_request if "items" in body else decode_result
+    with pytest.raises(SchemaError) as caught:
+        decode(msgpack.packb(body))
+    assert len(caught.value.message) < 400, caught.value.message[:200]
+    assert "send" in caught.value.message
