@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
+import signal
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -175,6 +179,10 @@ class EmbeddedBroker:
         text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
         return f"log {self.log_path}:\n" + "\n".join(text)
 
+    def exited(self) -> bool:
+        """Whether the broker process has ended on its own (it was started and is not running)."""
+        return self._process is not None and self._process.poll() is not None
+
     def stop(self) -> None:
         """Stop the broker (idempotent); its data is gone afterwards."""
         if self._finalizer is not None:
@@ -190,3 +198,36 @@ class EmbeddedBroker:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `score-worker broker`."""
+    parser.add_argument(
+        "--port", type=int, default=9092, help="loopback port to listen on (default 9092; 0 picks a free one)"
+    )
+    parser.add_argument("--log-dir", type=Path, default=None, help="where the broker's log goes")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`score-worker broker`: the embedded broker in the foreground until SIGINT/SIGTERM, for local trials
+    of `run` and `submit` without Docker. Memory only: everything is gone when it stops."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with EmbeddedBroker(port=args.port or None, log_dir=args.log_dir) as broker:
+            print(f"embedded broker (tansu, in memory) on {broker.bootstrap_servers}", flush=True)
+            print(
+                f"  score-worker run --model DIR --bootstrap-servers {broker.bootstrap_servers}", flush=True
+            )
+            print("stop with Ctrl-C", flush=True)
+            while not stop.wait(0.5):
+                if broker.exited():
+                    print(f"score-worker broker: tansu exited; {broker.log_path}", file=sys.stderr)
+                    return 1
+    except BrokerError as error:
+        print(f"score-worker broker: {error}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

@@ -29,6 +29,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("worker.submit", "submit scoring requests and print their results"),
     "demo": ("worker.demo", "embedded broker + tiny model + one worker + sample requests"),
     "make-tiny-model": ("models.tiny", "write a tiny random-weight model for tests and demos"),
+    "broker": ("worker.broker", "run the embedded Kafka-protocol broker (Tansu) for local trials"),
 }
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from worker_testkit import Names
 
-from worker.broker import EmbeddedBroker, metadata_brokers
+from worker.broker import EmbeddedBroker, free_port, metadata_brokers
 from worker.config import WorkerSettings
 from worker.errors import BrokerBinaryNotFound, BrokerError
 from worker.topics import ensure_topics
@@ -57,3 +60,25 @@ def test_ensure_topics_creates_missing_ones_once(kafka_bootstrap: str, tmp_path:
     )
     assert sorted(asyncio.run(ensure_topics(settings))) == sorted([names.requests, names.results, names.dlq])
     assert asyncio.run(ensure_topics(settings)) == []
+
+
+def test_broker_command_serves_until_sigterm(tmp_path: Path) -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "worker", "broker", "--port", str(port), "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        first = process.stdout.readline()  # printed once the broker answers metadata
+        assert f"127.0.0.1:{port}" in first, first
+        assert metadata_brokers("127.0.0.1", port) == [("127.0.0.1", port)]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    with pytest.raises(OSError):  # the broker went with the command
+        metadata_brokers("127.0.0.1", port, timeout_s=0.5)
