@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -106,6 +107,11 @@ class ScoreWorker:
         self._consumer: AIOKafkaConsumer | None = None
         self._publisher: Publisher | None = None
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="score-model")
+        # Closed batches waiting for the model thread, which takes one at a time: while it is busy, arriving
+        # requests keep filling the open batch instead of being cut into small batches queued behind it.
+        self._ready: deque[Batch[_Accepted]] = deque()
+        self._model_busy = False
+        self._closed = False  # set once run() tears down: no new batch may start after that
         # Tokenising off the loop keeps heartbeats timely; its own thread lets it overlap a forward pass.
         self._prepare_thread = ThreadPoolExecutor(1, thread_name_prefix="score-prepare")
 
@@ -147,6 +153,7 @@ class ScoreWorker:
             finally:
                 await self._publisher.stop()
         finally:
+            self._closed = True
             for task in list(self._tasks):  # only left after an error: their offsets stay uncommitted
                 task.cancel()
             self._model_thread.shutdown(wait=False, cancel_futures=True)
@@ -177,6 +184,7 @@ class ScoreWorker:
             session_timeout_ms=settings.session_timeout_ms,
             heartbeat_interval_ms=settings.heartbeat_interval_ms,
             max_poll_interval_ms=settings.max_poll_interval_ms,
+            fetch_max_wait_ms=settings.fetch_max_wait_ms,
             # How long the group waits for members to rejoin: a revocation finishing in-flight work needs
             # up to half of it (aiokafka's default, the session timeout, would evict this worker mid-wait).
             rebalance_timeout_ms=settings.max_poll_interval_ms,
@@ -188,14 +196,15 @@ class ScoreWorker:
         while not self._stop_requested and self._fatal is None:
             self._apply_backpressure()
             room = max(1, self._settings.max_inflight_requests - self._tracker.pending())
-            due = self._batcher.due_in()
+            due = None if self._model_busy else self._batcher.due_in()
             timeout_ms = _POLL_MS if due is None else min(_POLL_MS, int(due * 1000))
             # Called even while paused: polling is what keeps this consumer in the group.
             fetched = await self._consumer.getmany(timeout_ms=timeout_ms, max_records=room)
             records = [record for batch in fetched.values() for record in batch]
             if records:
                 await self._accept(records)
-            self._dispatch(self._batcher.take_due())
+            if not self._model_busy:  # a busy model thread closes the open batch itself when it is done
+                self._dispatch(self._batcher.take_due())
             if time.monotonic() >= next_commit:
                 await self._commit()
                 next_commit = time.monotonic() + self._settings.commit_interval_ms / 1000
@@ -278,8 +287,22 @@ class ScoreWorker:
         )
 
     def _dispatch(self, batch: Batch[_Accepted] | None) -> None:
+        """Queue a closed batch for the model thread and start the next batch if the thread is free."""
         if batch is not None:
-            self._spawn(self._run_batch(batch))
+            self._ready.append(batch)
+        if not self._model_busy and self._ready:
+            self._model_busy = True
+            self._spawn(self._run_batch(self._ready.popleft()))
+
+    def _model_done(self) -> None:
+        """The model thread is free: give it the next full batch, or else what gathered while it was busy.
+
+        Those requests have already waited a whole forward pass, so the open batch closes now rather than
+        after max_wait; under load this keeps batches as large as the arrival rate allows.
+        """
+        self._model_busy = False
+        if not self._closed:
+            self._dispatch(None if self._ready else self._batcher.flush())
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
@@ -296,7 +319,10 @@ class ScoreWorker:
 
     async def _run_batch(self, batch: Batch[_Accepted]) -> None:
         loop = asyncio.get_running_loop()
-        messages = await loop.run_in_executor(self._model_thread, self._score_batch, batch.items)
+        try:
+            messages = await loop.run_in_executor(self._model_thread, self._score_batch, batch.items)
+        finally:
+            self._model_done()
         await self._deliver_records(messages)
         for item in batch.items:
             self._tracker.done(item.tp, item.offset)
@@ -367,7 +393,8 @@ class ScoreWorker:
         assert self._consumer is not None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self._tracker.pending(partitions) and self._fatal is None:
-            self._dispatch(self._batcher.flush())
+            if not self._model_busy:  # else the model thread closes the open batch when it is done
+                self._dispatch(self._batcher.flush())
             remaining = _POLL_MS / 1000 if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 return False

@@ -53,6 +53,11 @@ class WorkerSettings(BaseSettings):
     heartbeat_interval_ms: int = Field(3_000, gt=0, description="consumer heartbeat interval")
     max_poll_interval_ms: int = Field(300_000, gt=0, description="longest gap between polls")
     commit_interval_ms: int = Field(1_000, gt=0, description="how often finished offsets are committed")
+    # Kafka answers a fetch as soon as a record arrives; some brokers (Tansu) hold an empty fetch for the
+    # whole wait, so a long wait delays requests that arrive during it (aiokafka's default is 500).
+    fetch_max_wait_ms: int = Field(
+        100, ge=0, le=10_000, description="longest the broker may hold a fetch that finds no new records"
+    )
     # The floor leaves room for the largest error result and dead-letter reason (256-character request ids,
     # 1000-byte messages, 249-character topics): those must always fit, or one record stops the worker.
     max_record_bytes: int = Field(
