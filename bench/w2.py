@@ -28,7 +28,6 @@ from queue import Empty
 from typing import Any
 
 import torch
-from aiokafka import AIOKafkaConsumer
 
 from bench import packed_path, w2_load
 from bench.common import GpuSampler, environment, out_dir, token_budget_chunks
@@ -90,19 +89,9 @@ def build_model_dir(shapes: dict[str, Any], device: str, workdir: Path) -> Path:
     return target
 
 
-class ShortFetchWorker(ScoreWorker):
-    """The worker with its consumer's fetch_max_wait_ms lowered (a diagnostic; no setting exposes it).
-
-    Tansu answers a fetch that finds no data only after fetch_max_wait_ms (aiokafka's default 500), even if
-    records arrive meanwhile; this variant shows how much of the latency that wait is.
-    """
-
-    fetch_max_wait_ms = 10
-
-    def _make_consumer(self) -> AIOKafkaConsumer:
-        consumer = super()._make_consumer()
-        consumer._fetch_max_wait_ms = self.fetch_max_wait_ms  # read when start() builds the fetcher
-        return consumer
+# The diagnostic phase's fetch wait: Tansu answers a fetch that finds no data only after fetch_max_wait_ms,
+# even if records arrive meanwhile, so a short wait shows how much of the latency that wait is.
+SHORT_FETCH_WAIT_MS = 10
 
 
 class WorkerRun:
@@ -115,8 +104,11 @@ class WorkerRun:
         self._worker: ScoreWorker | None = None
         self._watcher: asyncio.Task[None] | None = None
 
-    def start(self, worker_type: type[ScoreWorker] = ScoreWorker) -> None:
-        self._worker = worker_type(self._settings, self._scorer)
+    def start(self, fetch_max_wait_ms: int | None = None) -> None:
+        settings = self._settings
+        if fetch_max_wait_ms is not None:
+            settings = settings.model_copy(update={"fetch_max_wait_ms": fetch_max_wait_ms})
+        self._worker = ScoreWorker(settings, self._scorer)
         self.task = asyncio.create_task(self._worker.run())
         self._watcher = asyncio.create_task(watch_loop(self._worker, self.loop_samples))
 
@@ -140,7 +132,7 @@ async def _await_report(
             message = queue.get(timeout=0.2 if not process.is_alive() else 0.0)
         if message is not None and message.get("restart") == "short_fetch":
             await run.stop()
-            run.start(ShortFetchWorker)
+            run.start(SHORT_FETCH_WAIT_MS)
             control.put("go")
             continue
         if message is not None:
