@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from worker_testkit import Names, fast_settings, finish, request_record
+from worker_testkit import Names, WrappedScorer, fast_settings, finish, request_record
 
-from models import PreparedRequest, Scorer, ScorerConfig
+from models import Scorer, ScorerConfig
 from schemas import ScoreRequest, ScoreResult
 from worker.app import ScoreWorker
 from worker.topics import ensure_topics
@@ -24,19 +24,12 @@ REQUESTS = 60
 GAP_S = 0.01  # one request every 10 ms: a trickle, as a Kafka broker delivers a steady stream
 
 
-class SlowScorer:
+class SlowScorer(WrappedScorer):
     """The real Scorer with a forward pass made slow, recording the size of every batch it is given."""
 
     def __init__(self, model_dir: Path) -> None:
-        self._scorer = Scorer(model_dir, ScorerConfig(device="cpu"))
+        super().__init__(Scorer(model_dir, ScorerConfig(device="cpu")))
         self.batch_sizes: list[int] = []
-
-    @property
-    def model_name(self) -> str:
-        return self._scorer.model_name
-
-    def prepare(self, request: ScoreRequest) -> PreparedRequest | ScoreResult:
-        return self._scorer.prepare(request)
 
     def score_prepared(self, prepared: Sequence[Any]) -> list[ScoreResult]:
         self.batch_sizes.append(len(prepared))

@@ -14,6 +14,7 @@ import pytest
 from worker_testkit import (
     Names,
     Outcome,
+    WrappedScorer,
     fast_settings,
     finish,
     log_ends,
@@ -33,18 +34,14 @@ TOTAL = 160
 GATE = "gate"
 
 
-class CountingScorer:
+class CountingScorer(WrappedScorer):
     """The real Scorer, counting what it scores; preparing request GATE waits until `release` is set."""
 
     def __init__(self, model_dir: Path) -> None:
-        self._scorer = Scorer(model_dir, ScorerConfig(device="cpu"))
+        super().__init__(Scorer(model_dir, ScorerConfig(device="cpu")))
         self.scored: Counter[str] = Counter()
         self.gate_entered = threading.Event()
         self.release = threading.Event()
-
-    @property
-    def model_name(self) -> str:
-        return self._scorer.model_name
 
     def prepare(self, request: ScoreRequest) -> PreparedRequest | ScoreResult:
         if request.request_id == GATE:

@@ -14,6 +14,7 @@ from worker_testkit import (
     Names,
     Outcome,
     Record,
+    WrappedScorer,
     fast_settings,
     finish,
     header,
@@ -23,7 +24,7 @@ from worker_testkit import (
     request_record,
 )
 
-from models import PreparedRequest, Scorer, ScorerConfig
+from models import Scorer, ScorerConfig
 from schemas import (
     ErrorCode,
     HiddenDType,
@@ -40,23 +41,16 @@ pytestmark = pytest.mark.slow
 MAX_INFLIGHT = 6
 
 
-class ObservedScorer:
+class ObservedScorer(WrappedScorer):
     """The real Scorer, plus: records the worker's in-flight count at each batch, fails batches on demand."""
 
     def __init__(self, scorer: Scorer, fail_request_id: str) -> None:
-        self._scorer = scorer
+        super().__init__(scorer)
         self._fail = fail_request_id
         self.worker: ScoreWorker | None = None
         self.in_flight_seen: list[int] = []
         self.batch_sizes: list[int] = []
         self.thread_names: set[str] = set()
-
-    @property
-    def model_name(self) -> str:
-        return self._scorer.model_name
-
-    def prepare(self, request: ScoreRequest) -> PreparedRequest | ScoreResult:
-        return self._scorer.prepare(request)
 
     def score_prepared(self, prepared: Sequence[Any]) -> list[ScoreResult]:
         assert self.worker is not None

@@ -13,11 +13,29 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from schemas import ScoreRequest, encode_request, request_headers
+from models import PreparedRequest, Scorer
+from schemas import ScoreRequest, ScoreResult, encode_request, request_headers
 from worker.app import ScoreWorker
 from worker.config import WorkerSettings
 
 Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, value, headers
+
+
+class WrappedScorer:
+    """A real Scorer behind the worker's interface; tests subclass it to observe or slow a method."""
+
+    def __init__(self, scorer: Scorer) -> None:
+        self._scorer = scorer
+
+    @property
+    def model_name(self) -> str:
+        return self._scorer.model_name
+
+    def prepare(self, request: ScoreRequest) -> PreparedRequest | ScoreResult:
+        return self._scorer.prepare(request)
+
+    def score_prepared(self, prepared: Sequence[Any]) -> list[ScoreResult]:
+        return self._scorer.score_prepared(prepared)
 
 
 @dataclass(frozen=True)
