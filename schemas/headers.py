@@ -39,3 +39,14 @@ def result_headers(request_id: str) -> Headers:
 def headers_to_dict(headers: Iterable[tuple[str, bytes | None]] | None) -> dict[str, bytes]:
     """Headers as a dict: names lower-cased, a null value read as b"", the last of repeated names wins."""
     return {name.lower(): value or b"" for name, value in headers or ()}
+
+
+def header_request_id(headers: Iterable[tuple[str, bytes | None]] | None) -> str | None:
+    """The first x-request-id header (name in any case) as text; None when absent, empty or not UTF-8."""
+    for name, value in headers or ():
+        if name.lower() == HEADER_REQUEST_ID and value:
+            try:
+                return value.decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+    return None

@@ -17,12 +17,12 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from schemas import (
-    HEADER_REQUEST_ID,
     ErrorCode,
     SchemaError,
     ScoreRequest,
     ScoreResult,
     decode_request,
+    header_request_id,
 )
 from worker.batcher import Batch, TokenBudgetBatcher
 from worker.config import WorkerSettings
@@ -65,13 +65,6 @@ class _Rejected:
     tp: TopicPartition
     offset: int
     messages: list[OutRecord]
-
-
-def _header(headers: Sequence[tuple[str, bytes]], name: str) -> str | None:
-    for key, value in headers:
-        if key == name and value:
-            return value.decode("utf-8", errors="replace")
-    return None
 
 
 class _RevokeListener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -270,7 +263,7 @@ class ScoreWorker:
             "rejected offset %d of %s[%d]: %s %s", record.offset, tp.topic, tp.partition, code, message
         )
         messages = [dead_letter_record(self._settings, record, code, message)]
-        request_id = request_id or _header(record.headers, HEADER_REQUEST_ID)
+        request_id = request_id or header_request_id(record.headers)
         if request_id:
             try:
                 failure = ScoreResult.failure(request_id, code, message, model=self._scorer.model_name)

@@ -15,12 +15,12 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
 from schemas import (
-    HEADER_REQUEST_ID,
     SchemaError,
     ScoreRequest,
     ScoreResult,
     decode_result,
     encode_request,
+    header_request_id,
     request_headers,
 )
 from worker.errors import WorkerError
@@ -327,7 +327,7 @@ class ScoreClient:
             self._pending.clear()
 
     def _handle(self, record: ConsumerRecord[Any, Any]) -> None:
-        header_id = _header_request_id(record.headers)
+        header_id = header_request_id(record.headers)
         if header_id is not None and header_id not in self._pending:
             self._count_unexpected(header_id)  # not ours: skip without decoding
             return
@@ -401,13 +401,3 @@ def _check_unique_ids(requests: Sequence[ScoreRequest]) -> None:
         if request.request_id in seen:
             raise ValueError(f"request id {request.request_id!r} appears more than once")
         seen.add(request.request_id)
-
-
-def _header_request_id(headers: Sequence[tuple[str, bytes | None]] | None) -> str | None:
-    for name, value in headers or ():
-        if name.lower() == HEADER_REQUEST_ID and value is not None:
-            try:
-                return value.decode()
-            except UnicodeDecodeError:
-                return None
-    return None

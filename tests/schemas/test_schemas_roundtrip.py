@@ -28,6 +28,7 @@ from schemas import (
     decode_result,
     encode_request,
     encode_result,
+    header_request_id,
     headers_to_dict,
     request_headers,
     result_headers,
@@ -292,6 +293,16 @@ def test_headers_to_dict_reads_aiokafka_tuples() -> None:
     raw = (("X-Request-ID", b"a"), ("x-request-id", b"b"), ("empty", None))
     assert headers_to_dict(raw) == {"x-request-id": b"b", "empty": b""}
     assert headers_to_dict(None) == {}
+
+
+def test_header_request_id_is_read_whatever_the_name_case() -> None:
+    # The worker (to address an error result) and the client (to skip others' results) read it alike.
+    assert header_request_id(request_headers("req-ü")) == "req-ü"
+    assert header_request_id([("trace", b"t"), ("X-Request-Id", b"a"), ("x-request-id", b"b")]) == "a"
+    assert header_request_id([("x-request-id", b"")]) is None
+    assert header_request_id([("x-request-id", None)]) is None
+    assert header_request_id([("x-request-id", b"\xff\xfe")]) is None  # not UTF-8: no usable id
+    assert header_request_id(None) is None
 
 
 def test_schema_error_pickles_and_reads_as_its_message() -> None:
