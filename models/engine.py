@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,9 +13,38 @@ from models.attention import register_attention
 from models.config import ScorerConfig
 from models.errors import ModelLoadError
 from models.loading import LoadedModel, load_model
-from models.packing import PackedBatch, RowRequest, copy_rows_to_host, pack
+from models.packing import PackedBatch, RowRequest, copy_rows_to_host, hidden_row_bytes, pack
 from models.prepare import PreparedRequest, PromptBuilder, PromptError
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What one forward batch cost: reported once per batch to an observer (the worker's metrics)."""
+
+    requests: int
+    items: int
+    tokens: int
+    forward_s: float
+    copy_s: float
+    hidden_requests: int  # requests of the batch that asked for pooled hidden states
+    # Bytes of pooled hidden states copied to the host, by dtype name ("float32", "float16", "bfloat16").
+    hidden_bytes: dict[str, int] = field(default_factory=dict)
+    failed: bool = False  # the forward pass raised: every request of the batch got MODEL_ERROR
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a loaded model is, for logs and the model info metric."""
+
+    name: str
+    architecture: str
+    dtype: str
+    device: str
+    hidden_size: int
+
+
+BatchObserver = Callable[[BatchStats], None]
 
 
 @dataclass(frozen=True)
@@ -26,6 +55,7 @@ class _BatchOutput:
     hidden: list[tuple[Tensor, ...] | None]  # per request; None where not asked
     forward_s: float
     copy_s: float
+    hidden_bytes: dict[str, int]
 
 
 class Scorer:
@@ -69,6 +99,24 @@ class Scorer:
         """Length of a pooled hidden state vector."""
         return int(self._loaded.model.config.get_text_config().hidden_size)
 
+    @property
+    def info(self) -> ModelInfo:
+        """Name, architecture, dtype, device and hidden size of the loaded model."""
+        model = self._loaded.model
+        return ModelInfo(
+            name=self.model_name,
+            architecture=type(model).__name__,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            hidden_size=self.hidden_size,
+        )
+
+    def device_memory(self) -> tuple[int, int] | None:
+        """Bytes (allocated, reserved) by torch's caching allocator on a CUDA device; None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
     def prepare(self, request: ScoreRequest) -> PreparedRequest | ScoreResult:
         """Tokenize and validate: a PreparedRequest, or an error result saying what is wrong."""
         started = time.perf_counter()
@@ -91,24 +139,33 @@ class Scorer:
         """Score requests; results are in request order, one per request."""
         return self.score_prepared([self.prepare(request) for request in requests])
 
-    def score_prepared(self, prepared: Sequence[PreparedRequest | ScoreResult]) -> list[ScoreResult]:
-        """Run prepared requests in batches of at most max_batch_tokens; error results pass through."""
+    def score_prepared(
+        self, prepared: Sequence[PreparedRequest | ScoreResult], on_batch: BatchObserver | None = None
+    ) -> list[ScoreResult]:
+        """Run prepared requests in batches of at most max_batch_tokens; error results pass through.
+
+        `on_batch`, when given, is called on this thread with the cost of each forward batch.
+        """
         results: list[ScoreResult | None] = [
             item if isinstance(item, ScoreResult) else None for item in prepared
         ]
         pending = [(i, item) for i, item in enumerate(prepared) if isinstance(item, PreparedRequest)]
         for batch in _split(pending, self.config.max_batch_tokens):
-            for (index, _), result in zip(batch, self._run_batch([p for _, p in batch]), strict=True):
+            scored = self._run_batch([p for _, p in batch], on_batch)
+            for (index, _), result in zip(batch, scored, strict=True):
                 results[index] = result
         return [result for result in results if result is not None]
 
-    def _run_batch(self, batch: list[PreparedRequest]) -> list[ScoreResult]:
+    def _run_batch(self, batch: list[PreparedRequest], on_batch: BatchObserver | None) -> list[ScoreResult]:
         tokenize_s = sum(p.tokenize_s for p in batch)
+        started = time.perf_counter()
         try:
             output = self._forward_batch(batch)
         except Exception as exc:  # out of memory, kernel errors: the batch fails, the scorer keeps going
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            if on_batch is not None:
+                on_batch(_stats(batch, time.perf_counter() - started, 0.0, {}, failed=True))
             message = (
                 f"The forward pass failed for this request's batch ({_describe(exc)}); send the request "
                 "again, and if it keeps failing, send fewer or shorter items."
@@ -117,6 +174,8 @@ class Scorer:
                 self._failure(p.request, ErrorCode.MODEL_ERROR, message, {"tokenize_s": tokenize_s})
                 for p in batch
             ]
+        if on_batch is not None:
+            on_batch(_stats(batch, output.forward_s, output.copy_s, output.hidden_bytes))
         timings = {"tokenize_s": tokenize_s, "forward_s": output.forward_s, "copy_s": output.copy_s}
         return [
             ScoreResult(
@@ -140,7 +199,7 @@ class Scorer:
         started = time.perf_counter()
         if not prompts:  # only requests with no items: nothing to run
             return _BatchOutput(
-                [[] for _ in batch], [() if _wants_hidden(p) else None for p in batch], 0.0, 0.0
+                [[] for _ in batch], [() if _wants_hidden(p) else None for p in batch], 0.0, 0.0, {}
             )
         packed = pack(prompts, self.device)
         pooled = self._pooled_hidden(packed)  # [N, H] in the model dtype
@@ -148,7 +207,7 @@ class Scorer:
         self._synchronize()
         forward_done = time.perf_counter()
         host_logits = logits.cpu()  # [N, L], a few bytes per item: softmax on the host needs no extra upload
-        hidden = self._copy_hidden(batch, item_counts, pooled)
+        hidden, hidden_bytes = self._copy_hidden(batch, item_counts, pooled)
         self._synchronize()
         copy_done = time.perf_counter()
         per_request: list[list[tuple[float, ...]]] = []
@@ -157,7 +216,9 @@ class Scorer:
             if p.request.apply_softmax:
                 scores = torch.softmax(scores, dim=-1)
             per_request.append([tuple(row) for row in scores.tolist()])
-        return _BatchOutput(per_request, hidden, forward_done - started, copy_done - forward_done)
+        return _BatchOutput(
+            per_request, hidden, forward_done - started, copy_done - forward_done, hidden_bytes
+        )
 
     def _pooled_hidden(self, packed: PackedBatch) -> torch.Tensor:
         """Run the decoder on the packed row; LAST pooling: each item's final token, after the final norm."""
@@ -179,17 +240,21 @@ class Scorer:
 
     def _copy_hidden(
         self, batch: list[PreparedRequest], item_counts: list[int], pooled: torch.Tensor
-    ) -> list[tuple[Tensor, ...] | None]:
-        """Pooled hidden states for the requests that asked; the others get None and cost nothing."""
+    ) -> tuple[list[tuple[Tensor, ...] | None], dict[str, int]]:
+        """Pooled hidden states for the requests that asked (the others get None and cost nothing), and
+        the bytes copied to the host per dtype."""
         asking = [i for i, p in enumerate(batch) if _wants_hidden(p)]
         ranges = list(_item_ranges(item_counts))
         wanted = [RowRequest(tuple(ranges[i]), batch[i].request.hidden_states_dtype) for i in asking]
         copied = copy_rows_to_host(pooled, [w for w in wanted if w.rows])
         copied_iter = iter(copied)
         hidden: list[tuple[Tensor, ...] | None] = [None] * len(batch)
+        copied_bytes: dict[str, int] = {}
         for i, entry in zip(asking, wanted, strict=True):
             hidden[i] = next(copied_iter) if entry.rows else ()
-        return hidden
+            size = len(entry.rows) * hidden_row_bytes(pooled.shape[1], entry.dtype)
+            copied_bytes[entry.dtype.value] = copied_bytes.get(entry.dtype.value, 0) + size
+        return hidden, copied_bytes
 
     def _synchronize(self) -> None:
         # CUDA work is asynchronous: without a sync, the clock would stop before the kernels finish.
@@ -207,6 +272,25 @@ class Scorer:
             metadata=request.metadata,
             timings=timings,
         )
+
+
+def _stats(
+    batch: list[PreparedRequest],
+    forward_s: float,
+    copy_s: float,
+    hidden_bytes: dict[str, int],
+    failed: bool = False,
+) -> BatchStats:
+    return BatchStats(
+        requests=len(batch),
+        items=sum(len(p.prompts) for p in batch),
+        tokens=sum(p.num_tokens for p in batch),
+        forward_s=forward_s,
+        copy_s=copy_s,
+        hidden_requests=sum(1 for p in batch if _wants_hidden(p)),
+        hidden_bytes=hidden_bytes,
+        failed=failed,
+    )
 
 
 def _wants_hidden(prepared: PreparedRequest) -> bool:

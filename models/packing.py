@@ -64,6 +64,11 @@ class RowRequest:
     dtype: HiddenDType
 
 
+def hidden_row_bytes(hidden_size: int, dtype: HiddenDType) -> int:
+    """Bytes of one pooled hidden state of `hidden_size` values in `dtype`."""
+    return hidden_size * _TORCH_DTYPES[dtype].itemsize
+
+
 def copy_rows_to_host(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> list[tuple[Tensor, ...]]:
     """Gather only the asked rows of pooled [N, H], cast on device, and copy them to the host at once.
 
@@ -88,7 +93,7 @@ def copy_rows_to_host(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> lis
     buffer = _to_host(torch.cat(chunks) if len(chunks) > 1 else chunks[0]).numpy()
     out: list[tuple[Tensor, ...]] = []
     for entry in wanted:
-        width = hidden * _TORCH_DTYPES[entry.dtype].itemsize
+        width = hidden_row_bytes(hidden, entry.dtype)
         start = group_offset[entry.dtype]
         out.append(
             tuple(
