@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models import Scorer
+from models import BatchObserver, Scorer
 from worker.app import ScoreWorker
 
 
@@ -52,10 +52,10 @@ class RecordingScorer:
         self.thread_ids["prepare"] = threading.get_native_id()
         return self.scorer.prepare(request)
 
-    def score_prepared(self, prepared: Sequence[Any]) -> list[Any]:
+    def score_prepared(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> list[Any]:
         self.thread_ids["model"] = threading.get_native_id()
         start = time.monotonic()
-        results = self.scorer.score_prepared(prepared)
+        results = self.scorer.score_prepared(prepared, on_batch)
         end = time.monotonic()
         timings = results[0].timings if results else {}
         asked = [p for p in prepared if p.request.return_pooled_hidden_states]

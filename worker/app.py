@@ -7,64 +7,29 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from schemas import (
-    ErrorCode,
-    SchemaError,
-    ScoreRequest,
-    ScoreResult,
-    decode_request,
-    header_request_id,
-)
+from models import ModelInfo
 from worker.batcher import Batch, TokenBudgetBatcher
 from worker.config import WorkerSettings
+from worker.health import Readiness
+from worker.intake import Accepted, Intake, Outgoing, Rejected, ScorerLike, record_size
+from worker.metrics import ResultTally, WorkerMetrics
 from worker.offsets import OffsetTracker
-from worker.publisher import OutRecord, Publisher, dead_letter_record, result_record
+from worker.publisher import Publisher
 from worker.topics import ensure_topics
 
 log = logging.getLogger(__name__)
 
 # Longest the fetch loop sleeps in getmany: bounds how late stop() and periodic commits are noticed.
 _POLL_MS = 200
-
-
-class ScorerLike(Protocol):
-    """What the worker needs of models.Scorer."""
-
-    @property
-    def model_name(self) -> str: ...
-
-    def prepare(self, request: ScoreRequest) -> Any: ...
-
-    def score_prepared(self, prepared: Sequence[Any]) -> list[ScoreResult]: ...
-
-
-@dataclass(eq=False)
-class _Accepted:
-    """A decoded, tokenised request waiting for (or in) a model batch."""
-
-    tp: TopicPartition
-    offset: int
-    key: bytes | None
-    request: ScoreRequest
-    prepared: Any
-
-
-@dataclass(eq=False)
-class _Rejected:
-    """A record answered without a model run, with the records that answer it (result and/or DLQ copy)."""
-
-    tp: TopicPartition
-    offset: int
-    messages: list[OutRecord]
+# How often the fetch loop samples lag, pauses and in-flight counts into the metrics.
+_SAMPLE_S = 1.0
 
 
 class _RevokeListener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -75,7 +40,7 @@ class _RevokeListener(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._worker._on_revoked(revoked)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        log.info("assigned partitions: %s", sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned))
+        self._worker._on_assigned(assigned)
 
 
 class ScoreWorker:
@@ -85,11 +50,22 @@ class ScoreWorker:
     for a rejected record, its dead-letter copy). Records are never skipped silently.
     """
 
-    def __init__(self, settings: WorkerSettings, scorer: ScorerLike) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        scorer: ScorerLike,
+        metrics: WorkerMetrics | None = None,
+        readiness: Readiness | None = None,
+    ) -> None:
         self._settings = settings
-        self._scorer = scorer
+        if metrics is None:
+            metrics = WorkerMetrics(settings.worker_id)
+            metrics.bind_model(model_info(scorer), settings.max_batch_tokens)
+        self.metrics = metrics
+        self.readiness = readiness or Readiness(metrics, model_loaded=True)
+        self._intake = Intake(settings, scorer, metrics)
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
-        self._batcher: TokenBudgetBatcher[_Accepted] = TokenBudgetBatcher(
+        self._batcher: TokenBudgetBatcher[Accepted] = TokenBudgetBatcher(
             settings.max_batch_tokens, settings.max_batch_requests, settings.max_wait_ms / 1000
         )
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -102,7 +78,7 @@ class ScoreWorker:
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="score-model")
         # Closed batches waiting for the model thread, which takes one at a time: while it is busy, arriving
         # requests keep filling the open batch instead of being cut into small batches queued behind it.
-        self._ready: deque[Batch[_Accepted]] = deque()
+        self._ready: deque[Batch[Accepted]] = deque()
         self._model_busy = False
         self._closed = False  # set once run() tears down: no new batch may start after that
         # Tokenising off the loop keeps heartbeats timely; its own thread lets it overlap a forward pass.
@@ -147,6 +123,7 @@ class ScoreWorker:
                 await self._publisher.stop()
         finally:
             self._closed = True
+            self.readiness.update(group_joined=False)
             for task in list(self._tasks):  # only left after an error: their offsets stay uncommitted
                 task.cancel()
             self._model_thread.shutdown(wait=False, cancel_futures=True)
@@ -159,10 +136,13 @@ class ScoreWorker:
         self._consumer = self._make_consumer()
         self._consumer.subscribe([self._settings.requests_topic], listener=_RevokeListener(self))
         await self._consumer.start()
+        self.readiness.update(broker_reachable=True)
+        probe = asyncio.get_running_loop().create_task(self._probe_broker(), name="broker-probe")
         try:
             await self._consume()
             await self._drain()
         finally:
+            probe.cancel()
             # Commits only offsets whose records were fully published: safe after an error too.
             await self._commit()
             await self._consumer.stop()
@@ -186,6 +166,7 @@ class ScoreWorker:
     async def _consume(self) -> None:
         assert self._consumer is not None
         next_commit = time.monotonic() + self._settings.commit_interval_ms / 1000
+        next_sample = time.monotonic()
         while not self._stop_requested and self._fatal is None:
             self._apply_backpressure()
             room = max(1, self._settings.max_inflight_requests - self._tracker.pending())
@@ -201,6 +182,37 @@ class ScoreWorker:
             if time.monotonic() >= next_commit:
                 await self._commit()
                 next_commit = time.monotonic() + self._settings.commit_interval_ms / 1000
+            if time.monotonic() >= next_sample:
+                await self._sample_state()
+                next_sample = time.monotonic() + _SAMPLE_S
+
+    async def _sample_state(self) -> None:
+        """In-flight, paused and per-partition lag (high-water mark minus position) into the metrics."""
+        assert self._consumer is not None
+        self.metrics.state(self._tracker.pending(), len(self._consumer.paused()))
+        lags: dict[tuple[str, int], int] = {}
+        for tp in self._consumer.assignment():
+            highwater = self._consumer.highwater(tp)
+            if highwater is None:  # nothing fetched from it yet: the position may not be known either
+                continue
+            with contextlib.suppress(KafkaError, TimeoutError):
+                async with asyncio.timeout(0.05):
+                    lags[(tp.topic, tp.partition)] = highwater - await self._consumer.position(tp)
+        self.metrics.set_lag(lags)
+
+    async def _probe_broker(self) -> None:
+        """Readiness: ask the brokers for metadata now and then; no answer in time means not reachable."""
+        assert self._consumer is not None
+        interval = self._settings.broker_probe_interval_ms / 1000
+        while True:
+            try:
+                async with asyncio.timeout(interval):
+                    await self._consumer.topics()
+                reachable = True
+            except (KafkaError, TimeoutError, OSError):
+                reachable = False
+            self.readiness.update(broker_reachable=reachable)
+            await asyncio.sleep(interval)
 
     def _apply_backpressure(self) -> None:
         assert self._consumer is not None
@@ -208,78 +220,35 @@ class ScoreWorker:
         pending = self._tracker.pending()
         paused = self._consumer.paused()
         if pending >= limit:
+            if not paused:
+                log.info("pausing fetches: %d requests in flight (max_inflight_requests %d)", pending, limit)
             self._consumer.pause(*self._consumer.assignment())
         elif paused and pending <= limit // 2:
             # Resume at half the limit, not just below it, so a busy worker does not flap.
+            log.info("resuming fetches: %d requests in flight", pending)
             self._consumer.resume(*paused)
 
     async def _accept(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        size = 0
         for record in records:
             self._tracker.track(TopicPartition(record.topic, record.partition), record.offset)
+            size += record_size(record)
+        self.metrics.fetched(len(records), size)
         log.debug("fetched %d records, %d in flight", len(records), self._tracker.pending())
         loop = asyncio.get_running_loop()
-        outcomes = await loop.run_in_executor(self._prepare_thread, self._prepare_all, records)
-        rejected = [o for o in outcomes if isinstance(o, _Rejected)]
+        outcomes = await loop.run_in_executor(self._prepare_thread, self._intake.prepare_all, records)
+        rejected = [o for o in outcomes if isinstance(o, Rejected)]
         if rejected:
             self._spawn(self._publish_rejected(rejected))
         for outcome in outcomes:
-            if isinstance(outcome, _Accepted):
+            if isinstance(outcome, Accepted):
                 for batch in self._batcher.add(outcome, outcome.prepared.num_tokens):
                     self._dispatch(batch)
         # A revocation that began while these were being prepared is waiting for them: wake it to close
         # the batch they joined (the fetch loop cannot: getmany blocks until the rebalance is over).
         self._progress.set()
 
-    def _prepare_all(self, records: list[ConsumerRecord[bytes, bytes]]) -> list[_Accepted | _Rejected]:
-        return [self._prepare_one(record) for record in records]
-
-    def _prepare_one(self, record: ConsumerRecord[bytes, bytes]) -> _Accepted | _Rejected:
-        tp = TopicPartition(record.topic, record.partition)
-        try:
-            request = decode_request(record.value if record.value is not None else b"")
-        except SchemaError as error:
-            return self._reject_record(record, error.code, error.message, error.request_id)
-        except Exception as exc:  # decode_request promises SchemaError only; never lose a record to a bug
-            log.exception("decoding offset %d of %s failed unexpectedly", record.offset, tp)
-            return self._reject_record(record, ErrorCode.INTERNAL_ERROR, f"decoding failed: {exc!r}", None)
-        try:
-            prepared = self._scorer.prepare(request)
-        except Exception as exc:
-            log.exception("preparing request %s failed unexpectedly", request.request_id)
-            prepared = self._failure(
-                request, ErrorCode.INTERNAL_ERROR, f"preparing the request failed: {exc!r}"
-            )
-        if isinstance(prepared, ScoreResult):
-            # Well-formed but unscorable (empty input, too long, ...): the result tells the producer why.
-            return _Rejected(tp, record.offset, [result_record(self._settings, record.key, prepared)])
-        return _Accepted(tp, record.offset, record.key, request, prepared)
-
-    def _reject_record(
-        self, record: ConsumerRecord[bytes, bytes], code: ErrorCode, message: str, request_id: str | None
-    ) -> _Rejected:
-        """A record that breaks the wire contract: error result if its id is known, always a DLQ copy."""
-        tp = TopicPartition(record.topic, record.partition)
-        log.warning(
-            "rejected offset %d of %s[%d]: %s %s", record.offset, tp.topic, tp.partition, code, message
-        )
-        messages = [dead_letter_record(self._settings, record, code, message)]
-        request_id = request_id or header_request_id(record.headers)
-        if request_id:
-            try:
-                failure = ScoreResult.failure(request_id, code, message, model=self._scorer.model_name)
-            except SchemaError:
-                # The header's id is no valid request id (too long, ...): the dead-letter copy is the trace.
-                log.warning("offset %d of %s: header request id is not usable", record.offset, tp)
-            else:
-                messages.insert(0, result_record(self._settings, record.key, failure))
-        return _Rejected(tp, record.offset, messages)
-
-    def _failure(self, request: ScoreRequest, code: ErrorCode, message: str) -> ScoreResult:
-        return ScoreResult.failure(
-            request.request_id, code, message, model=self._scorer.model_name, metadata=request.metadata
-        )
-
-    def _dispatch(self, batch: Batch[_Accepted] | None) -> None:
+    def _dispatch(self, batch: Batch[Accepted] | None) -> None:
         """Queue a closed batch for the model thread and start the next batch if the thread is free."""
         if batch is not None:
             self._ready.append(batch)
@@ -310,37 +279,31 @@ class ScoreWorker:
             self._fatal = self._fatal or error
         self._progress.set()
 
-    async def _run_batch(self, batch: Batch[_Accepted]) -> None:
+    async def _run_batch(self, batch: Batch[Accepted]) -> None:
         loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        self.metrics.batch_started(len(batch.items), batch.tokens, (now - i.ready_at for i in batch.items))
         try:
-            messages = await loop.run_in_executor(self._model_thread, self._score_batch, batch.items)
+            outgoing = await loop.run_in_executor(self._model_thread, self._intake.score, batch.items)
         finally:
             self._model_done()
-        await self._deliver_records(messages)
+        await self._deliver(outgoing)
         for item in batch.items:
             self._tracker.done(item.tp, item.offset)
 
-    def _score_batch(self, items: Sequence[_Accepted]) -> list[OutRecord]:
-        """Runs on the model thread: score, then encode (encoding large hidden states is not free)."""
-        try:
-            results = self._scorer.score_prepared([item.prepared for item in items])
-            if len(results) != len(items):
-                raise RuntimeError(f"scorer returned {len(results)} results for {len(items)} requests")
-        except Exception as exc:  # the Scorer reports model failures itself; this is a last resort
-            log.exception("scoring a batch of %d requests failed", len(items))
-            results = [
-                self._failure(i.request, ErrorCode.INTERNAL_ERROR, f"scoring failed: {exc!r}") for i in items
-            ]
-        return [result_record(self._settings, i.key, r) for i, r in zip(items, results, strict=True)]
-
-    async def _publish_rejected(self, rejected: list[_Rejected]) -> None:
-        await self._deliver_records([message for item in rejected for message in item.messages])
+    async def _publish_rejected(self, rejected: list[Rejected]) -> None:
+        tally = ResultTally()
+        for item in rejected:
+            tally.merge(item.tally)
+        await self._deliver(Outgoing([message for item in rejected for message in item.messages], tally))
         for item in rejected:
             self._tracker.done(item.tp, item.offset)
 
-    async def _deliver_records(self, records: list[OutRecord]) -> None:
+    async def _deliver(self, outgoing: Outgoing) -> None:
         assert self._publisher is not None
-        await self._publisher.deliver(records)
+        started = time.monotonic()
+        await self._publisher.deliver(outgoing.records)
+        self.metrics.published(outgoing.tally, time.monotonic() - started)
 
     async def _commit(self, partitions: set[TopicPartition] | None = None) -> None:
         offsets = self._tracker.to_commit(partitions)
@@ -355,7 +318,9 @@ class ScoreWorker:
             # Lost the partitions in a rebalance (or the broker is away): the next owner re-reads from the
             # last commit, so this means duplicates, never loss.
             log.warning("commit of %d partitions failed: %r", len(offsets), exc)
+            self.metrics.commit_failed()
             return
+        self.metrics.committed()
         self._tracker.mark_committed(offsets)
 
     async def _drain(self) -> None:
@@ -364,10 +329,20 @@ class ScoreWorker:
         self._consumer.pause(*self._consumer.assignment())
         await self._finish_in_flight(None, timeout_s=None, keep_polling=True)
 
+    def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        log.info(
+            "assigned partitions: %s", sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned) or "none"
+        )
+        self.metrics.assigned_partitions(len(assigned))
+        # A member without partitions (more workers than partitions) has joined all the same.
+        self.readiness.update(group_joined=True)
+
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Before losing partitions, let their in-flight requests finish (bounded), commit, forget them."""
+        self.metrics.forget_partitions((tp.topic, tp.partition) for tp in revoked)
         if not revoked:
             return
+        log.info("revoking partitions: %s", sorted(f"{tp.topic}[{tp.partition}]" for tp in revoked))
         limit_s = min(self._settings.max_poll_interval_ms / 2000, 30.0)
         if not await self._finish_in_flight(revoked, timeout_s=limit_s, keep_polling=False):
             log.warning("%d requests still in flight at revocation", self._tracker.pending(revoked))
@@ -397,3 +372,11 @@ class ScoreWorker:
             if keep_polling:
                 await self._consumer.getmany(timeout_ms=0)
         return True
+
+
+def model_info(scorer: ScorerLike) -> ModelInfo:
+    """The scorer's own description where it has one (models.Scorer), else its name alone."""
+    info = getattr(scorer, "info", None)
+    if isinstance(info, ModelInfo):
+        return info
+    return ModelInfo(scorer.model_name, "unknown", "unknown", "unknown", 0)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import logging
 import os
-import signal
 import sys
-from collections.abc import Callable, Sequence
-from types import FrameType
+import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr, ValidationError
@@ -19,7 +19,6 @@ from worker.config import ENV_PREFIX, WorkerSettings, describe_validation_error,
 
 if TYPE_CHECKING:
     from models import Scorer
-    from worker.app import ScoreWorker
 
 log = logging.getLogger("worker")
 
@@ -29,17 +28,41 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("worker.submit", "submit scoring requests and print their results"),
     "demo": ("worker.demo", "embedded broker + tiny model + one worker + sample requests"),
     "make-tiny-model": ("models.tiny", "write a tiny random-weight model for tests and demos"),
+    "lag-exporter": (
+        "worker.lag_exporter",
+        "consumer-group lag for Prometheus, read from the brokers",
+    ),
     "broker": ("worker.broker", "run the embedded Kafka-protocol broker (Tansu) for local trials"),
 }
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
-def configure_logging(level: str) -> None:
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line (time, level, logger, message, exception), for log collectors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(level: str, fmt: str = "text") -> None:
     """Concise logs once per process; the Kafka client's INFO chatter is held back to warnings."""
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", stream=sys.stderr
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        formatter: logging.Formatter = JsonLogFormatter()
+        formatter.converter = time.gmtime
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
@@ -79,26 +102,26 @@ def run_worker(args: argparse.Namespace) -> int:
     except ValidationError as error:
         print(f"score-worker run: invalid settings\n{describe_validation_error(error)}", file=sys.stderr)
         return EXIT_USAGE
-    # A signal during the (slow) model load must not kill the process half-way: note it, exit cleanly after.
-    early_stop: list[int] = []
-    previous = _install_handlers(lambda signum, _frame: early_stop.append(signum))
-    try:
-        scorer = _load_scorer(settings)
-    finally:
-        _restore_handlers(previous)
-    if scorer is None:
-        return EXIT_USAGE
-    if early_stop:
-        log.info("signal %d during start-up: exiting", early_stop[0])
-        return EXIT_OK
-    from worker.app import ScoreWorker
+    from models import ModelLoadError
     from worker.errors import WorkerError
+    from worker.service import WorkerService, serve_with_signals
 
-    worker = ScoreWorker(settings, scorer)
+    log.info(
+        "starting worker %s: group %s, %s -> %s on %s, model %s, metrics port %s",
+        settings.worker_id, settings.group_id, settings.requests_topic, settings.results_topic,
+        settings.bootstrap_servers, settings.model_dir, settings.metrics_port or "off",
+    )  # fmt: skip
+    service = WorkerService(settings, lambda: _load_scorer(settings))
     try:
-        asyncio.run(_serve(worker))
+        asyncio.run(serve_with_signals(service))
+    except (ModelLoadError, ValueError) as error:
+        print(f"score-worker run: cannot load the model in {settings.model_dir}: {error}", file=sys.stderr)
+        return EXIT_USAGE
     except WorkerError as error:
         log.error("%s", error)
+        return EXIT_FAILURE
+    except OSError as error:  # the metrics port is taken, ...
+        log.error("the worker failed: %s", error)
         return EXIT_FAILURE
     except Exception:  # a broker that cannot be reached, refused credentials, ...: say so, exit non-zero
         log.exception("the worker failed")
@@ -106,62 +129,20 @@ def run_worker(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _load_scorer(settings: WorkerSettings) -> Scorer | None:
-    from models import ModelLoadError, Scorer, ScorerConfig
+def _load_scorer(settings: WorkerSettings) -> Scorer:
+    from models import Scorer, ScorerConfig
 
     config = ScorerConfig(
         device=settings.device, dtype=settings.dtype, max_batch_tokens=settings.max_batch_tokens
     )
-    try:
-        scorer = Scorer(settings.model_dir, config)
-    except (ModelLoadError, ValueError) as error:
-        print(f"score-worker run: cannot load the model in {settings.model_dir}: {error}", file=sys.stderr)
-        return None
-    log.info("loaded model %s from %s", scorer.model_name, settings.model_dir)
-    return scorer
-
-
-async def _serve(worker: ScoreWorker) -> None:
-    loop = asyncio.get_running_loop()
-    signals_seen: list[int] = []
-
-    def on_signal(signum: int) -> None:
-        signals_seen.append(signum)
-        if len(signals_seen) == 1:
-            worker.stop()
-            return
-        # A second signal means "now": exit without publishing; uncommitted requests are redelivered.
-        log.warning("second signal: exiting without finishing in-flight requests")
-        os._exit(128 + signum)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    try:
-        await worker.run()
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
-
-
-Handler = Callable[[int, FrameType | None], Any] | int | None
-
-
-def _install_handlers(handler: Callable[[int, FrameType | None], Any]) -> dict[int, Handler]:
-    previous: dict[int, Handler] = {}
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        previous[signum] = signal.signal(signum, handler)
-    return previous
-
-
-def _restore_handlers(previous: dict[int, Handler]) -> None:
-    for signum, handler in previous.items():
-        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    return Scorer(settings.model_dir, config)
 
 
 def _chosen_command(argv: Sequence[str]) -> str | None:
     """The subcommand named on the command line, found before parsing so only its module is imported."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--log-level")
+    pre.add_argument("--log-format")
     _, rest = pre.parse_known_args(argv)
     return next((arg for arg in rest if not arg.startswith("-")), None)
 
@@ -174,6 +155,13 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         type=str.upper,
         help=f"log verbosity (env {ENV_PREFIX}LOG_LEVEL, default INFO)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default=os.environ.get(f"{ENV_PREFIX}LOG_FORMAT", "text"),
+        choices=["text", "json"],
+        type=str.lower,
+        help=f"text lines or one JSON object per line (env {ENV_PREFIX}LOG_FORMAT, default text)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", help="consume requests, score them, publish results")
@@ -198,5 +186,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"score-worker: this command is not available: {error}", file=sys.stderr)
         return EXIT_FAILURE
     args = parser.parse_args(args_list)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     return int(args.handler(args))

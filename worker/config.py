@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import ssl
 from pathlib import Path
 from typing import Any, Literal
@@ -66,6 +67,19 @@ class WorkerSettings(BaseSettings):
     create_topics: bool = Field(True, description="create missing topics at start-up")
     topic_partitions: int = Field(4, gt=0, description="partitions of topics this worker creates")
     topic_replication_factor: int = Field(1, gt=0, description="replication factor of created topics")
+    worker_id: str = Field(
+        default_factory=socket.gethostname,
+        min_length=1,
+        max_length=128,
+        description="this worker's name in metrics and logs (default: the host name)",
+    )
+    metrics_port: int = Field(
+        9464, ge=0, le=65535, description="port of /metrics, /healthz and /readyz; 0 turns them off"
+    )
+    metrics_host: str = Field("0.0.0.0", min_length=1, description="address the metrics port listens on")
+    broker_probe_interval_ms: int = Field(
+        5_000, ge=100, le=300_000, description="how often readiness asks the brokers for metadata"
+    )
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         "PLAINTEXT", description="how to reach the brokers"
     )

@@ -41,6 +41,9 @@ class OutRecord:
     key: bytes | None
     value: bytes | None
     headers: Headers
+    # What the record carries, for the metrics: the result encoded in it, or the dead-letter reason.
+    result: ScoreResult | None = None
+    dead_letter_reason: str | None = None
 
 
 def record_size(key: bytes | None, value: bytes | None, headers: Headers) -> int:
@@ -59,7 +62,7 @@ def _result_candidates(
 ) -> Iterator[OutRecord]:
     topic = settings.results_topic
     value = encode_result(result)
-    yield OutRecord(topic, key, value, headers)
+    yield OutRecord(topic, key, value, headers, result)
     size, limit = record_size(key, value, headers), settings.max_record_bytes
     message = (
         f"the result is {size} bytes, above the record limit of {limit} bytes (max_record_bytes); "
@@ -69,12 +72,13 @@ def _result_candidates(
     failure = ScoreResult.failure(
         result.request_id, ErrorCode.RESULT_TOO_LARGE, message, model=result.model, metadata=result.metadata
     )
-    yield OutRecord(topic, key, encode_result(failure), headers)
+    yield OutRecord(topic, key, encode_result(failure), headers, failure)
     # The echoed metadata, then the key, can be what breaks the limit on their own. Without them the
     # result always fits; a record that can never be sent would stop the worker at it on every restart.
-    bare = encode_result(dataclasses.replace(failure, metadata=None))
-    yield OutRecord(topic, key, bare, headers)
-    yield OutRecord(topic, None, bare, headers)
+    bare_failure = dataclasses.replace(failure, metadata=None)
+    bare = encode_result(bare_failure)
+    yield OutRecord(topic, key, bare, headers, bare_failure)
+    yield OutRecord(topic, None, bare, headers, bare_failure)
 
 
 def dead_letter_record(
@@ -96,11 +100,12 @@ def dead_letter_record(
     no_value = [("x-value-omitted-bytes", str(len(value or b"")).encode())]
     header_bytes = sum(len(name.encode()) + len(data or b"") for name, data in headers)
     no_headers = [("x-headers-omitted-bytes", str(header_bytes).encode())]
+    why = str(code)
     candidates = [
-        OutRecord(topic, key, value, headers + reason),
-        OutRecord(topic, key, None, headers + reason + no_value),
-        OutRecord(topic, key, None, reason + no_value + no_headers),
-        OutRecord(topic, None, None, reason + no_value + no_headers),
+        OutRecord(topic, key, value, headers + reason, dead_letter_reason=why),
+        OutRecord(topic, key, None, headers + reason + no_value, dead_letter_reason=why),
+        OutRecord(topic, key, None, reason + no_value + no_headers, dead_letter_reason=why),
+        OutRecord(topic, None, None, reason + no_value + no_headers, dead_letter_reason=why),
     ]
     return _first_within(settings.max_record_bytes, candidates)
 

@@ -12,7 +12,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from worker_testkit import Names, WrappedScorer, fast_settings, finish, request_record
 
-from models import Scorer, ScorerConfig
+from models import BatchObserver, Scorer, ScorerConfig
 from schemas import ScoreRequest, ScoreResult
 from worker.app import ScoreWorker
 from worker.topics import ensure_topics
@@ -31,10 +31,12 @@ class SlowScorer(WrappedScorer):
         super().__init__(Scorer(model_dir, ScorerConfig(device="cpu")))
         self.batch_sizes: list[int] = []
 
-    def score_prepared(self, prepared: Sequence[Any]) -> list[ScoreResult]:
+    def score_prepared(
+        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
+    ) -> list[ScoreResult]:
         self.batch_sizes.append(len(prepared))
         time.sleep(FORWARD_S)
-        return self._scorer.score_prepared(prepared)
+        return self._scorer.score_prepared(prepared, on_batch)
 
 
 def test_requests_arriving_during_a_forward_join_one_batch(

@@ -23,7 +23,7 @@ from worker_testkit import (
     request_record,
 )
 
-from models import PreparedRequest, Scorer, ScorerConfig
+from models import BatchObserver, PreparedRequest, Scorer, ScorerConfig
 from schemas import ResultStatus, ScoreRequest, ScoreResult, decode_result
 from worker.app import ScoreWorker
 from worker.topics import ensure_topics
@@ -49,9 +49,11 @@ class CountingScorer(WrappedScorer):
             self.release.wait(60)
         return self._scorer.prepare(request)
 
-    def score_prepared(self, prepared: Sequence[Any]) -> list[ScoreResult]:
+    def score_prepared(
+        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
+    ) -> list[ScoreResult]:
         self.scored.update(p.request.request_id for p in prepared)
-        return self._scorer.score_prepared(prepared)
+        return self._scorer.score_prepared(prepared, on_batch)
 
 
 def _check_once_each(outcome: Outcome, requests: list[ScoreRequest], scorers: list[CountingScorer]) -> None:

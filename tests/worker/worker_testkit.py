@@ -13,7 +13,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from models import PreparedRequest, Scorer
+from models import BatchObserver, ModelInfo, PreparedRequest, Scorer
 from schemas import ScoreRequest, ScoreResult, encode_request, request_headers
 from worker.app import ScoreWorker
 from worker.config import WorkerSettings
@@ -31,11 +31,17 @@ class WrappedScorer:
     def model_name(self) -> str:
         return self._scorer.model_name
 
+    @property
+    def info(self) -> ModelInfo:
+        return self._scorer.info
+
     def prepare(self, request: ScoreRequest) -> PreparedRequest | ScoreResult:
         return self._scorer.prepare(request)
 
-    def score_prepared(self, prepared: Sequence[Any]) -> list[ScoreResult]:
-        return self._scorer.score_prepared(prepared)
+    def score_prepared(
+        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
+    ) -> list[ScoreResult]:
+        return self._scorer.score_prepared(prepared, on_batch)
 
 
 @dataclass(frozen=True)

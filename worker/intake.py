@@ -1,0 +1,168 @@
+"""Records in, records out: decode and tokenise fetched requests, encode results, count what they carry."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from models import BatchObserver
+from schemas import ErrorCode, SchemaError, ScoreRequest, ScoreResult, decode_request, header_request_id
+from worker.config import WorkerSettings
+from worker.metrics import ResultTally, WorkerMetrics
+from worker.publisher import OutRecord, dead_letter_record, result_record
+
+log = logging.getLogger(__name__)
+
+
+class ScorerLike(Protocol):
+    """What the worker needs of models.Scorer."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    def prepare(self, request: ScoreRequest) -> Any: ...
+
+    def score_prepared(
+        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
+    ) -> list[ScoreResult]: ...
+
+
+@dataclass(eq=False)
+class Accepted:
+    """A decoded, tokenised request waiting for (or in) a model batch."""
+
+    tp: TopicPartition
+    offset: int
+    key: bytes | None
+    request: ScoreRequest
+    prepared: Any
+    timestamp_ms: int  # the request record's timestamp: where its end-to-end latency starts
+    size: int  # bytes of the request record
+    ready_at: float  # monotonic time it was tokenised: where its wait for a batch starts
+
+
+@dataclass(eq=False)
+class Rejected:
+    """A record answered without a model run, with the records that answer it (result and/or DLQ copy)."""
+
+    tp: TopicPartition
+    offset: int
+    messages: list[OutRecord]
+    tally: ResultTally
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """Records to publish for a group of requests, and what they carry (counted once the broker acks)."""
+
+    records: list[OutRecord]
+    tally: ResultTally
+
+
+def record_size(record: ConsumerRecord[bytes, bytes]) -> int:
+    return len(record.value or b"") + len(record.key or b"")
+
+
+class Intake:
+    """Turns fetched records into accepted requests or rejections, and results into records to publish."""
+
+    def __init__(self, settings: WorkerSettings, scorer: ScorerLike, metrics: WorkerMetrics) -> None:
+        self._settings = settings
+        self._scorer = scorer
+        self._metrics = metrics
+
+    def prepare_all(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Accepted | Rejected]:
+        """Runs on the tokeniser thread."""
+        return [self._prepare_one(record) for record in records]
+
+    def _prepare_one(self, record: ConsumerRecord[bytes, bytes]) -> Accepted | Rejected:
+        started = time.perf_counter()
+        tp = TopicPartition(record.topic, record.partition)
+        try:
+            request = decode_request(record.value if record.value is not None else b"")
+        except SchemaError as error:
+            return self._reject_record(record, error.code, error.message, error.request_id)
+        except Exception as exc:  # decode_request promises SchemaError only; never lose a record to a bug
+            log.exception("decoding offset %d of %s failed unexpectedly", record.offset, tp)
+            return self._reject_record(record, ErrorCode.INTERNAL_ERROR, f"decoding failed: {exc!r}", None)
+        try:
+            prepared = self._scorer.prepare(request)
+        except Exception as exc:
+            log.exception("preparing request %s failed unexpectedly", request.request_id)
+            prepared = self.failure(
+                request, ErrorCode.INTERNAL_ERROR, f"preparing the request failed: {exc!r}"
+            )
+        self._metrics.tokenized(time.perf_counter() - started)
+        if isinstance(prepared, ScoreResult):
+            # Well-formed but unscorable (empty input, too long, ...): the result tells the producer why.
+            return self._answered(record, [result_record(self._settings, record.key, prepared)])
+        return Accepted(
+            tp, record.offset, record.key, request, prepared, record.timestamp, record_size(record),
+            time.monotonic(),
+        )  # fmt: skip
+
+    def _reject_record(
+        self, record: ConsumerRecord[bytes, bytes], code: ErrorCode, message: str, request_id: str | None
+    ) -> Rejected:
+        """A record that breaks the wire contract: error result if its id is known, always a DLQ copy."""
+        tp = TopicPartition(record.topic, record.partition)
+        request_id = request_id or header_request_id(record.headers)
+        log.warning(
+            "rejected offset %d of %s[%d] (request id %s): %s %s",
+            record.offset, tp.topic, tp.partition, request_id or "unknown", code, message,
+        )  # fmt: skip
+        messages = [dead_letter_record(self._settings, record, code, message)]
+        if request_id:
+            try:
+                failure = ScoreResult.failure(request_id, code, message, model=self._scorer.model_name)
+            except SchemaError:
+                # The header's id is no valid request id (too long, ...): the dead-letter copy is the trace.
+                log.warning("offset %d of %s: header request id is not usable", record.offset, tp)
+            else:
+                messages.insert(0, result_record(self._settings, record.key, failure))
+        return self._answered(record, messages)
+
+    @staticmethod
+    def _answered(record: ConsumerRecord[bytes, bytes], messages: list[OutRecord]) -> Rejected:
+        tally = ResultTally(request_bytes=record_size(record))
+        for message in messages:
+            tally.add(message, record.timestamp)
+        tp = TopicPartition(record.topic, record.partition)
+        return Rejected(tp, record.offset, messages, tally)
+
+    def failure(self, request: ScoreRequest, code: ErrorCode, message: str) -> ScoreResult:
+        return ScoreResult.failure(
+            request.request_id, code, message, model=self._scorer.model_name, metadata=request.metadata
+        )
+
+    def score(self, items: Sequence[Accepted]) -> Outgoing:
+        """Runs on the model thread: score, then encode (encoding large hidden states is not free)."""
+        try:
+            results = self._scorer.score_prepared(
+                [item.prepared for item in items], on_batch=self._metrics.model_batch
+            )
+            if len(results) != len(items):
+                raise RuntimeError(f"scorer returned {len(results)} results for {len(items)} requests")
+        except Exception as exc:  # the Scorer reports model failures itself; this is a last resort
+            log.exception(
+                "scoring a batch of %d requests failed (first request id %s)",
+                len(items), items[0].request.request_id if items else "-",
+            )  # fmt: skip
+            results = [
+                self.failure(i.request, ErrorCode.INTERNAL_ERROR, f"scoring failed: {exc!r}") for i in items
+            ]
+        started = time.perf_counter()
+        tally = ResultTally()
+        records = []
+        for item, result in zip(items, results, strict=True):
+            record = result_record(self._settings, item.key, result)
+            tally.add(record, item.timestamp_ms)
+            tally.request_bytes += item.size
+            records.append(record)
+        self._metrics.encoded(time.perf_counter() - started)
+        return Outgoing(records, tally)
