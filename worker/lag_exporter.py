@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -79,11 +80,14 @@ class LagExporter:
         self.healthy = False
         self._highwater: dict[TopicPartition, int] = {}
         self._consumer: AIOKafkaConsumer | None = None
+        self._admin: AIOKafkaAdminClient | None = None
         # One consumer per group that never subscribes: it reads the group's commits without joining it
         # (the admin client's OffsetFetch is not understood by every Kafka-protocol broker).
         self._group_readers: dict[str, AIOKafkaConsumer] = {}
 
     async def start(self) -> None:
+        self._admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap, client_id="score-lag-exporter")
+        await self._admin.start()
         # No group: it only reads positions. Tiny fetches: one record at the log end is all it needs.
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=self._bootstrap, client_id="score-lag-exporter", enable_auto_commit=False,
@@ -103,6 +107,8 @@ class LagExporter:
             await reader.stop()
         if self._consumer is not None:
             await self._consumer.stop()
+        if self._admin is not None:
+            await self._admin.close()
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -138,13 +144,17 @@ class LagExporter:
         self.metrics.last_success.set(time.time())
 
     async def _topic_partitions(self) -> list[TopicPartition]:
-        assert self._consumer is not None
-        await self._consumer.topics()  # refreshes metadata
+        """Partitions of the watched topics, asked anew each round (a topic may be created or grown)."""
+        assert self._admin is not None
+        # Only topics that exist: naming a missing one in a metadata request lets a broker that
+        # auto-creates topics create it, with its default partition count, before the workers do.
+        existing = set(await self._admin.list_topics())
+        watched = [topic for topic in self._topics if topic in existing]
         found = []
-        for topic in self._topics:
-            for partition in sorted(self._consumer.partitions_for_topic(topic) or ()):
-                found.append(TopicPartition(topic, partition))
-        return found
+        for topic in await self._admin.describe_topics(watched) if watched else []:
+            if topic["error_code"] == 0:
+                found += [TopicPartition(topic["topic"], p["partition"]) for p in topic["partitions"]]
+        return sorted(found)
 
     async def _highwaters(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
         """High-water marks from a fetch one record before each partition's known end."""
