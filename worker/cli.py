@@ -33,6 +33,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
         "consumer-group lag for Prometheus, read from the brokers",
     ),
     "broker": ("worker.broker", "run the embedded Kafka-protocol broker (Tansu) for local trials"),
+    "produce-samples": ("worker.sample_producer", "send a steady trickle of mixed sample requests"),
 }
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
