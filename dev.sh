@@ -1,12 +1,28 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: builds .venv on first use, then runs the demo or the test suite.
 #   ./dev.sh demo   - embedded broker + tiny local model + one worker + sample requests, results printed
-#   ./dev.sh test   - the whole suite: ruff, mypy and pytest against a real (embedded) broker
+#   ./dev.sh test   - the whole suite: ruff, mypy and pytest against a real (embedded) broker and a real
+#                     Prometheus (installed with apt-get when missing and run as root)
 set -euo pipefail
 cd "$(dirname "$0")"
 
 VENV="${SCORE_WORKER_VENV:-.venv}"
 PY="${PYTHON:-python3}"
+
+# The test suite runs a real Prometheus (and promtool) and checks docker-compose.yml with a real compose
+# implementation; on Debian/Ubuntu both come from apt. Elsewhere the tests that need them say how to get them.
+system_tools() {
+    if command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v docker-compose >/dev/null; then
+        return
+    fi
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "dev.sh: installing prometheus and docker-compose with apt-get" >&2
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus docker-compose >/dev/null
+    else
+        echo "dev.sh: prometheus/promtool or docker-compose missing; install them (apt-get install prometheus docker-compose) or their tests will not run" >&2
+    fi
+}
 
 setup() {
     if [ ! -x "$VENV/bin/python" ]; then
@@ -35,6 +51,7 @@ case "$cmd" in
         ;;
     test)
         setup
+        system_tools
         exec "$VENV/bin/python" -m pytest "$@"
         ;;
     setup)

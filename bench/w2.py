@@ -36,6 +36,7 @@ from models import Scorer, ScorerConfig
 from worker.app import ScoreWorker
 from worker.broker import EmbeddedBroker
 from worker.config import WorkerSettings
+from worker.metrics import WorkerMetrics
 from worker.publisher import result_record
 from worker.topics import ensure_topics
 
@@ -94,11 +95,25 @@ def build_model_dir(shapes: dict[str, Any], device: str, workdir: Path) -> Path:
 SHORT_FETCH_WAIT_MS = 10
 
 
+class NullMetrics(WorkerMetrics):
+    """Records nothing: the baseline that `--no-metrics` runs against to show what metrics cost."""
+
+    def fetched(self, records: int, size_bytes: int) -> None: ...
+    def tokenized(self, seconds: float) -> None: ...
+    def batch_started(self, requests: int, tokens: int, waits: Any) -> None: ...
+    def model_batch(self, stats: Any) -> None: ...
+    def encoded(self, seconds: float) -> None: ...
+    def published(self, tally: Any, seconds: float) -> None: ...
+    def committed(self) -> None: ...
+    def state(self, inflight: int, paused: int) -> None: ...
+    def set_lag(self, lags: Any) -> None: ...
+
+
 class WorkerRun:
     """One in-process worker at a time on this loop, with the loop watcher; restartable between phases."""
 
-    def __init__(self, settings: WorkerSettings, scorer: RecordingScorer) -> None:
-        self._settings, self._scorer = settings, scorer
+    def __init__(self, settings: WorkerSettings, scorer: RecordingScorer, no_metrics: bool = False) -> None:
+        self._settings, self._scorer, self._no_metrics = settings, scorer, no_metrics
         self.loop_samples: list[tuple[float, float, int]] = []
         self.task: asyncio.Task[None] | None = None
         self._worker: ScoreWorker | None = None
@@ -108,7 +123,8 @@ class WorkerRun:
         settings = self._settings
         if fetch_max_wait_ms is not None:
             settings = settings.model_copy(update={"fetch_max_wait_ms": fetch_max_wait_ms})
-        self._worker = ScoreWorker(settings, self._scorer)
+        metrics = NullMetrics(settings.worker_id) if self._no_metrics else None
+        self._worker = ScoreWorker(settings, self._scorer, metrics)
         self.task = asyncio.create_task(self._worker.run())
         self._watcher = asyncio.create_task(watch_loop(self._worker, self.loop_samples))
 
@@ -147,11 +163,15 @@ async def _await_report(
 
 
 async def serve(
-    settings: WorkerSettings, scorer: RecordingScorer, load: w2_load.LoadConfig, timeout_s: float
+    settings: WorkerSettings,
+    scorer: RecordingScorer,
+    load: w2_load.LoadConfig,
+    timeout_s: float,
+    no_metrics: bool = False,
 ) -> tuple[dict[str, Any], list[tuple[float, float, int]]]:
     """Run the worker while the load process runs its phases; returns its report and the loop samples."""
     await ensure_topics(settings)  # the load process reads the results topic from its start
-    run = WorkerRun(settings, scorer)
+    run = WorkerRun(settings, scorer, no_metrics)
     run.start()
     context = multiprocessing.get_context("spawn")  # never fork a process that holds a CUDA context
     queue, control = context.Queue(), context.Queue()
@@ -211,6 +231,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, 64 requests, CPU if no GPU")
+    parser.add_argument(
+        "--no-metrics", action="store_true", help="the worker records no metrics (to measure their cost)"
+    )
     parser.add_argument("--requests", type=int, default=None, help="requests (default 8192; quick 64)")
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
     parser.add_argument("--max-wait-ms", type=int, default=2)
@@ -269,7 +292,7 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
         with Sampler(recorder.thread_ids) as sampler, GpuSampler() as gpu:
             try:
                 loaded, loop = asyncio.run(
-                    serve(settings, recorder, load, load.deadline - time.monotonic() + 30)
+                    serve(settings, recorder, load, load.deadline - time.monotonic() + 30, args.no_metrics)
                 )
             except Exception:  # keep what the worker did: its batches still say a lot about the failure
                 traceback.print_exc()
