@@ -40,7 +40,9 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 class JsonLogFormatter(logging.Formatter):
-    """One JSON object per line (time, level, logger, message, exception), for log collectors."""
+    """One JSON object per line (time in UTC, level, logger, message, exception), for log collectors."""
+
+    converter = staticmethod(time.gmtime)
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -59,7 +61,6 @@ def configure_logging(level: str, fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         formatter: logging.Formatter = JsonLogFormatter()
-        formatter.converter = time.gmtime
     else:
         formatter = logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
     handler.setFormatter(formatter)

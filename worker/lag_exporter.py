@@ -86,34 +86,46 @@ class LagExporter:
         self._group_readers: dict[str, AIOKafkaConsumer] = {}
 
     async def start(self) -> None:
-        self._admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap, client_id="score-lag-exporter")
-        await self._admin.start()
-        # No group: it only reads positions. Tiny fetches: one record at the log end is all it needs.
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self._bootstrap, client_id="score-lag-exporter", enable_auto_commit=False,
-            max_partition_fetch_bytes=1, fetch_max_wait_ms=100,
-        )  # fmt: skip
-        await self._consumer.start()
-        for group in self._groups:
-            reader = AIOKafkaConsumer(
-                bootstrap_servers=self._bootstrap, client_id="score-lag-exporter", group_id=group,
-                enable_auto_commit=False,
+        """Connect; raises KafkaError while no broker answers (`run` keeps trying)."""
+        try:
+            admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap, client_id="score-lag-exporter")
+            self._admin = admin
+            await admin.start()
+            # No group: it only reads positions. Tiny fetches: one record at the log end is all it needs.
+            self._consumer = AIOKafkaConsumer(
+                bootstrap_servers=self._bootstrap, client_id="score-lag-exporter", enable_auto_commit=False,
+                max_partition_fetch_bytes=1, fetch_max_wait_ms=100,
             )  # fmt: skip
-            await reader.start()
-            self._group_readers[group] = reader
+            await self._consumer.start()
+            for group in self._groups:
+                reader = AIOKafkaConsumer(
+                    bootstrap_servers=self._bootstrap, client_id="score-lag-exporter", group_id=group,
+                    enable_auto_commit=False,
+                )  # fmt: skip
+                self._group_readers[group] = reader
+                await reader.start()
+        except BaseException:
+            await self.stop()
+            raise
 
     async def stop(self) -> None:
         for reader in self._group_readers.values():
             await reader.stop()
+        self._group_readers.clear()
         if self._consumer is not None:
             await self._consumer.stop()
+            self._consumer = None
         if self._admin is not None:
             await self._admin.close()
+            self._admin = None
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Poll until `stop` is set; brokers that are not up yet, or go away, are failed polls, not exits."""
         while not stop.is_set():
             try:
                 async with asyncio.timeout(max(10.0, 2 * self._interval_s)):
+                    if self._admin is None:
+                        await self.start()
                     await self.poll()
             except (KafkaError, TimeoutError, OSError) as exc:
                 self.metrics.failures.inc()
@@ -225,7 +237,6 @@ async def _serve(exporter: LagExporter, host: str, port: int) -> None:
     )
     await server.start()
     try:
-        await exporter.start()
         await exporter.run(stop)
     finally:
         await exporter.stop()

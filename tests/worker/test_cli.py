@@ -61,3 +61,27 @@ def test_unloadable_model_dir_exits_2(tmp_path: Path, capsys: pytest.CaptureFixt
     )
     assert code == 2
     assert "cannot load the model" in capsys.readouterr().err
+
+
+def test_json_logs_are_one_object_per_line_with_the_exception() -> None:
+    import json
+    import logging
+    import sys
+    import time
+
+    from worker.cli import JsonLogFormatter
+
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord(
+            "worker.app", logging.ERROR, __file__, 1, "batch %d failed", (7,), sys.exc_info()
+        )
+    line = JsonLogFormatter().format(record)
+    assert "\n" not in line
+    entry = json.loads(line)
+    assert entry["level"] == "ERROR" and entry["logger"] == "worker.app"
+    assert entry["message"] == "batch 7 failed"
+    assert "ValueError: boom" in entry["exception"]
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    assert entry["time"].startswith(stamp) and entry["time"].endswith("Z")  # UTC whatever the local zone
