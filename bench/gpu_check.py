@@ -1,7 +1,7 @@
 """GPU correctness check of the packed varlen Scorer against HuggingFace float32, on small local models.
 
 Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/gpu_check.py
-For each model (the four tiny architectures of models.write_tiny_model, plus a llama with 4:1 grouped-query
+For each model (every tiny architecture of models.write_tiny_model, plus a llama with 4:1 grouped-query
 attention and head_dim 128) and each dtype, one mixed batch (single items of 1..N tokens, multi-item requests
 with a query, item_first, text items, mixed hidden-state flags and dtypes, apply_softmax, one invalid
 request) is scored in several packs, compared with per-prompt HF float32 forwards, and with the same
@@ -34,6 +34,9 @@ GPU_RUNS: tuple[tuple[str, Attention], ...] = (
     ("float16", "varlen"),
     ("float32", "varlen"),
     ("float32", "auto"),
+    # The path a worker takes by default: varlen, or the exact path for a model whose attention the varlen
+    # kernel cannot compute (Gemma 2's soft-capped logits).
+    ("bfloat16", "auto"),
 )
 # Floors for (score error / score scale, hidden relative error): rounding of the dtype over a few layers.
 FLOORS = {"bfloat16": (2e-2, 1e-2), "float16": (3e-3, 2e-3), "float32": (1e-4, 1e-4)}
@@ -64,9 +67,10 @@ def write_models(root: Path) -> dict[str, Path]:
 
     from bench.packed_path import attach_tokenizer
     from models import write_tiny_model
+    from models.tiny import ARCHITECTURES
 
     dirs: dict[str, Path] = {}
-    for arch in ("llama", "qwen3", "qwen2", "mistral"):
+    for arch in ARCHITECTURES:
         dirs[arch] = root / arch
         write_tiny_model(dirs[arch], architecture=arch, seed=1, num_labels=1)
     shapes: dict[str, Any] = {
@@ -133,8 +137,12 @@ def hf_per_prompt(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> t
 def load_hf(model_dir: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
     from transformers import AutoModelForSequenceClassification
 
+    from models.loading import read_config
+
+    # HF's SDPA path has no logit soft-capping (Gemma 2 refuses it): such models run eager attention.
+    softcap = read_config(model_dir).get("attn_logit_softcapping") is not None
     model: torch.nn.Module = AutoModelForSequenceClassification.from_pretrained(
-        str(model_dir), dtype=dtype, attn_implementation="sdpa"
+        str(model_dir), dtype=dtype, attn_implementation="eager" if softcap else "sdpa"
     )
     return model.to(device).eval()
 
@@ -253,7 +261,8 @@ def check_one(case: Case, dtype: str, attention: Attention, same_model: torch.nn
     try:
         scorer = Scorer(str(case.model_dir), config)
     except ModelLoadError as exc:
-        if dtype == "float32" and attention == "varlen":  # flash kernels have no float32: refusing is right
+        # Flash kernels have no float32 and no logit soft-capping: refusing those at start is right.
+        if attention == "varlen" and (dtype == "float32" or "caps attention logits" in str(exc)):
             outcome.numbers["refused_at_start"] = str(exc)
             return outcome
         raise

@@ -62,13 +62,22 @@ class ScorerConfig:
         return _DTYPES[self.dtype]
 
     def resolve_attention(
-        self, device: torch.device, dtype: torch.dtype | None = None
+        self, device: torch.device, dtype: torch.dtype | None = None, softcap: float | None = None
     ) -> Literal["varlen", "reference"]:
-        """The attention path: the varlen kernel on CUDA (or an injected kernel), exact SDPA otherwise."""
+        """The attention path: the varlen kernel on CUDA (or an injected kernel), exact SDPA otherwise.
+
+        `softcap` is the model's attention logit soft-cap (Gemma 2): the varlen kernel cannot apply it, so
+        such a model takes the exact path ('auto') or is refused ('varlen'), never an approximation.
+        """
         # torch's varlen_attn is a flash kernel: float16/bfloat16 only; float32 would fail every batch.
         half = dtype is None or dtype in (torch.float16, torch.bfloat16)
         if self.attention == "auto":
-            return "varlen" if device.type == "cuda" and half else "reference"
+            return "varlen" if device.type == "cuda" and half and softcap is None else "reference"
+        if self.attention == "varlen" and softcap is not None:
+            raise ValueError(
+                f"this model caps attention logits (attn_logit_softcapping={softcap}), which the varlen "
+                "kernel cannot do; use attention='auto' or 'reference' (the exact per-item path)"
+            )
         if self.attention == "varlen" and device.type != "cuda" and self.varlen_kernel is None:
             raise ValueError(
                 "attention='varlen' needs a CUDA device (torch's varlen_attn is CUDA-only); "

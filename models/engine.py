@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -12,10 +13,12 @@ import torch
 from models.attention import register_attention
 from models.config import ScorerConfig
 from models.errors import ModelLoadError
-from models.loading import LoadedModel, load_model
+from models.loading import LoadedModel, load_model, read_config
 from models.packing import PackedBatch, RowRequest, copy_rows_to_host, hidden_row_bytes, pack
 from models.prepare import PreparedRequest, PromptBuilder, PromptError
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class ModelInfo:
     dtype: str
     device: str
     hidden_size: int
+    attention: str = "unknown"  # "varlen" (the packed kernel) or "reference" (exact, per item)
 
 
 BatchObserver = Callable[[BatchStats], None]
@@ -69,12 +73,18 @@ class Scorer:
 
     def __init__(self, model_dir: str | Path, config: ScorerConfig | None = None) -> None:
         self.config = config or ScorerConfig()
+        softcap = read_config(Path(model_dir)).get("attn_logit_softcapping")
         try:
             self.device = self.config.resolve_device()
             self.dtype = self.config.resolve_dtype(self.device)
-            self.attention = self.config.resolve_attention(self.device, self.dtype)
+            self.attention = self.config.resolve_attention(self.device, self.dtype, softcap)
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
+        if softcap is not None and self.device.type == "cuda":
+            log.warning(
+                "%s caps attention logits (%s): the varlen kernel cannot, so it runs the exact per-item "
+                "attention path, several times slower on long batches", Path(model_dir).name, softcap,
+            )  # fmt: skip
         implementation = register_attention(self.attention, self.config.varlen_kernel)
         self._loaded: LoadedModel = load_model(
             Path(model_dir), device=self.device, dtype=self.dtype, attn_implementation=implementation
@@ -109,6 +119,7 @@ class Scorer:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             hidden_size=self.hidden_size,
+            attention=self.attention,
         )
 
     def device_memory(self) -> tuple[int, int] | None:

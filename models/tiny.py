@@ -20,7 +20,7 @@ from transformers import (
 
 from models.loading import quiet_progress_bars
 
-ARCHITECTURES = ("llama", "qwen3", "qwen2", "mistral")
+ARCHITECTURES = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3")
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")  # ids 0..3 in this order
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
 _VOCAB_SIZE = 512
@@ -89,8 +89,17 @@ def tiny_config(architecture: str, vocab_size: int, num_labels: int) -> Pretrain
     }
     if architecture == "qwen3":
         fields["head_dim"] = 32  # qwen3 decouples head_dim from hidden_size / heads; exercise that
-    if architecture == "mistral":
+    if architecture in ("mistral", "phi3", "gemma2", "gemma3_text"):
         fields["sliding_window"] = 16  # short, so that test prompts are longer than the window
+    if architecture in ("gemma2", "gemma3_text"):
+        fields["head_dim"] = 16
+        fields["query_pre_attn_scalar"] = 24  # not head_dim: a scale taken from head_dim would show
+        # Alternating local and global layers, as the real models have them.
+        fields["layer_types"] = ["sliding_attention", "full_attention"]
+    if architecture == "gemma2":
+        # Small enough that random-weight attention scores are really capped.
+        fields["attn_logit_softcapping"] = 2.0
+        fields["final_logit_softcapping"] = 3.0
     config = AutoConfig.for_model(architecture, **fields)
     config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForSequenceClassification"]
     return config

@@ -164,6 +164,7 @@ class WorkerMetrics:
                 "dtype": info.dtype,
                 "device": info.device,
                 "hidden_size": str(info.hidden_size),
+                "attention": info.attention,
             }
         )
         # Series without extra labels exist from the start at 0, so rates and panels have data at once.

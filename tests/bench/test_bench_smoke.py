@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from models.tiny import ARCHITECTURES
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,8 +26,9 @@ def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    # Five models are checked; a run that checks nothing must not pass.
-    assert re.search(r"gpu_check: 5 PASS, 0 FAIL", proc.stdout), proc.stdout[-2000:]
+    # Every tiny architecture plus the GQA llama is checked; a run that checks nothing must not pass.
+    expected = len(ARCHITECTURES) + 1
+    assert re.search(rf"gpu_check: {expected} PASS, 0 FAIL", proc.stdout), proc.stdout[-2000:]
     written = list(tmp_path.glob("*.json"))
     assert written, "gpu_check wrote no JSON report"
     assert json.loads(written[0].read_text())

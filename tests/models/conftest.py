@@ -31,17 +31,44 @@ def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Attention logit soft-capping, alternating sliding/global layers, scaled embeddings, (1 + w) norms."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-gemma2"), "gemma2", seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """q/k norms, alternating sliding/global layers with their own rotary bases."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3_text", seed=6)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Fused qkv and gate/up projections, sliding window."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-phi3"), "phi3", seed=7)
+
+
+@pytest.fixture(scope="session")
 def three_label_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama-3labels"), "llama", seed=4, num_labels=3)
 
 
 @pytest.fixture(scope="session")
 def model_dirs(
-    tiny_llama_dir: Path, tiny_qwen3_dir: Path, tiny_qwen2_dir: Path, tiny_mistral_dir: Path
+    tiny_llama_dir: Path,
+    tiny_qwen3_dir: Path,
+    tiny_qwen2_dir: Path,
+    tiny_mistral_dir: Path,
+    tiny_gemma2_dir: Path,
+    tiny_gemma3_dir: Path,
+    tiny_phi3_dir: Path,
 ) -> dict[str, Path]:
     return {
         "llama": tiny_llama_dir,
         "qwen3": tiny_qwen3_dir,
         "qwen2": tiny_qwen2_dir,
         "mistral": tiny_mistral_dir,
+        "gemma2": tiny_gemma2_dir,
+        "gemma3_text": tiny_gemma3_dir,
+        "phi3": tiny_phi3_dir,
     }

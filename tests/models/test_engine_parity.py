@@ -13,6 +13,7 @@ from transformers import AutoModelForSequenceClassification
 
 from models import Scorer, ScorerConfig, engine
 from models.packing import RowRequest, copy_rows_to_host
+from models.tiny import ARCHITECTURES
 from schemas import HiddenDType, ScoreRequest, Tensor
 
 TEXTS = (
@@ -37,7 +38,7 @@ def _assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
     np.testing.assert_allclose(actual, expected, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3", "qwen2", "mistral"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_text_requests_match_hf(architecture: str, model_dirs: dict[str, Path]) -> None:
     model_dir = model_dirs[architecture]
     scorer = Scorer(model_dir, ScorerConfig(device="cpu"))

@@ -153,6 +153,21 @@ def test_attention_choice_follows_device_and_dtype() -> None:
         ScorerConfig(attention="varlen").resolve_attention(cpu, torch.bfloat16)
 
 
+def test_soft_capped_attention_takes_the_exact_path_or_is_refused(tiny_gemma2_dir: Path) -> None:
+    """The varlen kernel cannot cap logits: 'auto' falls back to the exact path, 'varlen' is refused."""
+    cuda = torch.device("cuda")
+    assert ScorerConfig().resolve_attention(cuda, torch.bfloat16, softcap=50.0) == "reference"
+    with pytest.raises(ValueError, match="caps attention logits"):
+        ScorerConfig(attention="varlen").resolve_attention(cuda, torch.bfloat16, softcap=50.0)
+
+    def kernel(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the varlen kernel must not run for a soft-capped model")
+
+    with pytest.raises(ModelLoadError, match="caps attention logits"):
+        Scorer(tiny_gemma2_dir, ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel))
+    assert Scorer(tiny_gemma2_dir, ScorerConfig(device="cpu")).info.attention == "reference"
+
+
 def test_checkpoint_without_head_weights_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
     # A causal-LM checkpoint under a classifier config: HF would give it a freshly initialised random head,
     # warn once in a log, and every score would be noise. That must stop the start-up instead.

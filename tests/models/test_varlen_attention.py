@@ -32,7 +32,7 @@ def _requests() -> list[ScoreRequest]:
 
 
 @pytest.mark.parametrize("kernel_type", [CpuVarlenKernel, CpuVarlenKernelGqa])
-@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text", "phi3"])
 def test_varlen_wrapper_matches_reference_path(
     architecture: str, kernel_type: type[CpuVarlenKernel], model_dirs: dict[str, Path]
 ) -> None:
