@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,13 +67,64 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     return config
 
 
+def head_name(model: nn.Module) -> str:
+    """The attribute holding the classification head of a *ForSequenceClassification model."""
+    for name in ("score", "classifier"):
+        if isinstance(getattr(model, name, None), nn.Module):
+            return name
+    raise ModelLoadError(f"{type(model).__name__} has no `score` or `classifier` head module")
+
+
 def find_head(model: nn.Module) -> nn.Module:
     """The classification head of a *ForSequenceClassification model (`score` on HF decoders)."""
-    for name in ("score", "classifier"):
-        head = getattr(model, name, None)
-        if isinstance(head, nn.Module):
-            return head
-    raise ModelLoadError(f"{type(model).__name__} has no `score` or `classifier` head module")
+    head: nn.Module = getattr(model, head_name(model))
+    return head
+
+
+def _read_checkpoint_tensor(model_dir: Path, key: str) -> torch.Tensor:
+    """One tensor of a safetensors checkpoint, single-file or sharded, read without loading the rest."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = [model_dir / json.loads(index.read_text())["weight_map"][key]]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    for path in files:
+        with safe_open(str(path), framework="pt") as checkpoint:
+            if key in checkpoint.keys():  # noqa: SIM118 - safe_open is no mapping
+                tensor: torch.Tensor = checkpoint.get_tensor(key)
+                return tensor
+    raise ModelLoadError(f"{key} is not in the checkpoint of {str(model_dir)!r}")
+
+
+def _adapt_head(model: PreTrainedModel, model_dir: Path, unexpected: Sequence[str]) -> None:
+    """Load every head weight of the checkpoint into the head, or refuse the model.
+
+    HF's decoder classifiers build a bias-free linear `score`; reward checkpoints trained with a biased head
+    carry `score.bias`, which HF drops with a log line, silently shifting every score. A bias is loaded into
+    the head; any other head weight HF did not use means a head shape we do not know, and is fatal.
+    """
+    name = head_name(model)
+    extra = sorted(key for key in unexpected if key.split(".", 1)[0] == name)
+    if not extra:
+        return
+    head = getattr(model, name)
+    if extra == [f"{name}.bias"] and isinstance(head, nn.Linear) and head.bias is None:
+        bias = _read_checkpoint_tensor(model_dir, f"{name}.bias")
+        if tuple(bias.shape) == (head.out_features,):
+            biased = nn.Linear(head.in_features, head.out_features, bias=True)
+            biased.to(device=head.weight.device, dtype=head.weight.dtype)
+            with torch.no_grad():
+                biased.weight.copy_(head.weight)
+                biased.bias.copy_(bias.to(head.weight.dtype))
+            setattr(model, name, biased)
+            return
+    raise ModelLoadError(
+        f"The checkpoint in {str(model_dir)!r} has head weights the model's own head does not use "
+        f"({', '.join(extra[:5])}); its scores would be wrong. score-worker loads a linear head with or "
+        "without a bias; convert other heads to that form."
+    )
 
 
 def _load_tokenizer(model_dir: Path) -> Any | None:
@@ -157,6 +208,7 @@ def load_model(
             f"cannot load the model in {str(model_dir)!r}: {type(exc).__name__}: {exc}"
         ) from exc
     _check_all_weights_loaded(model_dir, info)
+    _adapt_head(model, model_dir, info.get("unexpected_keys") or ())
     model.to(device).eval()
     base = getattr(model, model.base_model_prefix, None)
     if not isinstance(base, nn.Module):

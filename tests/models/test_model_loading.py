@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -220,3 +221,41 @@ def test_weights_load_straight_onto_a_gpu_when_transformers_can(monkeypatch: pyt
     assert loading._placement(torch.device("cpu")) == {}
     monkeypatch.setattr(loading, "is_accelerate_available", lambda: False)
     assert loading._placement(cuda) == {}
+
+
+def test_a_head_bias_in_the_checkpoint_is_loaded_not_dropped(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """HF's decoder classifiers have a bias-free head and drop `score.bias` with a log line; we add it."""
+    from scoring_testkit import hf_reference, scores_of, tokenize
+
+    biased = _copy_with_config(tiny_llama_dir, tmp_path / "biased")
+    weights = load_file(biased / "model.safetensors")
+    weights["score.bias"] = torch.tensor([0.75])
+    save_file(weights, biased / "model.safetensors", metadata={"format": "pt"})
+    request = ScoreRequest(
+        request_id="r", items=("The quick brown fox.", "Yes"), return_pooled_hidden_states=True
+    )
+    with_bias = Scorer(biased, ScorerConfig(device="cpu")).score([request])[0]
+    without = Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).score([request])[0]
+    reference = hf_reference(
+        tiny_llama_dir, [tokenize(tiny_llama_dir, t) for t in ("The quick brown fox.", "Yes")]
+    )
+    np.testing.assert_allclose(scores_of(with_bias), reference.logits + 0.75, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(scores_of(without), reference.logits, atol=1e-5, rtol=1e-5)
+    assert with_bias.pooled_hidden_states == without.pooled_hidden_states  # the head comes after the state
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"score.1.weight": torch.zeros(1, 1)}, {"score.bias": torch.zeros(3)}],
+    ids=["unknown-head-layer", "bias-of-the-wrong-shape"],
+)
+def test_head_weights_the_model_does_not_use_are_fatal(
+    extra: dict[str, torch.Tensor], tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    odd = _copy_with_config(tiny_llama_dir, tmp_path / "odd")
+    weights = load_file(odd / "model.safetensors")
+    weights.update(extra)
+    save_file(weights, odd / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="head weights the model's own head does not use") as error:
+        Scorer(odd, ScorerConfig(device="cpu"))
+    assert next(iter(extra)) in str(error.value)
