@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
+
+from models.packing import POOLINGS, Pooling
 
 AttentionChoice = Literal["auto", "varlen", "reference"]
 
@@ -33,18 +35,28 @@ class ScorerConfig:
     max_input_tokens: int | None = None
     # Replaces torch's varlen_attn for attention="varlen"; lets CPU tests drive the GPU wrapper logic.
     varlen_kernel: VarlenKernel | None = None
+    # "auto": what the model's own HF head pools; else one of models.packing.POOLINGS.
+    pooling: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.attention not in ("auto", "varlen", "reference"):
             raise ValueError(f"attention must be 'auto', 'varlen' or 'reference', got {self.attention!r}")
+        if self.pooling not in ("auto", *POOLINGS):
+            raise ValueError(f"pooling must be 'auto' or one of {', '.join(POOLINGS)}, got {self.pooling!r}")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be at least 1, got {self.max_batch_tokens}")
         if self.max_input_tokens is not None and self.max_input_tokens < 1:
             raise ValueError(f"max_input_tokens must be at least 1 when set, got {self.max_input_tokens}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    def resolve_pooling(self, model_default: Pooling) -> Pooling:
+        """The pooling to run: the setting, or the model's own when 'auto'."""
+        if self.pooling == "auto":
+            return model_default
+        return cast(Pooling, self.pooling)
 
     def resolve_device(self) -> torch.device:
         """The torch device to run on; 'auto' picks CUDA when it is available."""

@@ -14,7 +14,7 @@ from models.attention import register_attention
 from models.config import ScorerConfig
 from models.errors import ModelLoadError
 from models.loading import LoadedModel, load_model, read_config
-from models.packing import PackedBatch, RowRequest, copy_rows_to_host, hidden_row_bytes, pack
+from models.packing import PackedBatch, RowRequest, copy_rows_to_host, hidden_row_bytes, pack, pool
 from models.prepare import PreparedRequest, PromptBuilder, PromptError
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
 
@@ -46,6 +46,7 @@ class ModelInfo:
     device: str
     hidden_size: int
     attention: str = "unknown"  # "varlen" (the packed kernel) or "reference" (exact, per item)
+    pooling: str = "unknown"  # models.packing.Pooling
 
 
 BatchObserver = Callable[[BatchStats], None]
@@ -93,6 +94,7 @@ class Scorer:
         if self.config.max_input_tokens is not None:
             limit = min(limit, self.config.max_input_tokens)
         self._prompts = PromptBuilder(self._loaded.tokenizer, self._loaded.vocab_size, limit)
+        self.pooling = self.config.resolve_pooling(self._loaded.default_pooling)
 
     @property
     def model_name(self) -> str:
@@ -120,6 +122,7 @@ class Scorer:
             device=str(self.device),
             hidden_size=self.hidden_size,
             attention=self.attention,
+            pooling=self.pooling,
         )
 
     def device_memory(self) -> tuple[int, int] | None:
@@ -212,9 +215,10 @@ class Scorer:
             return _BatchOutput(
                 [[] for _ in batch], [() if _wants_hidden(p) else None for p in batch], 0.0, 0.0, {}
             )
-        packed = pack(prompts, self.device)
+        packed = pack(prompts, self.device, self.pooling, self._loaded.pad_token_id)
         pooled = self._pooled_hidden(packed)  # [N, H] in the model dtype
-        logits = self._loaded.head(pooled).float()  # [N, L]: scores are float32 whatever the model dtype
+        head_input = pooled.to(self.dtype)  # MEAN pools in float32; the head runs in the model's dtype
+        logits = self._loaded.head(head_input).float()  # [N, L]: scores are float32 whatever the model dtype
         self._synchronize()
         forward_done = time.perf_counter()
         host_logits = logits.cpu()  # [N, L], a few bytes per item: softmax on the host needs no extra upload
@@ -247,7 +251,7 @@ class Scorer:
             max_length_k=packed.max_length,
         )
         hidden: torch.Tensor = output.last_hidden_state[0]  # [T, H]
-        return hidden.index_select(0, packed.last_rows)  # [N, H]
+        return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
 
     def _copy_hidden(
         self, batch: list[PreparedRequest], item_counts: list[int], pooled: torch.Tensor

@@ -17,6 +17,7 @@ from transformers.utils import logging as hf_logging
 from transformers.utils.import_utils import is_accelerate_available
 
 from models.errors import ModelLoadError
+from models.packing import Pooling
 
 # Model types whose packed forward is covered by tests against HF's padded forward. Others may work, but
 # an untested architecture must not silently return wrong scores, so they are refused.
@@ -35,6 +36,8 @@ class LoadedModel:
     vocab_size: int  # rows of the input embedding: the bound for token ids
     max_position_embeddings: int
     name: str
+    pad_token_id: int | None  # where HF's LAST pooling stops: the last token that is not this id
+    default_pooling: Pooling  # what the model's own HF head pools
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -226,4 +229,11 @@ def load_model(
         vocab_size=int(embeddings.num_embeddings),
         max_position_embeddings=int(config.get("max_position_embeddings") or 2**31 - 1),
         name=model_dir.resolve().name or str(config.get("_name_or_path", "")),
+        pad_token_id=_pad_token_id(model),
+        default_pooling="last",
     )
+
+
+def _pad_token_id(model: PreTrainedModel) -> int | None:
+    pad = getattr(model.config.get_text_config(), "pad_token_id", None)
+    return int(pad) if isinstance(pad, int) else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -17,6 +18,17 @@ _TORCH_DTYPES: dict[HiddenDType, torch.dtype] = {
 }
 
 
+# How an item's tokens become one pooled hidden state (see Pooling in docs/models.md):
+# - "last": HF's rule for decoder classifiers, the last token that is not the pad id (the first token when
+#   every token is the pad id; the true last token when the model has no pad id). On reward models whose pad
+#   id is their EOS, a prompt ending in EOS is pooled one token earlier, exactly as HF scores it.
+# - "last_token": the item's true last token, whatever its id.
+# - "cls": the item's first token (encoder classifiers).
+# - "mean": the mean over the item's tokens, in float32.
+Pooling = Literal["last", "last_token", "cls", "mean"]
+POOLINGS: tuple[Pooling, ...] = ("last", "last_token", "cls", "mean")
+
+
 @dataclass(frozen=True)
 class PackedBatch:
     """Prompts concatenated into one row; item i spans tokens cu_seqlens[i]:cu_seqlens[i+1]."""
@@ -25,11 +37,32 @@ class PackedBatch:
     position_ids: torch.Tensor  # [1, T] int64, restarting at 0 for every item
     cu_seqlens: torch.Tensor  # [N + 1] int32, on the device
     host_cu_seqlens: torch.Tensor  # the same on the host: reading item bounds from it needs no device sync
-    last_rows: torch.Tensor  # [N] int64: the pooled (last) token of every item
+    pooled_rows: torch.Tensor  # [N] int64: the pooled token of every item ("last", "last_token", "cls")
+    item_of_token: torch.Tensor | None  # [T] int64 item index of every token; only for "mean"
+    lengths: torch.Tensor  # [N] int64 tokens per item, on the device
     max_length: int
 
 
-def pack(prompts: Sequence[Sequence[int]], device: torch.device) -> PackedBatch:
+def pooled_positions(
+    ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, pooling: Pooling, pad_id: int | None
+) -> np.ndarray:
+    """Index into the packed row of each item's pooled token (for every pooling but "mean")."""
+    if pooling == "cls":
+        return starts
+    if pooling == "last_token" or pad_id is None:
+        return ends - 1
+    # Last index whose token is not the pad id, per item; -1 where an item is all padding.
+    candidates = np.where(ids != pad_id, np.arange(len(ids), dtype=np.int64), -1)
+    last = np.maximum.reduceat(candidates, starts)
+    return np.where(last >= starts, last, starts)
+
+
+def pack(
+    prompts: Sequence[Sequence[int]],
+    device: torch.device,
+    pooling: Pooling = "last_token",
+    pad_id: int | None = None,
+) -> PackedBatch:
     """Pack non-empty prompts; built on the host with numpy, then moved to `device` in one go each."""
     lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
     ends = np.cumsum(lengths)
@@ -39,14 +72,31 @@ def pack(prompts: Sequence[Sequence[int]], device: torch.device) -> PackedBatch:
     positions = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
     cu = np.concatenate(([0], ends)).astype(np.int32)
     non_blocking = device.type == "cuda"
+    item_of_token = None
+    if pooling == "mean":
+        item_of_token = _to_device(
+            np.repeat(np.arange(len(prompts), dtype=np.int64), lengths), device, non_blocking
+        )
     return PackedBatch(
         input_ids=_to_device(ids, device, non_blocking).unsqueeze(0),
         position_ids=_to_device(positions, device, non_blocking).unsqueeze(0),
         cu_seqlens=_to_device(cu, device, non_blocking),
         host_cu_seqlens=torch.from_numpy(cu),
-        last_rows=_to_device(ends - 1, device, non_blocking),
+        pooled_rows=_to_device(pooled_positions(ids, starts, ends, pooling, pad_id), device, non_blocking),
+        item_of_token=item_of_token,
+        lengths=_to_device(lengths, device, non_blocking),
         max_length=int(lengths.max()),
     )
+
+
+def pool(hidden: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """Pooled hidden states [N, H] from the packed output [T, H]: selected rows, or float32 item means."""
+    if packed.item_of_token is None:
+        return hidden.index_select(0, packed.pooled_rows)
+    sums = torch.zeros(
+        (packed.lengths.shape[0], hidden.shape[1]), dtype=torch.float32, device=hidden.device
+    ).index_add_(0, packed.item_of_token, hidden.float())
+    return sums / packed.lengths.unsqueeze(1).to(torch.float32)
 
 
 def _to_device(array: np.ndarray, device: torch.device, non_blocking: bool) -> torch.Tensor:

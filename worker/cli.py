@@ -135,7 +135,10 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
     from models import Scorer, ScorerConfig
 
     config = ScorerConfig(
-        device=settings.device, dtype=settings.dtype, max_batch_tokens=settings.max_batch_tokens
+        device=settings.device,
+        dtype=settings.dtype,
+        max_batch_tokens=settings.max_batch_tokens,
+        pooling=settings.pooling,
     )
     return Scorer(settings.model_dir, config)
 

@@ -41,6 +41,9 @@ class WorkerSettings(BaseSettings):
     client_id: str = Field("score-worker", min_length=1, description="Kafka client id (shows in broker logs)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="model dtype")
+    pooling: Literal["auto", "last", "last_token", "cls", "mean"] = Field(
+        "auto", description="how an item's tokens become its pooled state; auto: what the model's head pools"
+    )
     max_batch_tokens: int = Field(8192, gt=0, description="token budget of one model batch")
     max_batch_requests: int = Field(64, gt=0, description="most requests in one model batch")
     max_wait_ms: int = Field(5, ge=0, le=60_000, description="longest wait after a batch's first request")

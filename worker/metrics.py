@@ -165,6 +165,7 @@ class WorkerMetrics:
                 "device": info.device,
                 "hidden_size": str(info.hidden_size),
                 "attention": info.attention,
+                "pooling": info.pooling,
             }
         )
         # Series without extra labels exist from the start at 0, so rates and panels have data at once.

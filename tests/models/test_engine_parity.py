@@ -202,3 +202,46 @@ def test_result_fields(llama_scorer: Scorer, tiny_llama_dir: Path) -> None:
     assert set(result.timings) == {"tokenize_s", "forward_s", "copy_s"}
     assert all(value >= 0 for value in result.timings.values())
     assert result.timings["forward_s"] > 0
+
+
+@torch.no_grad()
+def _hf_single(model_dir: Path, prompt: Sequence[int]) -> tuple[torch.Tensor, torch.nn.Module, np.ndarray]:
+    """HF's own forward of one unpadded prompt: last hidden states [L, H], the head, and HF's logits."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(model_dir), attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    out = model(input_ids=torch.tensor([list(prompt)]), output_hidden_states=True)
+    return out.hidden_states[-1][0], model.score, out.logits[0].numpy()
+
+
+def test_last_pooling_matches_hf_when_a_prompt_ends_in_the_pad_id(tiny_llama_dir: Path) -> None:
+    """Reward models whose pad id is their EOS: HF pools before trailing pad ids; "last" does too by
+    default, and "last_token" pools at the true last token when asked."""
+    pad = 0  # the tiny models' <pad>
+    prompt = (12, 40, 77, 9, pad, pad)
+    states, head, hf_logits = _hf_single(tiny_llama_dir, prompt)
+    request = ScoreRequest(request_id="r", items=(prompt,), return_pooled_hidden_states=True)
+    default = Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).score([request])[0]
+    _assert_close(scores_of(default), hf_logits[None])
+    _assert_close(hidden_of(default), states[3].numpy()[None])  # the last token that is not the pad id
+    true_last = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", pooling="last_token")).score([request])[0]
+    _assert_close(hidden_of(true_last), states[-1].numpy()[None])
+    with torch.no_grad():
+        _assert_close(scores_of(true_last), head(states[-1:]).numpy())
+    assert not np.allclose(scores_of(true_last), scores_of(default), atol=1e-3)  # the rule matters here
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_cls_and_mean_pooling_against_hf_hidden_states(pooling: str, tiny_qwen3_dir: Path) -> None:
+    prompts = [tokenize(tiny_qwen3_dir, text) for text in TEXTS[:3]]
+    scorer = Scorer(tiny_qwen3_dir, ScorerConfig(device="cpu", pooling=pooling))
+    requests = [
+        ScoreRequest(request_id=f"r{i}", items=(tuple(p),), return_pooled_hidden_states=True)
+        for i, p in enumerate(prompts)
+    ]
+    for prompt, result in zip(prompts, scorer.score(requests), strict=True):
+        states, head, _ = _hf_single(tiny_qwen3_dir, prompt)
+        expected = states[0] if pooling == "cls" else states.mean(0)
+        _assert_close(hidden_of(result), expected.numpy()[None])
+        with torch.no_grad():
+            _assert_close(scores_of(result), head(expected[None]).numpy())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from models.packing import RowRequest, copy_rows_to_host, pack
+from models.packing import RowRequest, copy_rows_to_host, pack, pool, pooled_positions
 from schemas import HiddenDType
 
 
@@ -17,7 +17,8 @@ def test_pack_layout() -> None:
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
     assert packed.cu_seqlens.dtype == torch.int32 and packed.cu_seqlens.tolist() == [0, 3, 4, 6]
     assert packed.host_cu_seqlens.device.type == "cpu" and packed.host_cu_seqlens.tolist() == [0, 3, 4, 6]
-    assert packed.last_rows.tolist() == [2, 3, 5]
+    assert packed.pooled_rows.tolist() == [2, 3, 5]  # true last tokens by default
+    assert packed.lengths.tolist() == [3, 1, 2] and packed.item_of_token is None
     assert packed.max_length == 3
     assert packed.input_ids.dtype == packed.position_ids.dtype == torch.int64
 
@@ -39,3 +40,23 @@ def test_copy_rows_selects_casts_and_keeps_order() -> None:
             expected = pooled[row].to(torch_dtype[entry.dtype.value]).float().numpy()
             np.testing.assert_array_equal(tensor.to_numpy().astype(np.float32), expected)
     assert copy_rows_to_host(pooled, []) == []
+
+
+def test_pooled_positions_follow_each_rule() -> None:
+    # Items: [5 6 0], [0], [7 0 0], [8 9]; pad id 0. HF's LAST skips trailing pad ids (and a pad id inside
+    # an item too: it takes the last token that is not the pad id); an all-pad item pools its first token.
+    ids = np.array([5, 6, 0, 0, 7, 0, 0, 8, 9])
+    starts, ends = np.array([0, 3, 4, 7]), np.array([3, 4, 7, 9])
+    assert pooled_positions(ids, starts, ends, "last", 0).tolist() == [1, 3, 4, 8]
+    assert pooled_positions(ids, starts, ends, "last", None).tolist() == [2, 3, 6, 8]  # no pad id: true last
+    assert pooled_positions(ids, starts, ends, "last_token", 0).tolist() == [2, 3, 6, 8]
+    assert pooled_positions(ids, starts, ends, "cls", 0).tolist() == [0, 3, 4, 7]
+
+
+def test_mean_pooling_averages_each_item_in_float32() -> None:
+    packed = pack([[5, 6, 7], [8], [9, 10]], torch.device("cpu"), pooling="mean")
+    hidden = torch.arange(12, dtype=torch.bfloat16).reshape(6, 2)  # [T, H]
+    pooled = pool(hidden, packed)
+    assert pooled.dtype == torch.float32
+    expected = [hidden[0:3].float().mean(0), hidden[3:4].float().mean(0), hidden[4:6].float().mean(0)]
+    torch.testing.assert_close(pooled, torch.stack(expected))
