@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from bench.common import environment, out_dir, relative_errors
+from models.loading import ENCODER_MODEL_TYPES as ENCODERS
 
 Attention = Literal["auto", "varlen", "reference"]
 # float32 with varlen may be refused at start (flash kernels are half precision only) but must not fail later;
@@ -123,14 +124,24 @@ def make_requests(max_tokens: int, vocab: int, seed: int) -> list[Any]:
 
 
 @torch.inference_mode()
-def hf_per_prompt(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Logits [n, labels] and final-norm hidden state at the last token [n, H], one prompt per forward."""
+def hf_per_prompt(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    token_types: Sequence[Sequence[int]] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Logits [n, labels] and the final hidden state at the pooled token [n, H], one prompt per forward:
+    the last token for decoders, the first (CLS) for encoders, whose segment ids come in `token_types`."""
     scores, hidden = [], []
-    for prompt in prompts:
-        ids = torch.tensor([list(prompt)], device=next(model.parameters()).device)
-        out = model(input_ids=ids, output_hidden_states=True)
+    device = next(model.parameters()).device
+    encoder = not getattr(model.config, "is_decoder", False) and model.config.model_type in ENCODERS
+    for index, prompt in enumerate(prompts):
+        ids = torch.tensor([list(prompt)], device=device)
+        extra = {}
+        if token_types is not None:
+            extra["token_type_ids"] = torch.tensor([list(token_types[index])], device=device)
+        out = model(input_ids=ids, output_hidden_states=True, **extra)
         scores.append(out.logits[0].float().cpu().numpy())
-        hidden.append(out.hidden_states[-1][0, -1].float().cpu().numpy())
+        hidden.append(out.hidden_states[-1][0, 0 if encoder else -1].float().cpu().numpy())
     return np.stack(scores), np.stack(hidden)
 
 
@@ -246,6 +257,7 @@ class Case:
     model_dir: Path
     requests: list[Any]
     prompts: list[tuple[int, ...]]  # every valid request's prompts, in order
+    token_types: list[tuple[int, ...]] | None  # their segment ids, for encoders that embed them
     reference: tuple[np.ndarray, np.ndarray]  # HF float32 (scores, hidden) per prompt
     device: str  # "cuda"; "cpu" only for --cpu-smoke
 
@@ -273,7 +285,7 @@ def check_one(case: Case, dtype: str, attention: Attention, same_model: torch.nn
     if outcome.failures:
         return outcome
     packed = flatten(results, prepared)
-    same = hf_per_prompt(same_model, case.prompts)
+    same = hf_per_prompt(same_model, case.prompts, case.token_types)
     compare_to_reference(outcome, packed, case.reference, same)
     # Batch invariance: each request alone (one pack) against the same request inside the mixed batch.
     alone = flatten([scorer.score([r])[0] for r in requests], prepared)
@@ -300,13 +312,24 @@ def check_model(
     from schemas import ScoreRequest
 
     probe = Scorer(str(model_dir), ScorerConfig(device=device, dtype="float32", attention="reference"))
-    requests = make_requests(min(probe.max_input_tokens, MAX_BATCH_TOKENS), 512, seed=7)
-    prompts = [p for r in requests for p in probe.prepare(r).prompts]  # type: ignore[union-attr]
+    # Room for an encoder's template tokens ([CLS] q [SEP] i [SEP]) around the longest generated prompt.
+    requests = make_requests(min(probe.max_input_tokens, MAX_BATCH_TOKENS) - 8, 512, seed=7)
+    prepared = [probe.prepare(r) for r in requests]
+    prompts = [p for r in prepared for p in r.prompts]  # type: ignore[union-attr]
+    types = [t for r in prepared for t in (r.token_types or ())]  # type: ignore[union-attr]
     del probe
     # An out-of-range token id among valid requests: refused alone, without disturbing its batch.
     requests.insert(4, ScoreRequest(request_id="bad", items=((1, 2, 10**6),)))
     reference = load_hf(model_dir, torch.float32, device)
-    case = Case(name, model_dir, requests, prompts, hf_per_prompt(reference, prompts), device)
+    case = Case(
+        name,
+        model_dir,
+        requests,
+        prompts,
+        types or None,
+        hf_per_prompt(reference, prompts, types or None),
+        device,
+    )
     del reference
     outcomes = []
     for dtype, attention in runs:

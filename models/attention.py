@@ -37,10 +37,12 @@ def attend_causal(
     scale: float | None,
     left_window: int | None = None,
     softcap: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Exact causal attention of one sequence in float32: query [H, L, D], key/value [Hkv, L, D] -> [H, L, D].
+    """Exact attention of one sequence in float32: query [H, L, D], key/value [Hkv, L, D] -> [H, L, D].
 
-    `left_window` w lets a query at position i see keys i-w..i (flash-attention convention); None = all.
+    Causal unless `causal` is False (encoders: every token sees the whole item). `left_window` w lets a
+    query at position i see keys i-w..i (flash-attention convention), or i-w..i+w when not causal; None = all.
     """
     heads, length, head_dim = query.shape
     q = query.float()
@@ -49,12 +51,14 @@ def attend_causal(
     v = value.float().repeat_interleave(heads // value.shape[0], dim=0)
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     if softcap is None and left_window is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     rows = torch.arange(length, device=query.device).unsqueeze(1)
     cols = torch.arange(length, device=query.device).unsqueeze(0)
-    allowed = cols <= rows
+    allowed = cols <= rows if causal else torch.ones(length, length, dtype=torch.bool, device=query.device)
     if left_window is not None:
         allowed &= cols >= rows - left_window
+        if not causal:
+            allowed &= cols <= rows + left_window
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
     # SDPA has no softcap: scores are capped as tanh(s / cap) * cap before the mask, as HF's eager path does.
@@ -97,9 +101,15 @@ def reference_attention(
             scale=scaling,
             left_window=window,
             softcap=softcap,
+            causal=_is_causal(module),
         )  # [H, L, D]
         out[0, start:end] = item.transpose(0, 1).to(query.dtype)
     return out, None
+
+
+def _is_causal(module: torch.nn.Module) -> bool:
+    """HF attention modules say whether they are causal (decoders) or not (encoders such as BERT)."""
+    return bool(getattr(module, "is_causal", True))
 
 
 def kernel_supports_gqa(kernel: VarlenKernel) -> bool:
@@ -144,6 +154,7 @@ def varlen_attention(
     q = query[0].transpose(0, 1).contiguous()
     k, v, extra = _kernel_kv(q.shape[1], key[0].transpose(0, 1), value[0].transpose(0, 1), kernel_gqa)
     window = _left_window(sliding_window)
+    left = -1 if window is None else window
     out = kernel(
         q,
         k,
@@ -153,7 +164,7 @@ def varlen_attention(
         int(max_length_q),
         int(max_k),
         scale=scaling,
-        window_size=(-1 if window is None else window, 0),
+        window_size=(left, 0 if _is_causal(module) else left),
         **extra,
     )  # [T, H, D]
     return out.unsqueeze(0), None

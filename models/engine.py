@@ -15,7 +15,7 @@ from models.config import ScorerConfig
 from models.errors import ModelLoadError
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import PackedBatch, RowRequest, copy_rows_to_host, hidden_row_bytes, pack, pool
-from models.prepare import PreparedRequest, PromptBuilder, PromptError
+from models.prepare import PairTemplate, PreparedRequest, PromptBuilder, PromptError
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,8 @@ class Scorer:
         limit = self._loaded.max_position_embeddings
         if self.config.max_input_tokens is not None:
             limit = min(limit, self.config.max_input_tokens)
-        self._prompts = PromptBuilder(self._loaded.tokenizer, self._loaded.vocab_size, limit)
+        template = PairTemplate.from_tokenizer(self._loaded.tokenizer) if self._loaded.encoder else None
+        self._prompts = PromptBuilder(self._loaded.tokenizer, self._loaded.vocab_size, limit, template)
         self.pooling = self.config.resolve_pooling(self._loaded.default_pooling)
 
     @property
@@ -215,7 +216,21 @@ class Scorer:
             return _BatchOutput(
                 [[] for _ in batch], [() if _wants_hidden(p) else None for p in batch], 0.0, 0.0, {}
             )
-        packed = pack(prompts, self.device, self.pooling, self._loaded.pad_token_id)
+        token_types = None
+        if self._loaded.token_types:
+            token_types = [
+                types
+                for p in batch
+                for types in (p.token_types or tuple((0,) * len(prompt) for prompt in p.prompts))
+            ]
+        packed = pack(
+            prompts,
+            self.device,
+            self.pooling,
+            self._loaded.pad_token_id,
+            token_types=token_types,
+            position_pad=self._loaded.position_pad,
+        )
         pooled = self._pooled_hidden(packed)  # [N, H] in the model dtype
         head_input = pooled.to(self.dtype)  # MEAN pools in float32; the head runs in the model's dtype
         logits = self._loaded.head(head_input).float()  # [N, L]: scores are float32 whatever the model dtype
@@ -240,9 +255,11 @@ class Scorer:
         # The varlen kernel reads the bounds on the device; the exact path loops over items in Python, and
         # reading them from a device tensor would stall on a device-to-host copy in every layer.
         cu_seqlens = packed.cu_seqlens if self.attention == "varlen" else packed.host_cu_seqlens
+        extra = {} if packed.token_type_ids is None else {"token_type_ids": packed.token_type_ids}
         output = self._loaded.base(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
+            **extra,
             use_cache=False,
             # Reach our attention function through HF's **kwargs plumbing (see models/attention.py).
             cu_seq_lens_q=cu_seqlens,

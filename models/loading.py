@@ -21,7 +21,12 @@ from models.packing import Pooling
 
 # Model types whose packed forward is covered by tests against HF's padded forward. Others may work, but
 # an untested architecture must not silently return wrong scores, so they are refused.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+# Cross-encoders: bidirectional attention inside each item, the tokenizer's pair template, CLS pooling.
+ENCODER_MODEL_TYPES = ("bert", "xlm-roberta", "roberta")
+SUPPORTED_MODEL_TYPES = DECODER_MODEL_TYPES + ENCODER_MODEL_TYPES
+# RoBERTa's position ids start after the pad id and skip pad tokens (HF's create_position_ids_from_input_ids).
+_PAD_OFFSET_POSITIONS = ("xlm-roberta", "roberta")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -38,6 +43,10 @@ class LoadedModel:
     name: str
     pad_token_id: int | None  # where HF's LAST pooling stops: the last token that is not this id
     default_pooling: Pooling  # what the model's own HF head pools
+    encoder: bool = False  # bidirectional attention; query and item form a text pair
+    token_types: bool = False  # the model embeds segment ids (BERT)
+    # RoBERTa-style positions: pad id + 1 + index, pad tokens keeping the pad id (None: 0 + index)
+    position_pad: int | None = None
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -221,17 +230,59 @@ def load_model(
     embeddings = model.get_input_embeddings()
     if not isinstance(embeddings, nn.Embedding):
         raise ModelLoadError(f"{type(model).__name__} has no token embedding table")
+    encoder = config.get("model_type") in ENCODER_MODEL_TYPES
+    tokenizer = _load_tokenizer(model_dir)
+    if encoder and tokenizer is None:
+        raise ModelLoadError(
+            f"{str(model_dir)!r} holds a cross-encoder without tokenizer files; its pair template "
+            "([CLS] query [SEP] item [SEP]) comes from the tokenizer, so add them to the directory"
+        )
+    max_positions = int(config.get("max_position_embeddings") or 2**31 - 1)
+    position_pad = None
+    if config.get("model_type") in _PAD_OFFSET_POSITIONS:
+        position_pad = int(config.get("pad_token_id") or 0)
+        max_positions -= position_pad + 1
     return LoadedModel(
         model=model,
         base=base,
-        head=find_head(model),
-        tokenizer=_load_tokenizer(model_dir),
+        head=_encoder_head(model) if encoder else find_head(model),
+        tokenizer=tokenizer,
         vocab_size=int(embeddings.num_embeddings),
-        max_position_embeddings=int(config.get("max_position_embeddings") or 2**31 - 1),
+        max_position_embeddings=max_positions,
         name=model_dir.resolve().name or str(config.get("_name_or_path", "")),
         pad_token_id=_pad_token_id(model),
-        default_pooling="last",
+        default_pooling="cls" if encoder else "last",
+        encoder=encoder,
+        token_types=encoder and int(config.get("type_vocab_size") or 1) > 1,
+        position_pad=position_pad,
     )
+
+
+class EncoderHead(nn.Module):
+    """An encoder classifier's chain after pooling, fed one pooled row per item: [N, H] -> [N, labels].
+
+    HF's BERT pooler (dense + tanh) and RoBERTa's classification head (dense + tanh + projection) read the
+    first token of a [B, L, H] sequence; each pooled row is handed over as a sequence of that one token.
+    """
+
+    def __init__(self, pooler: nn.Module | None, classifier: nn.Module, classifier_reads_sequence: bool):
+        super().__init__()
+        self.pooler = pooler
+        self.classifier = classifier
+        self.classifier_reads_sequence = classifier_reads_sequence
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        rows = pooled if self.pooler is None else self.pooler(pooled.unsqueeze(1))  # [N, H]
+        if self.classifier_reads_sequence:
+            return self.classifier(rows.unsqueeze(1))  # type: ignore[no-any-return]
+        return self.classifier(rows)  # type: ignore[no-any-return]
+
+
+def _encoder_head(model: PreTrainedModel) -> nn.Module:
+    base = getattr(model, model.base_model_prefix)
+    pooler = getattr(base, "pooler", None)  # BERT; RoBERTa classifiers are built without one
+    classifier = find_head(model)
+    return EncoderHead(pooler, classifier, classifier_reads_sequence=not isinstance(classifier, nn.Linear))
 
 
 def _pad_token_id(model: PreTrainedModel) -> int | None:

@@ -38,6 +38,7 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # [N + 1] int32, on the device
     host_cu_seqlens: torch.Tensor  # the same on the host: reading item bounds from it needs no device sync
     pooled_rows: torch.Tensor  # [N] int64: the pooled token of every item ("last", "last_token", "cls")
+    token_type_ids: torch.Tensor | None  # [1, T] int64 segment ids, for encoders that embed them
     item_of_token: torch.Tensor | None  # [T] int64 item index of every token; only for "mean"
     lengths: torch.Tensor  # [N] int64 tokens per item, on the device
     max_length: int
@@ -62,14 +63,24 @@ def pack(
     device: torch.device,
     pooling: Pooling = "last_token",
     pad_id: int | None = None,
+    token_types: Sequence[Sequence[int]] | None = None,
+    position_pad: int | None = None,
 ) -> PackedBatch:
-    """Pack non-empty prompts; built on the host with numpy, then moved to `device` in one go each."""
+    """Pack non-empty prompts; built on the host with numpy, then moved to `device` in one go each.
+
+    `token_types`: segment ids per prompt (BERT). `position_pad`: RoBERTa-style positions, which start at
+    the pad id + 1 and leave pad tokens at the pad id, as HF computes them from unpacked input ids.
+    """
     lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
     ends = np.cumsum(lengths)
     starts = ends - lengths
     total = int(ends[-1])
     ids = np.fromiter((token for prompt in prompts for token in prompt), dtype=np.int64, count=total)
     positions = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+    if position_pad is not None:
+        real = (ids != position_pad).astype(np.int64)
+        counted = np.cumsum(real) - np.repeat(np.cumsum(real)[starts] - real[starts], lengths)
+        positions = counted * real + position_pad
     cu = np.concatenate(([0], ends)).astype(np.int32)
     non_blocking = device.type == "cuda"
     item_of_token = None
@@ -83,6 +94,13 @@ def pack(
         cu_seqlens=_to_device(cu, device, non_blocking),
         host_cu_seqlens=torch.from_numpy(cu),
         pooled_rows=_to_device(pooled_positions(ids, starts, ends, pooling, pad_id), device, non_blocking),
+        token_type_ids=None
+        if token_types is None
+        else _to_device(
+            np.fromiter((t for types in token_types for t in types), dtype=np.int64, count=total),
+            device,
+            non_blocking,
+        ).unsqueeze(0),
         item_of_token=item_of_token,
         lengths=_to_device(lengths, device, non_blocking),
         max_length=int(lengths.max()),

@@ -19,6 +19,8 @@ class PreparedRequest:
     request: ScoreRequest
     prompts: tuple[Prompt, ...]
     tokenize_s: float
+    # Segment ids per prompt (0 for the query, 1 for the item), for encoders with token types (BERT).
+    token_types: tuple[Prompt, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -36,20 +38,121 @@ class PromptError(Exception):
 
 
 @dataclass(frozen=True)
+class PairTemplate:
+    """Where an encoder's tokenizer puts its special tokens around one text or a pair, with token types.
+
+    Read off the tokenizer itself (`from_tokenizer`), so token-id inputs get exactly the layout that text
+    inputs get: [CLS] q [SEP] i [SEP] for BERT, <s> q </s></s> i </s> for RoBERTa and XLM-R.
+    """
+
+    single: tuple[Prompt, Prompt]  # (before, after) a lone sequence
+    pair: tuple[Prompt, Prompt, Prompt]  # before the first, between the two, after the second
+    pair_types: tuple[int, int, int, int, int] | None  # types of: before, first, between, second, after
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> PairTemplate:
+        first, second = "first words", "second words"
+        a = list(tokenizer(first, add_special_tokens=False)["input_ids"])
+        b = list(tokenizer(second, add_special_tokens=False)["input_ids"])
+        lone = list(tokenizer(first)["input_ids"])
+        encoded = tokenizer(first, second)
+        both = list(encoded["input_ids"])
+        at = _find(lone, a, 0)
+        i = _find(both, a, 0)
+        j = _find(both, b, i + len(a))
+        types = encoded.get("token_type_ids")
+        pair_types = None
+        if types is not None and any(types):
+            pair_types = (types[0] if i else 0, types[i], types[i + len(a)] if j > i + len(a) else types[i],
+                          types[j], types[-1] if len(both) > j + len(b) else types[j])  # fmt: skip
+        return cls(
+            single=(tuple(lone[:at]), tuple(lone[at + len(a) :])),
+            pair=(tuple(both[:i]), tuple(both[i + len(a) : j]), tuple(both[j + len(b) :])),
+            pair_types=pair_types,
+        )
+
+    def join(self, first: Prompt, second: Prompt | None) -> tuple[Prompt, Prompt | None]:
+        """Token ids and (when the model has them) token types of one prompt."""
+        if second is None:
+            before, after = self.single
+            return before + first + after, None
+        before, between, after = self.pair
+        ids = before + first + between + second + after
+        if self.pair_types is None:
+            return ids, None
+        t = self.pair_types
+        types = (
+            (t[0],) * len(before) + (t[1],) * len(first) + (t[2],) * len(between)
+            + (t[3],) * len(second) + (t[4],) * len(after)
+        )  # fmt: skip
+        return ids, types
+
+
+def _find(haystack: list[int], needle: list[int], start: int) -> int:
+    for index in range(start, len(haystack) - len(needle) + 1):
+        if haystack[index : index + len(needle)] == needle:
+            return index
+    raise ValueError("the tokenizer's template does not contain the probe text's tokens unchanged")
+
+
+@dataclass(frozen=True)
 class PromptBuilder:
     """Tokenizes and checks prompts for one model."""
 
     tokenizer: Any | None
     vocab_size: int
     max_input_tokens: int
+    # Encoders: query and item are a text pair in the tokenizer's template (None for decoders).
+    template: PairTemplate | None = None
 
     def prepare(self, request: ScoreRequest) -> PreparedRequest:
         """Build and check every item's prompt; raises PromptError for the first bad item."""
         started = time.perf_counter()
-        prompts = self._build(request)
+        token_types = None
+        if self.template is None:
+            prompts = self._build(request)
+        else:
+            prompts, token_types = self._build_pairs(request)
         for index, prompt in enumerate(prompts):
             self._check(index, prompt)
-        return PreparedRequest(request=request, prompts=prompts, tokenize_s=time.perf_counter() - started)
+        return PreparedRequest(
+            request=request,
+            prompts=prompts,
+            tokenize_s=time.perf_counter() - started,
+            token_types=token_types,
+        )
+
+    def _build_pairs(self, request: ScoreRequest) -> tuple[tuple[Prompt, ...], tuple[Prompt, ...] | None]:
+        """Encoders: (query, item) as the tokenizer's pair (item first with item_first), or the item alone."""
+        assert self.template is not None
+        if not request.items:
+            return (), None
+        query = request.query
+        if isinstance(request.items[0], str):
+            tokenizer = self._text_tokenizer()
+            texts = [item for item in request.items if isinstance(item, str)]
+            if query is None:
+                encoded = tokenizer(texts, verbose=False)
+            elif request.item_first:
+                encoded = tokenizer(texts, [str(query)] * len(texts), verbose=False)
+            else:
+                encoded = tokenizer([str(query)] * len(texts), texts, verbose=False)
+            prompts = tuple(tuple(int(t) for t in ids) for ids in encoded["input_ids"])
+            types = encoded.get("token_type_ids") if self.template.pair_types is not None else None
+            return prompts, None if types is None else tuple(tuple(int(t) for t in row) for row in types)
+        joined = []
+        for item in request.items:
+            ids = tuple(item) if not isinstance(item, str) else ()
+            if query is None or isinstance(query, str):
+                joined.append(self.template.join(ids, None))
+            elif request.item_first:
+                joined.append(self.template.join(ids, tuple(query)))
+            else:
+                joined.append(self.template.join(tuple(query), ids))
+        if self.template.pair_types is None:
+            return tuple(ids for ids, _ in joined), None
+        # A lone sequence is all segment 0.
+        return tuple(ids for ids, _ in joined), tuple(t or (0,) * len(ids) for ids, t in joined)
 
     def _build(self, request: ScoreRequest) -> tuple[Prompt, ...]:
         if not request.items:
@@ -63,13 +166,17 @@ class PromptBuilder:
         items = [tuple(item) for item in request.items if not isinstance(item, str)]
         return tuple(item + query if request.item_first else query + item for item in items)
 
-    def _build_text(self, request: ScoreRequest) -> tuple[Prompt, ...]:
+    def _text_tokenizer(self) -> Any:
         if self.tokenizer is None:
             raise PromptError(
                 ErrorCode.INVALID_REQUEST,
                 "This model directory has no tokenizer, so text cannot be scored; "
                 "send query and items as token ids.",
             )
+        return self.tokenizer
+
+    def _build_text(self, request: ScoreRequest) -> tuple[Prompt, ...]:
+        tokenizer = self._text_tokenizer()
         query = request.query if isinstance(request.query, str) else ""
         texts = [
             item + query if request.item_first else query + item
@@ -77,7 +184,7 @@ class PromptBuilder:
             if isinstance(item, str)
         ]
         # The concatenated text is tokenized with the model's special tokens (e.g. BOS), as HF would.
-        encoded = self.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]
+        encoded = tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]
         return tuple(tuple(int(token) for token in ids) for ids in encoded)
 
     def _check(self, index: int, prompt: Sequence[int]) -> None:

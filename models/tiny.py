@@ -20,7 +20,10 @@ from transformers import (
 
 from models.loading import quiet_progress_bars
 
-ARCHITECTURES = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3")
+DECODERS = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3")
+# Cross-encoders: bidirectional attention, a query/item pair template, a pooler or dense head chain.
+ENCODERS = ("bert", "xlm-roberta")
+ARCHITECTURES = DECODERS + ENCODERS
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")  # ids 0..3 in this order
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
 _VOCAB_SIZE = 512
@@ -45,8 +48,18 @@ Is this response correct? Yes, it is correct. No, it is not correct. Maybe it ne
 """.strip()
 
 
-def train_tokenizer(seed: int, vocab_size: int = _VOCAB_SIZE) -> Tokenizer:
-    """A small byte-level BPE tokenizer with <pad>, <unk>, <s> (prepended as BOS) and </s>."""
+# The pair templates of the encoder families, with <s> and </s> in the roles of [CLS] and [SEP].
+_TEMPLATES = {
+    # BERT: [CLS] A [SEP] B [SEP], the second segment with token type 1.
+    "bert": ("<s> $A </s>", "<s> $A </s> $B:1 </s>:1"),
+    # RoBERTa / XLM-R: <s> A </s></s> B </s>, one token type.
+    "xlm-roberta": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"),
+}
+
+
+def train_tokenizer(seed: int, vocab_size: int = _VOCAB_SIZE, architecture: str = "llama") -> Tokenizer:
+    """A small byte-level BPE tokenizer with <pad>, <unk>, <s> and </s>: BOS-prepending for decoders, the
+    family's single and pair templates for encoders."""
     tokenizer = Tokenizer(BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -60,8 +73,9 @@ def train_tokenizer(seed: int, vocab_size: int = _VOCAB_SIZE) -> Tokenizer:
     lines = _CORPUS.splitlines()
     order = torch.randperm(len(lines), generator=torch.Generator().manual_seed(seed)).tolist()
     tokenizer.train_from_iterator([lines[i] for i in order], trainer=trainer)
+    single, pair = _TEMPLATES.get(architecture, ("<s> $A", "<s> $A $B"))
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)]
+        single=single, pair=pair, special_tokens=[("<s>", BOS_ID), ("</s>", EOS_ID)]
     )
     return tokenizer
 
@@ -70,6 +84,8 @@ def tiny_config(architecture: str, vocab_size: int, num_labels: int) -> Pretrain
     """A small config of `architecture` (GQA with 4 query and 2 KV heads) for a sequence classifier."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture must be one of {', '.join(ARCHITECTURES)}, got {architecture!r}")
+    if architecture in ENCODERS:
+        return _encoder_config(architecture, vocab_size, num_labels)
     fields: dict[str, Any] = {
         "vocab_size": vocab_size,
         "hidden_size": 64,
@@ -105,13 +121,37 @@ def tiny_config(architecture: str, vocab_size: int, num_labels: int) -> Pretrain
     return config
 
 
+def _encoder_config(architecture: str, vocab_size: int, num_labels: int) -> PretrainedConfig:
+    fields: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        # RoBERTa positions start after the pad id: room for 512 tokens.
+        "max_position_embeddings": 512 + PAD_ID + 2,
+        "initializer_range": 0.1,
+        "pad_token_id": PAD_ID,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "num_labels": num_labels,
+        "type_vocab_size": 2 if architecture == "bert" else 1,
+        # Dropout is off at inference anyway; zero keeps HF's training-mode forward equal too.
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    }
+    config = AutoConfig.for_model(architecture, **fields)
+    config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForSequenceClassification"]
+    return config
+
+
 def write_tiny_model(
     path: str | Path, architecture: str = "llama", seed: int = 0, num_labels: int = 1
 ) -> Path:
     """Write a random-weight model (safetensors) and its tokenizer to `path`; deterministic from `seed`."""
     target = Path(path)
     target.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(seed)
+    tokenizer = train_tokenizer(seed, architecture=architecture)
     config = tiny_config(architecture, tokenizer.get_vocab_size(), num_labels)
     with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG state
         torch.manual_seed(seed)
@@ -119,13 +159,19 @@ def write_tiny_model(
     _fill_zero_initialised(model, seed)
     with quiet_progress_bars():
         model.save_pretrained(str(target))
+    encoder = architecture in ENCODERS
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="<pad>",
-        model_max_length=config.max_position_embeddings,
+        model_max_length=512 if encoder else config.max_position_embeddings,
+        **({"cls_token": "<s>", "sep_token": "</s>"} if encoder else {}),
+        # Token types only where the model has more than one (BERT); XLM-R has none.
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"]
+        if architecture == "bert"
+        else ["input_ids", "attention_mask"],
     )
     fast.save_pretrained(str(target))
     _fix_architectures(target, config)
@@ -137,8 +183,9 @@ def _fill_zero_initialised(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                base = 1.0 if "norm" in name else 0.0
+            norm = "norm" in name.lower()  # decoders' *_layernorm / norm, encoders' LayerNorm
+            if name.endswith("bias") or norm:
+                base = 1.0 if norm and name.endswith("weight") else 0.0
                 noise = torch.randn(parameter.shape, generator=generator) * 0.1
                 parameter.copy_(base + noise)
 

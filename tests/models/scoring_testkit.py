@@ -99,7 +99,9 @@ def _reference_varlen(
     assert torch.equal(cu_seq_q, cu_seq_k)
     lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
     assert max_q == max(lengths) and max_k == max(lengths)
-    assert window_size[1] == 0, "scoring is causal: no right window"
+    # Decoders: (left, 0). Encoders see both ways: (-1, -1), or a symmetric window (left, left).
+    causal = window_size[1] == 0
+    assert causal or window_size[1] == window_size[0], f"unexpected window {window_size}"
     left = None if window_size[0] < 0 else window_size[0]
     out = torch.empty_like(query)
     bounds = cu_seq_q.tolist()
@@ -110,6 +112,7 @@ def _reference_varlen(
             value[start:end].transpose(0, 1),
             scale=scale,
             left_window=left,
+            causal=causal,
         )
         out[start:end] = item.transpose(0, 1).to(query.dtype)
     return out

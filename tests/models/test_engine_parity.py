@@ -13,7 +13,7 @@ from transformers import AutoModelForSequenceClassification
 
 from models import Scorer, ScorerConfig, engine
 from models.packing import RowRequest, copy_rows_to_host
-from models.tiny import ARCHITECTURES
+from models.tiny import DECODERS
 from schemas import HiddenDType, ScoreRequest, Tensor
 
 TEXTS = (
@@ -38,7 +38,7 @@ def _assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
     np.testing.assert_allclose(actual, expected, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", DECODERS)
 def test_text_requests_match_hf(architecture: str, model_dirs: dict[str, Path]) -> None:
     model_dir = model_dirs[architecture]
     scorer = Scorer(model_dir, ScorerConfig(device="cpu"))

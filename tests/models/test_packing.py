@@ -60,3 +60,14 @@ def test_mean_pooling_averages_each_item_in_float32() -> None:
     assert pooled.dtype == torch.float32
     expected = [hidden[0:3].float().mean(0), hidden[3:4].float().mean(0), hidden[4:6].float().mean(0)]
     torch.testing.assert_close(pooled, torch.stack(expected))
+
+
+def test_roberta_positions_start_after_the_pad_id_and_skip_pads_in_each_item() -> None:
+    # HF: positions = cumsum(token != pad) * (token != pad) + pad, per sequence; pad id 1 here.
+    packed = pack([[5, 6, 7], [8, 1, 9]], torch.device("cpu"), position_pad=1)
+    assert packed.position_ids.tolist() == [[2, 3, 4, 2, 1, 3]]
+
+
+def test_token_types_are_packed_with_their_prompts() -> None:
+    packed = pack([[5, 6], [7, 8, 9]], torch.device("cpu"), token_types=[[0, 1], [0, 0, 1]])
+    assert packed.token_type_ids is not None and packed.token_type_ids.tolist() == [[0, 1, 0, 0, 1]]

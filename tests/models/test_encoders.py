@@ -1,0 +1,106 @@
+"""Cross-encoders (BERT, XLM-RoBERTa) in the packed engine against HF's own padded float32 forward."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scoring_testkit import ATOL, RTOL, CpuVarlenKernel, hidden_of, scores_of
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from models import ModelLoadError, Scorer, ScorerConfig, write_tiny_model
+from models.prepare import PairTemplate
+from schemas import ScoreRequest
+
+QUERY = "When does the library open on Sunday?"
+ITEMS = (
+    "At nine o'clock.",
+    "The farmer watches the quick brown fox jump over the lazy dog from the old wooden fence.",
+    "It is closed.",
+)
+
+
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def encoder_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=8, num_labels=2)
+
+
+@torch.no_grad()
+def _hf(model_dir: Path, first: list[str], second: list[str] | None) -> tuple[np.ndarray, np.ndarray]:
+    """HF's logits and the CLS token's final hidden state for a padded batch of texts or text pairs."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(model_dir), attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    encoded = tokenizer(first, second, padding=True, return_tensors="pt")
+    out = model(**encoded, output_hidden_states=True)
+    return out.logits.numpy(), out.hidden_states[-1][:, 0].numpy()
+
+
+def _close(actual: np.ndarray, expected: np.ndarray) -> None:
+    np.testing.assert_allclose(actual, expected, atol=ATOL, rtol=RTOL)
+
+
+def _score(scorer: Scorer, **fields: object) -> tuple[np.ndarray, np.ndarray]:
+    result = scorer.score([ScoreRequest(request_id="r", return_pooled_hidden_states=True, **fields)])[0]  # type: ignore[arg-type]
+    return scores_of(result), hidden_of(result)
+
+
+def test_text_pairs_single_texts_and_item_first_match_hf(encoder_dir: Path) -> None:
+    scorer = Scorer(encoder_dir, ScorerConfig(device="cpu"))
+    assert scorer.info.pooling == "cls"
+    for fields, first, second in [
+        ({"query": QUERY, "items": ITEMS}, [QUERY] * 3, list(ITEMS)),
+        ({"items": ITEMS}, list(ITEMS), None),
+        ({"query": QUERY, "items": ITEMS, "item_first": True}, list(ITEMS), [QUERY] * 3),
+    ]:
+        scores, hidden = _score(scorer, **fields)
+        logits, cls = _hf(encoder_dir, first, second)
+        _close(scores, logits)
+        _close(hidden, cls)  # the pooled state: the CLS token's final hidden state, before pooler and head
+
+
+def test_token_ids_get_the_tokenizers_pair_template(encoder_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(encoder_dir))
+    query = tuple(tokenizer(QUERY, add_special_tokens=False)["input_ids"])
+    items = tuple(tuple(tokenizer(i, add_special_tokens=False)["input_ids"]) for i in ITEMS)
+    scorer = Scorer(encoder_dir, ScorerConfig(device="cpu"))
+    from_ids = _score(scorer, query=query, items=items)
+    from_text = _score(scorer, query=QUERY, items=ITEMS)
+    np.testing.assert_array_equal(from_ids[0], from_text[0])
+    np.testing.assert_array_equal(from_ids[1], from_text[1])
+
+
+def test_pair_templates_are_read_off_the_tokenizer(encoder_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(encoder_dir))
+    template = PairTemplate.from_tokenizer(tokenizer)
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    assert template.single == ((cls,), (sep,))
+    if encoder_dir.name.startswith("bert"):
+        assert template.pair == ((cls,), (sep,), (sep,)) and template.pair_types == (0, 0, 0, 1, 1)
+        assert template.join((7, 8), (9,)) == ((cls, 7, 8, sep, 9, sep), (0, 0, 0, 0, 1, 1))
+    else:
+        assert template.pair == ((cls,), (sep, sep), (sep,)) and template.pair_types is None
+
+
+def test_varlen_wrapper_attends_both_ways_inside_each_item(encoder_dir: Path) -> None:
+    kernel = CpuVarlenKernel()
+    varlen = Scorer(encoder_dir, ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel))
+    reference = Scorer(encoder_dir, ScorerConfig(device="cpu"))
+    for got, expected in zip(
+        _score(varlen, query=QUERY, items=ITEMS), _score(reference, query=QUERY, items=ITEMS), strict=True
+    ):
+        np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    assert kernel.calls
+
+
+def test_an_encoder_without_its_tokenizer_is_refused(encoder_dir: Path, tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(encoder_dir / name, bare / name)
+    with pytest.raises(ModelLoadError, match="pair template"):
+        Scorer(bare, ScorerConfig(device="cpu"))
