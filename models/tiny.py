@@ -22,7 +22,7 @@ from models.loading import quiet_progress_bars
 
 DECODERS = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3")
 # Cross-encoders: bidirectional attention, a query/item pair template, a pooler or dense head chain.
-ENCODERS = ("bert", "xlm-roberta")
+ENCODERS = ("bert", "roberta", "xlm-roberta")
 ARCHITECTURES = DECODERS + ENCODERS
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")  # ids 0..3 in this order
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
@@ -54,6 +54,7 @@ _TEMPLATES = {
     "bert": ("<s> $A </s>", "<s> $A </s> $B:1 </s>:1"),
     # RoBERTa / XLM-R: <s> A </s></s> B </s>, one token type.
     "xlm-roberta": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"),
+    "roberta": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"),
 }
 
 

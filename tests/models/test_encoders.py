@@ -23,7 +23,7 @@ ITEMS = (
 )
 
 
-@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+@pytest.fixture(scope="module", params=["bert", "roberta", "xlm-roberta"])
 def encoder_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=8, num_labels=2)
 
