@@ -8,13 +8,23 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
+from transformers import PreTrainedModel
 
 from models.attention import register_attention
 from models.config import ScorerConfig
 from models.errors import ModelLoadError
 from models.loading import LoadedModel, load_model, read_config
-from models.packing import PackedBatch, RowRequest, copy_rows_to_host, hidden_row_bytes, pack, pool
+from models.packing import (
+    PackedBatch,
+    RowRequest,
+    copy_rows_to_host,
+    hidden_row_bytes,
+    pack,
+    pool,
+    pooled_positions,
+)
 from models.prepare import PairTemplate, PreparedRequest, PromptBuilder, PromptError
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
 
@@ -106,6 +116,42 @@ class Scorer:
     def max_input_tokens(self) -> int:
         """The longest prompt (query + item, in tokens) this scorer accepts."""
         return self._prompts.max_input_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self._loaded.vocab_size
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._loaded.pad_token_id
+
+    @property
+    def hf_model(self) -> PreTrainedModel:
+        """The loaded transformers model (for the self-check's plain forward)."""
+        return self._loaded.model
+
+    @property
+    def uses_token_types(self) -> bool:
+        return self._loaded.token_types
+
+    @property
+    def pools_like_its_head(self) -> bool:
+        """Whether the pooling is the one the model's own HF head uses (its logits are then comparable)."""
+        return self.pooling == self._loaded.default_pooling
+
+    def pooled_row(self, prompt: Sequence[int]) -> int | None:
+        """Index of the pooled token of one prompt (None for MEAN pooling)."""
+        if self.pooling == "mean":
+            return None
+        ids = np.asarray(prompt, dtype=np.int64)
+        bounds = np.array([0]), np.array([len(prompt)])
+        return int(pooled_positions(ids, *bounds, self.pooling, self.pad_token_id)[0])
+
+    @torch.inference_mode()
+    def apply_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The model's head on pooled states [N, H] -> float32 scores [N, L]."""
+        scores: torch.Tensor = self._loaded.head(pooled.to(device=self.device, dtype=self.dtype))
+        return scores.float()
 
     @property
     def hidden_size(self) -> int:

@@ -132,7 +132,9 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def _load_scorer(settings: WorkerSettings) -> Scorer:
+    """Load the model and, unless turned off, check it against HF's own forward before any request."""
     from models import Scorer, ScorerConfig
+    from models.selfcheck import run_self_check
 
     config = ScorerConfig(
         device=settings.device,
@@ -140,7 +142,15 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
         max_batch_tokens=settings.max_batch_tokens,
         pooling=settings.pooling,
     )
-    return Scorer(settings.model_dir, config)
+    scorer = Scorer(settings.model_dir, config)
+    if settings.self_check:
+        report = run_self_check(scorer)
+        log.info(
+            "self-check passed in %.2f s: %d items, largest score difference %.2g (scale %.2g), "
+            "smallest hidden-state cosine %.6f",
+            report.seconds, report.items, report.max_score_diff, report.score_scale, report.min_hidden_cosine,
+        )  # fmt: skip
+    return scorer
 
 
 def _chosen_command(argv: Sequence[str]) -> str | None:

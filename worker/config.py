@@ -44,6 +44,11 @@ class WorkerSettings(BaseSettings):
     pooling: Literal["auto", "last", "last_token", "cls", "mean"] = Field(
         "auto", description="how an item's tokens become its pooled state; auto: what the model's head pools"
     )
+    self_check: bool = Field(
+        True,
+        description="score a fixed input packed and through HF's own forward at start-up; refuse to start "
+        "when they disagree",
+    )
     max_batch_tokens: int = Field(8192, gt=0, description="token budget of one model batch")
     max_batch_requests: int = Field(64, gt=0, description="most requests in one model batch")
     max_wait_ms: int = Field(5, ge=0, le=60_000, description="longest wait after a batch's first request")

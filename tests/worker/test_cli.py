@@ -85,3 +85,30 @@ def test_json_logs_are_one_object_per_line_with_the_exception() -> None:
     assert "ValueError: boom" in entry["exception"]
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
     assert entry["time"].startswith(stamp) and entry["time"].endswith("Z")  # UTC whatever the local zone
+
+
+def test_run_refuses_to_start_when_the_self_check_fails(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from models import attention
+
+    original = attention.attend_causal
+
+    def off_by_a_little(*args: object, **kwargs: object) -> torch.Tensor:
+        return original(*args, **kwargs) * 1.05  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "attend_causal", off_by_a_little)
+    # The broker is never reached: the check runs right after loading, before the consumer starts.
+    argv = [
+        "run",
+        "--model",
+        str(tiny_llama_dir),
+        "--bootstrap-servers",
+        "127.0.0.1:9",
+        "--metrics-port",
+        "0",
+    ]
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert "self-check failed" in capsys.readouterr().err
