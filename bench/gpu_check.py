@@ -148,12 +148,14 @@ def hf_per_prompt(
 def load_hf(model_dir: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
     from transformers import AutoModelForSequenceClassification
 
-    from models.loading import read_config
+    from models.loading import UNPACKABLE_MODEL_TYPES, read_config
 
-    # HF's SDPA path has no logit soft-capping (Gemma 2 refuses it): such models run eager attention.
-    softcap = read_config(model_dir).get("attn_logit_softcapping") is not None
+    # HF's SDPA path has no logit soft-capping (Gemma 2 refuses it) and DeBERTa has only its own attention:
+    # those run eager attention.
+    config = read_config(model_dir)
+    eager = config.get("attn_logit_softcapping") is not None or config["model_type"] in UNPACKABLE_MODEL_TYPES
     model: torch.nn.Module = AutoModelForSequenceClassification.from_pretrained(
-        str(model_dir), dtype=dtype, attn_implementation="eager" if softcap else "sdpa"
+        str(model_dir), dtype=dtype, attn_implementation="eager" if eager else "sdpa"
     )
     return model.to(device).eval()
 
@@ -294,7 +296,8 @@ def check_one(case: Case, dtype: str, attention: Attention, same_model: torch.nn
     outcome.expect(
         drift <= FLOORS[dtype][0] * max(1.0, float(np.abs(packed["scores"]).max())), f"drift {drift:.2e}"
     )
-    if attention != "varlen":
+    outcome.numbers["path"] = scorer.attention  # a model that cannot run packed takes the plain path
+    if scorer.attention != "varlen":
         return outcome
     kernels = varlen_kernel_names(scorer, requests[:3])
     outcome.numbers["attention_kernels"] = len(kernels)

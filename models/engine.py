@@ -17,7 +17,6 @@ from models.config import ScorerConfig
 from models.errors import ModelLoadError
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import (
-    PackedBatch,
     RowRequest,
     copy_rows_to_host,
     hidden_row_bytes,
@@ -25,7 +24,7 @@ from models.packing import (
     pool,
     pooled_positions,
 )
-from models.prepare import PairTemplate, PreparedRequest, PromptBuilder, PromptError
+from models.prepare import PairTemplate, PreparedRequest, Prompt, PromptBuilder, PromptError
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
 
 log = logging.getLogger(__name__)
@@ -88,7 +87,8 @@ class Scorer:
         try:
             self.device = self.config.resolve_device()
             self.dtype = self.config.resolve_dtype(self.device)
-            self.attention = self.config.resolve_attention(self.device, self.dtype, softcap)
+            # "varlen" or "reference" (packed), or "plain" below for a model that cannot run packed.
+            self.attention: str = self.config.resolve_attention(self.device, self.dtype, softcap)
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
         if softcap is not None and self.device.type == "cuda":
@@ -103,6 +103,9 @@ class Scorer:
         limit = self._loaded.max_position_embeddings
         if self.config.max_input_tokens is not None:
             limit = min(limit, self.config.max_input_tokens)
+        if not self._loaded.packable:
+            self.attention = "plain"  # the model's own attention on a padded batch (see _plain_pooled_hidden)
+            log.info("%s cannot run packed: it takes the plain padded path", Path(model_dir).name)
         template = PairTemplate.from_tokenizer(self._loaded.tokenizer) if self._loaded.encoder else None
         self._prompts = PromptBuilder(self._loaded.tokenizer, self._loaded.vocab_size, limit, template)
         self.pooling = self.config.resolve_pooling(self._loaded.default_pooling)
@@ -269,15 +272,10 @@ class Scorer:
                 for p in batch
                 for types in (p.token_types or tuple((0,) * len(prompt) for prompt in p.prompts))
             ]
-        packed = pack(
-            prompts,
-            self.device,
-            self.pooling,
-            self._loaded.pad_token_id,
-            token_types=token_types,
-            position_pad=self._loaded.position_pad,
-        )
-        pooled = self._pooled_hidden(packed)  # [N, H] in the model dtype
+        if not self._loaded.packable:
+            pooled = self._plain_pooled_hidden(prompts, token_types)
+        else:
+            pooled = self._packed_pooled_hidden(prompts, token_types)
         head_input = pooled.to(self.dtype)  # MEAN pools in float32; the head runs in the model's dtype
         logits = self._loaded.head(head_input).float()  # [N, L]: scores are float32 whatever the model dtype
         self._synchronize()
@@ -296,8 +294,16 @@ class Scorer:
             per_request, hidden, forward_done - started, copy_done - forward_done, hidden_bytes
         )
 
-    def _pooled_hidden(self, packed: PackedBatch) -> torch.Tensor:
-        """Run the decoder on the packed row; LAST pooling: each item's final token, after the final norm."""
+    def _packed_pooled_hidden(self, prompts: list[Prompt], token_types: list[Prompt] | None) -> torch.Tensor:
+        """Run the base model on the packed row and pool each item: [N, H] (float32 for MEAN)."""
+        packed = pack(
+            prompts,
+            self.device,
+            self.pooling,
+            self._loaded.pad_token_id,
+            token_types=token_types,
+            position_pad=self._loaded.position_pad,
+        )
         # The varlen kernel reads the bounds on the device; the exact path loops over items in Python, and
         # reading them from a device tensor would stall on a device-to-host copy in every layer.
         cu_seqlens = packed.cu_seqlens if self.attention == "varlen" else packed.host_cu_seqlens
@@ -315,6 +321,36 @@ class Scorer:
         )
         hidden: torch.Tensor = output.last_hidden_state[0]  # [T, H]
         return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
+
+    def _plain_pooled_hidden(self, prompts: list[Prompt], token_types: list[Prompt] | None) -> torch.Tensor:
+        """Models whose attention cannot be packed: HF's own forward on a right-padded batch, then the same
+        pooling as the packed path: [N, H] (float32 for MEAN)."""
+        count, width = len(prompts), max(len(p) for p in prompts)
+        pad = self._loaded.pad_token_id or 0
+        ids = np.full((count, width), pad, dtype=np.int64)
+        mask = np.zeros((count, width), dtype=np.int64)
+        types = np.zeros((count, width), dtype=np.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = prompt
+            mask[row, : len(prompt)] = 1
+            if token_types is not None:
+                types[row, : len(prompt)] = token_types[row]
+        extra = {} if token_types is None else {"token_type_ids": torch.from_numpy(types).to(self.device)}
+        output = self._loaded.base(
+            input_ids=torch.from_numpy(ids).to(self.device),
+            attention_mask=torch.from_numpy(mask).to(self.device),
+            **extra,
+        )
+        hidden: torch.Tensor = output.last_hidden_state  # [N, W, H]
+        if self.pooling == "mean":
+            weights = torch.from_numpy(mask).to(self.device, torch.float32).unsqueeze(-1)  # [N, W, 1]
+            return (hidden.float() * weights).sum(1) / weights.sum(1)
+        lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        starts = np.arange(count, dtype=np.int64) * width
+        rows = pooled_positions(
+            ids.reshape(-1), starts, starts + lengths, self.pooling, self._loaded.pad_token_id
+        )
+        return hidden.reshape(count * width, -1).index_select(0, torch.from_numpy(rows).to(self.device))
 
     def _copy_hidden(
         self, batch: list[PreparedRequest], item_counts: list[int], pooled: torch.Tensor

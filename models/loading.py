@@ -23,7 +23,10 @@ from models.packing import Pooling
 # an untested architecture must not silently return wrong scores, so they are refused.
 DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 # Cross-encoders: bidirectional attention inside each item, the tokenizer's pair template, CLS pooling.
-ENCODER_MODEL_TYPES = ("bert", "xlm-roberta", "roberta")
+ENCODER_MODEL_TYPES = ("bert", "xlm-roberta", "roberta", "deberta-v2")
+# Models whose attention is their own code, not transformers' attention interface (DeBERTa's disentangled
+# relative attention): they cannot run packed and take the plain path, HF's padded forward.
+UNPACKABLE_MODEL_TYPES = ("deberta-v2",)
 SUPPORTED_MODEL_TYPES = DECODER_MODEL_TYPES + ENCODER_MODEL_TYPES
 # RoBERTa's position ids start after the pad id and skip pad tokens (HF's create_position_ids_from_input_ids).
 _PAD_OFFSET_POSITIONS = ("xlm-roberta", "roberta")
@@ -47,6 +50,7 @@ class LoadedModel:
     token_types: bool = False  # the model embeds segment ids (BERT)
     # RoBERTa-style positions: pad id + 1 + index, pad tokens keeping the pad id (None: 0 + index)
     position_pad: int | None = None
+    packable: bool = True  # False: the plain padded path (the model's attention is not pluggable)
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -206,6 +210,9 @@ def load_model(
 ) -> LoadedModel:
     """Load weights, head and tokenizer; the model is in eval mode on `device`."""
     config = read_config(model_dir)
+    packable = config.get("model_type") not in UNPACKABLE_MODEL_TYPES
+    if not packable:
+        attn_implementation = "eager"
     try:
         with quiet_progress_bars():
             model, info = AutoModelForSequenceClassification.from_pretrained(
@@ -255,6 +262,7 @@ def load_model(
         encoder=encoder,
         token_types=encoder and int(config.get("type_vocab_size") or 1) > 1,
         position_pad=position_pad,
+        packable=packable,
     )
 
 
@@ -280,7 +288,8 @@ class EncoderHead(nn.Module):
 
 def _encoder_head(model: PreTrainedModel) -> nn.Module:
     base = getattr(model, model.base_model_prefix)
-    pooler = getattr(base, "pooler", None)  # BERT; RoBERTa classifiers are built without one
+    # BERT's pooler sits in the base model, DeBERTa's beside it; RoBERTa classifiers are built without one.
+    pooler = getattr(base, "pooler", None) or getattr(model, "pooler", None)
     classifier = find_head(model)
     return EncoderHead(pooler, classifier, classifier_reads_sequence=not isinstance(classifier, nn.Linear))
 

@@ -118,6 +118,9 @@ def _plain_attention(model: PreTrainedModel) -> Iterator[None]:
     """HF's own attention for the plain forward (eager where SDPA cannot soft-cap), then ours again."""
     config = model.config
     ours = config._attn_implementation
+    if ours in ("eager", "sdpa"):
+        yield  # a model on the plain path already runs HF's own attention (DeBERTa)
+        return
     softcap = getattr(config.get_text_config(), "attn_logit_softcapping", None)
     model.set_attn_implementation("eager" if softcap is not None else "sdpa")
     try:

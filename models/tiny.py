@@ -22,7 +22,7 @@ from models.loading import quiet_progress_bars
 
 DECODERS = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3")
 # Cross-encoders: bidirectional attention, a query/item pair template, a pooler or dense head chain.
-ENCODERS = ("bert", "roberta", "xlm-roberta")
+ENCODERS = ("bert", "roberta", "xlm-roberta", "deberta-v2")
 ARCHITECTURES = DECODERS + ENCODERS
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")  # ids 0..3 in this order
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
@@ -55,6 +55,8 @@ _TEMPLATES = {
     # RoBERTa / XLM-R: <s> A </s></s> B </s>, one token type.
     "xlm-roberta": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"),
     "roberta": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"),
+    # DeBERTa v3: [CLS] A [SEP] B [SEP], no token types.
+    "deberta-v2": ("<s> $A </s>", "<s> $A </s> $B </s>"),
 }
 
 
@@ -141,6 +143,14 @@ def _encoder_config(architecture: str, vocab_size: int, num_labels: int) -> Pret
         "hidden_dropout_prob": 0.0,
         "attention_probs_dropout_prob": 0.0,
     }
+    if architecture == "deberta-v2":
+        # DeBERTa v3's shape: disentangled relative attention, log-bucketed positions, no absolute ones.
+        fields.update(
+            type_vocab_size=0, relative_attention=True, pos_att_type=["p2c", "c2p"],
+            position_biased_input=False, max_relative_positions=-1, position_buckets=16,
+            norm_rel_ebd="layer_norm", share_att_key=True, pooler_hidden_size=64, pooler_dropout=0.0,
+            pooler_hidden_act="gelu",
+        )  # fmt: skip
     config = AutoConfig.for_model(architecture, **fields)
     config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForSequenceClassification"]
     return config

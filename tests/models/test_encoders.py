@@ -23,7 +23,7 @@ ITEMS = (
 )
 
 
-@pytest.fixture(scope="module", params=["bert", "roberta", "xlm-roberta"])
+@pytest.fixture(scope="module", params=["bert", "roberta", "xlm-roberta", "deberta-v2"])
 def encoder_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=8, num_labels=2)
 
@@ -82,11 +82,15 @@ def test_pair_templates_are_read_off_the_tokenizer(encoder_dir: Path) -> None:
     if encoder_dir.name.startswith("bert"):
         assert template.pair == ((cls,), (sep,), (sep,)) and template.pair_types == (0, 0, 0, 1, 1)
         assert template.join((7, 8), (9,)) == ((cls, 7, 8, sep, 9, sep), (0, 0, 0, 0, 1, 1))
+    elif encoder_dir.name.startswith("deberta"):
+        assert template.pair == ((cls,), (sep,), (sep,)) and template.pair_types is None
     else:
         assert template.pair == ((cls,), (sep, sep), (sep,)) and template.pair_types is None
 
 
-def test_varlen_wrapper_attends_both_ways_inside_each_item(encoder_dir: Path) -> None:
+@pytest.mark.parametrize("architecture", ["bert", "xlm-roberta"])  # DeBERTa: see the plain-path test
+def test_varlen_wrapper_attends_both_ways_inside_each_item(architecture: str, tmp_path: Path) -> None:
+    encoder_dir = write_tiny_model(tmp_path / architecture, architecture, seed=8, num_labels=2)
     kernel = CpuVarlenKernel()
     varlen = Scorer(encoder_dir, ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel))
     reference = Scorer(encoder_dir, ScorerConfig(device="cpu"))
@@ -104,3 +108,22 @@ def test_an_encoder_without_its_tokenizer_is_refused(encoder_dir: Path, tmp_path
         shutil.copy(encoder_dir / name, bare / name)
     with pytest.raises(ModelLoadError, match="pair template"):
         Scorer(bare, ScorerConfig(device="cpu"))
+
+
+def test_deberta_takes_the_plain_padded_path_and_says_so(tmp_path: Path) -> None:
+    """Disentangled attention is not pluggable: HF's own padded forward, pooled and headed like the rest."""
+    model_dir = write_tiny_model(tmp_path / "deberta", "deberta-v2", seed=8, num_labels=2)
+    kernel = CpuVarlenKernel()
+    scorer = Scorer(model_dir, ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel))
+    assert scorer.info.attention == "plain" and not kernel.calls
+    for pooling in ("mean", "last_token"):
+        scorer = Scorer(model_dir, ScorerConfig(device="cpu", pooling=pooling))
+        _, hidden = _score(scorer, query=QUERY, items=ITEMS)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        model = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).eval()
+        for row, item in enumerate(ITEMS):
+            with torch.no_grad():
+                states = model(**tokenizer(QUERY, item, return_tensors="pt"), output_hidden_states=True)
+            last = states.hidden_states[-1][0]
+            expected = last.mean(0) if pooling == "mean" else last[-1]
+            _close(hidden[row], expected.numpy())
