@@ -141,19 +141,24 @@ def hf_per_prompt(
             extra["token_type_ids"] = torch.tensor([list(token_types[index])], device=device)
         out = model(input_ids=ids, output_hidden_states=True, **extra)
         scores.append(out.logits[0].float().cpu().numpy())
-        hidden.append(out.hidden_states[-1][0, 0 if encoder else -1].float().cpu().numpy())
+        states = out.hidden_states[-1][0]  # [L, H]
+        if getattr(model.config, "classifier_pooling", None) == "mean":  # ModernBERT may pool the mean
+            pooled = states.float().mean(0)
+        else:
+            pooled = states[0 if encoder else -1].float()
+        hidden.append(pooled.cpu().numpy())
     return np.stack(scores), np.stack(hidden)
 
 
 def load_hf(model_dir: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
     from transformers import AutoModelForSequenceClassification
 
-    from models.loading import UNPACKABLE_MODEL_TYPES, read_config
+    from models.loading import packable, read_config
 
     # HF's SDPA path has no logit soft-capping (Gemma 2 refuses it) and DeBERTa has only its own attention:
     # those run eager attention.
     config = read_config(model_dir)
-    eager = config.get("attn_logit_softcapping") is not None or config["model_type"] in UNPACKABLE_MODEL_TYPES
+    eager = config.get("attn_logit_softcapping") is not None or not packable(config["model_type"])
     model: torch.nn.Module = AutoModelForSequenceClassification.from_pretrained(
         str(model_dir), dtype=dtype, attn_implementation="eager" if eager else "sdpa"
     )

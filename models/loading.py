@@ -23,10 +23,21 @@ from models.packing import Pooling
 # an untested architecture must not silently return wrong scores, so they are refused.
 DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 # Cross-encoders: bidirectional attention inside each item, the tokenizer's pair template, CLS pooling.
-ENCODER_MODEL_TYPES = ("bert", "xlm-roberta", "roberta", "deberta-v2")
-# Models whose attention is their own code, not transformers' attention interface (DeBERTa's disentangled
-# relative attention): they cannot run packed and take the plain path, HF's padded forward.
-UNPACKABLE_MODEL_TYPES = ("deberta-v2",)
+ENCODER_MODEL_TYPES = ("bert", "xlm-roberta", "roberta", "deberta-v2", "modernbert")
+
+
+def packable(model_type: str) -> bool:
+    """Whether transformers' implementation of `model_type` takes its attention from the attention interface
+    (then it runs packed with ours). Models whose attention is their own code (DeBERTa's disentangled
+    relative attention) cannot, and take the plain path: HF's own forward on a padded batch."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    name = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)
+    model_class = getattr(transformers, name, None) if isinstance(name, str) else None
+    return bool(getattr(model_class, "_supports_attention_backend", False))
+
+
 SUPPORTED_MODEL_TYPES = DECODER_MODEL_TYPES + ENCODER_MODEL_TYPES
 # RoBERTa's position ids start after the pad id and skip pad tokens (HF's create_position_ids_from_input_ids).
 _PAD_OFFSET_POSITIONS = ("xlm-roberta", "roberta")
@@ -210,8 +221,8 @@ def load_model(
 ) -> LoadedModel:
     """Load weights, head and tokenizer; the model is in eval mode on `device`."""
     config = read_config(model_dir)
-    packable = config.get("model_type") not in UNPACKABLE_MODEL_TYPES
-    if not packable:
+    runs_packed = packable(str(config.get("model_type")))
+    if not runs_packed:
         attn_implementation = "eager"
     try:
         with quiet_progress_bars():
@@ -258,29 +269,44 @@ def load_model(
         max_position_embeddings=max_positions,
         name=model_dir.resolve().name or str(config.get("_name_or_path", "")),
         pad_token_id=_pad_token_id(model),
-        default_pooling="cls" if encoder else "last",
+        default_pooling=_default_pooling(config) if encoder else "last",
         encoder=encoder,
         token_types=encoder and int(config.get("type_vocab_size") or 1) > 1,
         position_pad=position_pad,
-        packable=packable,
+        packable=runs_packed,
     )
+
+
+def _default_pooling(config: dict[str, Any]) -> Pooling:
+    """Encoders pool their first token, except where the config says otherwise (ModernBERT's mean)."""
+    return "mean" if config.get("classifier_pooling") == "mean" else "cls"
 
 
 class EncoderHead(nn.Module):
     """An encoder classifier's chain after pooling, fed one pooled row per item: [N, H] -> [N, labels].
 
-    HF's BERT pooler (dense + tanh) and RoBERTa's classification head (dense + tanh + projection) read the
-    first token of a [B, L, H] sequence; each pooled row is handed over as a sequence of that one token.
+    HF's BERT and DeBERTa poolers (dense + activation) and RoBERTa's classification head (dense + tanh +
+    projection) read the first token of a [B, L, H] sequence: each pooled row is handed over as a sequence
+    of that one token. ModernBERT's head (dense + activation + norm) reads the pooled rows themselves.
     """
 
-    def __init__(self, pooler: nn.Module | None, classifier: nn.Module, classifier_reads_sequence: bool):
+    def __init__(
+        self,
+        pooler: nn.Module | None,
+        pooler_reads_sequence: bool,
+        classifier: nn.Module,
+        classifier_reads_sequence: bool,
+    ):
         super().__init__()
         self.pooler = pooler
+        self.pooler_reads_sequence = pooler_reads_sequence
         self.classifier = classifier
         self.classifier_reads_sequence = classifier_reads_sequence
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        rows = pooled if self.pooler is None else self.pooler(pooled.unsqueeze(1))  # [N, H]
+        rows = pooled  # [N, H]
+        if self.pooler is not None:
+            rows = self.pooler(rows.unsqueeze(1) if self.pooler_reads_sequence else rows)
         if self.classifier_reads_sequence:
             return self.classifier(rows.unsqueeze(1))  # type: ignore[no-any-return]
         return self.classifier(rows)  # type: ignore[no-any-return]
@@ -288,10 +314,20 @@ class EncoderHead(nn.Module):
 
 def _encoder_head(model: PreTrainedModel) -> nn.Module:
     base = getattr(model, model.base_model_prefix)
-    # BERT's pooler sits in the base model, DeBERTa's beside it; RoBERTa classifiers are built without one.
-    pooler = getattr(base, "pooler", None) or getattr(model, "pooler", None)
     classifier = find_head(model)
-    return EncoderHead(pooler, classifier, classifier_reads_sequence=not isinstance(classifier, nn.Linear))
+    # BERT's pooler sits in the base model, DeBERTa's beside it, ModernBERT's dense head beside it too;
+    # RoBERTa classifiers are built without one (their classification head does it all).
+    for owner, name, reads_sequence in (
+        (base, "pooler", True),
+        (model, "pooler", True),
+        (model, "head", False),
+    ):
+        module = getattr(owner, name, None)
+        if isinstance(module, nn.Module) and module is not classifier:
+            return EncoderHead(module, reads_sequence, classifier, False)
+    return EncoderHead(
+        None, False, classifier, classifier_reads_sequence=not isinstance(classifier, nn.Linear)
+    )
 
 
 def _pad_token_id(model: PreTrainedModel) -> int | None:

@@ -22,7 +22,7 @@ from models.loading import quiet_progress_bars
 
 DECODERS = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3")
 # Cross-encoders: bidirectional attention, a query/item pair template, a pooler or dense head chain.
-ENCODERS = ("bert", "roberta", "xlm-roberta", "deberta-v2")
+ENCODERS = ("bert", "roberta", "xlm-roberta", "deberta-v2", "modernbert")
 ARCHITECTURES = DECODERS + ENCODERS
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")  # ids 0..3 in this order
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
@@ -55,8 +55,9 @@ _TEMPLATES = {
     # RoBERTa / XLM-R: <s> A </s></s> B </s>, one token type.
     "xlm-roberta": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"),
     "roberta": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"),
-    # DeBERTa v3: [CLS] A [SEP] B [SEP], no token types.
+    # DeBERTa v3 and ModernBERT: [CLS] A [SEP] B [SEP], no token types.
     "deberta-v2": ("<s> $A </s>", "<s> $A </s> $B </s>"),
+    "modernbert": ("<s> $A </s>", "<s> $A </s> $B </s>"),
 }
 
 
@@ -151,6 +152,15 @@ def _encoder_config(architecture: str, vocab_size: int, num_labels: int) -> Pret
             norm_rel_ebd="layer_norm", share_att_key=True, pooler_hidden_size=64, pooler_dropout=0.0,
             pooler_hidden_act="gelu",
         )  # fmt: skip
+    if architecture == "modernbert":
+        # Local attention of 8 tokens (4 each side) on every layer but each third: test items are longer.
+        fields.update(
+            local_attention=8, global_attn_every_n_layers=3, num_hidden_layers=3, classifier_pooling="mean",
+            cls_token_id=BOS_ID, sep_token_id=EOS_ID, type_vocab_size=None, attention_bias=True,
+            norm_bias=True, mlp_bias=True, classifier_bias=True, decoder_bias=True,
+            global_rope_theta=160000.0, local_rope_theta=10000.0,
+        )  # fmt: skip
+        fields.pop("type_vocab_size")
     config = AutoConfig.for_model(architecture, **fields)
     config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForSequenceClassification"]
     return config

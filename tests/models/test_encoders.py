@@ -23,21 +23,26 @@ ITEMS = (
 )
 
 
-@pytest.fixture(scope="module", params=["bert", "roberta", "xlm-roberta", "deberta-v2"])
+@pytest.fixture(scope="module", params=["bert", "roberta", "xlm-roberta", "deberta-v2", "modernbert"])
 def encoder_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=8, num_labels=2)
 
 
 @torch.no_grad()
 def _hf(model_dir: Path, first: list[str], second: list[str] | None) -> tuple[np.ndarray, np.ndarray]:
-    """HF's logits and the CLS token's final hidden state for a padded batch of texts or text pairs."""
+    """HF's logits and the pooled final hidden state (the CLS token's, or the mean where the model's head
+    pools the mean, as the tiny ModernBERT's does) for a padded batch of texts or text pairs."""
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForSequenceClassification.from_pretrained(
         str(model_dir), attn_implementation="eager", dtype=torch.float32
     ).eval()
     encoded = tokenizer(first, second, padding=True, return_tensors="pt")
     out = model(**encoded, output_hidden_states=True)
-    return out.logits.numpy(), out.hidden_states[-1][:, 0].numpy()
+    states = out.hidden_states[-1]  # [B, L, H]
+    if getattr(model.config, "classifier_pooling", "cls") == "mean":
+        mask = encoded["attention_mask"].unsqueeze(-1).float()
+        return out.logits.numpy(), ((states * mask).sum(1) / mask.sum(1)).numpy()
+    return out.logits.numpy(), states[:, 0].numpy()
 
 
 def _close(actual: np.ndarray, expected: np.ndarray) -> None:
@@ -51,7 +56,7 @@ def _score(scorer: Scorer, **fields: object) -> tuple[np.ndarray, np.ndarray]:
 
 def test_text_pairs_single_texts_and_item_first_match_hf(encoder_dir: Path) -> None:
     scorer = Scorer(encoder_dir, ScorerConfig(device="cpu"))
-    assert scorer.info.pooling == "cls"
+    assert scorer.info.pooling == ("mean" if encoder_dir.name.startswith("modernbert") else "cls")
     for fields, first, second in [
         ({"query": QUERY, "items": ITEMS}, [QUERY] * 3, list(ITEMS)),
         ({"items": ITEMS}, list(ITEMS), None),
@@ -82,13 +87,13 @@ def test_pair_templates_are_read_off_the_tokenizer(encoder_dir: Path) -> None:
     if encoder_dir.name.startswith("bert"):
         assert template.pair == ((cls,), (sep,), (sep,)) and template.pair_types == (0, 0, 0, 1, 1)
         assert template.join((7, 8), (9,)) == ((cls, 7, 8, sep, 9, sep), (0, 0, 0, 0, 1, 1))
-    elif encoder_dir.name.startswith("deberta"):
+    elif encoder_dir.name.startswith(("deberta", "modernbert")):
         assert template.pair == ((cls,), (sep,), (sep,)) and template.pair_types is None
     else:
         assert template.pair == ((cls,), (sep, sep), (sep,)) and template.pair_types is None
 
 
-@pytest.mark.parametrize("architecture", ["bert", "xlm-roberta"])  # DeBERTa: see the plain-path test
+@pytest.mark.parametrize("architecture", ["bert", "xlm-roberta", "modernbert"])  # DeBERTa: plain path
 def test_varlen_wrapper_attends_both_ways_inside_each_item(architecture: str, tmp_path: Path) -> None:
     encoder_dir = write_tiny_model(tmp_path / architecture, architecture, seed=8, num_labels=2)
     kernel = CpuVarlenKernel()
