@@ -17,7 +17,7 @@ from schemas.headers import (
     request_headers,
     result_headers,
 )
-from schemas.request import ScoreRequest
+from schemas.request import ChatMessage, ScoreRequest, Truncation
 from schemas.result import ErrorInfo, ResultStatus, ScoreResult
 from schemas.tensor import HiddenDType, Tensor
 from schemas.version import SCHEMA_VERSION
@@ -31,6 +31,7 @@ __all__ = [
     "REQUEST_CONTENT_TYPE",
     "RESULT_CONTENT_TYPE",
     "SCHEMA_VERSION",
+    "ChatMessage",
     "ErrorCode",
     "ErrorInfo",
     "Headers",
@@ -41,6 +42,7 @@ __all__ = [
     "ScoreRequest",
     "ScoreResult",
     "Tensor",
+    "Truncation",
     "decode_request",
     "decode_result",
     "encode_request",

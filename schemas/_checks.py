@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Collection, Iterable
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -103,42 +103,48 @@ def check_float(value: object, field: str) -> float:
     return float(value)
 
 
-def _token_id_error(ids: Iterable[object], field: str) -> SchemaError:
+def _token_id_error(ids: Iterable[object], field: str, text_allowed: bool) -> SchemaError:
     """The sentence for the first bad token id (the slow path, taken only once a defect is known)."""
     for index, token in enumerate(ids):
         where = f"{field}[{index}]"
         if isinstance(token, bool) or not isinstance(token, int | np.integer):
+            alternative = ", or send the input as a string" if text_allowed else ""
             return invalid(
                 f"{where} must be an integer token id, not {describe(token)}; send token ids as integers "
-                f"in [0, 2**31), or send the input as a string."
+                f"in [0, 2**31){alternative}."
             )
         if not 0 <= token < TOKEN_ID_LIMIT:
             return invalid(f"{where} is {token}; send token ids as integers in [0, 2**31).")
     raise AssertionError("_token_id_error called for valid token ids")
 
 
-def check_token_ids(value: Iterable[Any], field: str) -> tuple[int, ...]:
-    """Token ids as a tuple of plain ints in [0, 2**31)."""
+def check_token_ids(value: Iterable[Any], field: str, *, text_allowed: bool = True) -> tuple[int, ...]:
+    """Token ids as a tuple of plain ints in [0, 2**31); text_allowed says whether a string could stand in."""
     ids: tuple[Any, ...] = tuple(value)
     # Fast path in C: exact ints (bool is a different type) and range by min/max; inputs may be 100k+ ids.
     if set(map(type, ids)) <= PLAIN_INT_TYPES:
         if ids and (min(ids) < 0 or max(ids) >= TOKEN_ID_LIMIT):
-            raise _token_id_error(ids, field)
+            raise _token_id_error(ids, field, text_allowed)
         return ids
     # numpy integers (e.g. straight from a tokenizer) are accepted and turned into plain ints.
     if all(isinstance(token, int | np.integer) and not isinstance(token, bool) for token in ids):
         converted = tuple(int(token) for token in ids)
         if converted and (min(converted) < 0 or max(converted) >= TOKEN_ID_LIMIT):
-            raise _token_id_error(converted, field)
+            raise _token_id_error(converted, field, text_allowed)
         return converted
-    raise _token_id_error(ids, field)
+    raise _token_id_error(ids, field, text_allowed)
+
+
+def is_array(value: object) -> TypeGuard[Collection[Any]]:
+    """Whether a value is an array on the wire (a list or tuple, or a 1-D numpy array from a tokenizer)."""
+    return isinstance(value, list | tuple) or (isinstance(value, np.ndarray) and value.ndim == 1)
 
 
 def check_input(value: object, field: str) -> Input:
     """One input: a text, or a sequence of token ids."""
     if isinstance(value, str):
         return value
-    if isinstance(value, list | tuple) or (isinstance(value, np.ndarray) and value.ndim == 1):
+    if is_array(value):
         return check_token_ids(value, field)
     raise invalid(
         f"{field} must be a string (text) or an array of integer token ids, not {describe(value)}; "

@@ -9,7 +9,7 @@ import msgpack
 
 from schemas._checks import describe, invalid, is_valid_request_id
 from schemas.errors import ErrorCode, SchemaError
-from schemas.request import ScoreRequest, check_version
+from schemas.request import ScoreRequest, Truncation, check_version
 from schemas.result import ErrorInfo, ScoreResult, check_error_code
 from schemas.tensor import HiddenDType, Tensor, check_tensor_parts
 from schemas.version import SCHEMA_VERSION
@@ -33,6 +33,10 @@ _REQUEST_FIELDS: dict[str, object] = {
     "return_pooled_hidden_states": False,
     "hidden_states_dtype": HiddenDType.FLOAT32,
     "metadata": None,
+    "label_token_ids": None,
+    "messages": None,
+    "truncate": Truncation.NONE,
+    "requires": None,
 }
 _RESULT_FIELDS: dict[str, object] = {
     "request_id": _REQUIRED,
@@ -44,6 +48,7 @@ _RESULT_FIELDS: dict[str, object] = {
     "timings": {},
     "error": None,
     "metadata": None,
+    "truncated_tokens": None,
 }
 
 
@@ -189,6 +194,7 @@ def _pack(body: dict[str, Any], request_id: str) -> bytes:
 
 def encode_request(request: ScoreRequest) -> bytes:
     """A request as a msgpack map (every field written, defaults included)."""
+    messages = request.messages
     body = {
         "version": request.version,
         "request_id": request.request_id,
@@ -199,6 +205,10 @@ def encode_request(request: ScoreRequest) -> bytes:
         "return_pooled_hidden_states": request.return_pooled_hidden_states,
         "hidden_states_dtype": request.hidden_states_dtype.value,
         "metadata": request.metadata,
+        "label_token_ids": request.label_token_ids,
+        "messages": None if messages is None else [{"role": m.role, "content": m.content} for m in messages],
+        "truncate": request.truncate.value,
+        "requires": request.requires,
     }
     return _pack(body, request.request_id)
 
@@ -222,5 +232,6 @@ def encode_result(result: ScoreResult) -> bytes:
         "timings": result.timings,
         "error": None if error is None else {"code": error.code.value, "message": error.message},
         "metadata": result.metadata,
+        "truncated_tokens": result.truncated_tokens,
     }
     return _pack(body, result.request_id)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
+from enum import StrEnum
 
 from schemas._checks import (
     Input,
@@ -10,12 +13,34 @@ from schemas._checks import (
     check_input,
     check_metadata,
     check_request_id,
+    check_token_ids,
     describe,
     invalid,
+    is_array,
+    quoted,
 )
 from schemas.errors import ErrorCode, SchemaError
 from schemas.tensor import HiddenDType, check_dtype
 from schemas.version import SCHEMA_VERSION
+
+MAX_LABEL_TOKEN_IDS = 256
+MAX_MESSAGES = 256
+MAX_ROLE_CHARS = 32
+MAX_REQUIRES = 64
+_SHOWN_UNKNOWN = 3  # unknown names quoted in one sentence; an error result echoes it, so it stays short
+
+
+class Truncation(StrEnum):
+    """Which part of a prompt longer than the model's limit gives up tokens, and from which end."""
+
+    NONE = "none"
+    QUERY_LEFT = "query_left"
+    QUERY_RIGHT = "query_right"
+    ITEM_LEFT = "item_left"
+    ITEM_RIGHT = "item_right"
+
+
+_TRUNCATIONS = frozenset(truncation.value for truncation in Truncation)
 
 
 def check_version(value: object) -> int:
@@ -55,6 +80,168 @@ def check_items(value: object, query: Input | None) -> tuple[Input, ...]:
     return items
 
 
+def check_truncation(value: object) -> Truncation:
+    """The truncation rule, from the enum or its exact wire spelling."""
+    if isinstance(value, Truncation):
+        return value
+    if isinstance(value, str) and value in _TRUNCATIONS:
+        return Truncation(value)
+    shown = quoted(value) if isinstance(value, str) else describe(value)
+    raise invalid(
+        f'truncate is {shown}; send one of "none", "query_left", "query_right", "item_left" or "item_right".'
+    )
+
+
+def check_label_token_ids(value: object) -> tuple[int, ...] | None:
+    """nil, or 1 to 256 distinct token ids (the labels a judge model is scored on)."""
+    if value is None:
+        return None
+    if not is_array(value):
+        raise invalid(
+            f"label_token_ids must be nil or an array of token ids, not {describe(value)}; send nil, or 1 to "
+            f"{MAX_LABEL_TOKEN_IDS} distinct token ids."
+        )
+    if not 1 <= len(value) <= MAX_LABEL_TOKEN_IDS:
+        raise invalid(
+            f"label_token_ids has {len(value)} ids; send nil (to score with the model's own head), or 1 to "
+            f"{MAX_LABEL_TOKEN_IDS} distinct token ids."
+        )
+    ids = check_token_ids(value, "label_token_ids", text_allowed=False)
+    if len(set(ids)) != len(ids):
+        first: dict[int, int] = {}
+        for index, token in enumerate(ids):
+            if token in first:
+                raise invalid(
+                    f"label_token_ids[{index}] repeats {token} (label_token_ids[{first[token]}]); send each "
+                    f"label's token id once."
+                )
+            first[token] = index
+    return ids
+
+
+def _check_message_parts(role: object, content: object, field: str) -> tuple[str, str]:
+    if role is None:
+        raise invalid(
+            f"{field}.role is missing; send the speaker's role as a string of 1 to {MAX_ROLE_CHARS} "
+            f'characters, e.g. "user".'
+        )
+    if not isinstance(role, str):
+        raise invalid(
+            f'{field}.role must be a string, not {describe(role)}; send the speaker\'s role, e.g. "user".'
+        )
+    if not 1 <= len(role) <= MAX_ROLE_CHARS:
+        raise invalid(
+            f"{field}.role has {len(role)} characters; send a role of 1 to {MAX_ROLE_CHARS} characters, "
+            f'e.g. "user".'
+        )
+    if content is None:
+        raise invalid(f"{field}.content is missing; send the message text as a string (it may be empty).")
+    if not isinstance(content, str):
+        raise invalid(
+            f"{field}.content must be a string, not {describe(content)}; send the message text as a string."
+        )
+    return role, content
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One turn of the conversation that comes before the assistant's reply (each item is that reply)."""
+
+    role: str
+    content: str
+
+    def __post_init__(self) -> None:
+        _check_message_parts(self.role, self.content, "message")
+
+
+def _check_message(value: object, field: str) -> ChatMessage:
+    if isinstance(value, ChatMessage):
+        return value
+    if not isinstance(value, Mapping):
+        raise invalid(
+            f"{field} must be a map {{role, content}}, not {describe(value)}; send a map with a string role "
+            f"and a string content."
+        )
+    # A misspelt key would otherwise drop part of the conversation without a word.
+    extra = [key for key in value if key not in ("role", "content")]
+    if extra:
+        raise invalid(
+            f"{field} has the key {quoted(extra[0], 40)}, which a message does not take; send only role and "
+            f"content (keep your own data in metadata)."
+        )
+    role, content = _check_message_parts(value.get("role"), value.get("content"), field)
+    return ChatMessage(role, content)
+
+
+def check_messages(value: object) -> tuple[ChatMessage, ...] | None:
+    """nil, or 1 to 256 chat messages (ChatMessage instances, or maps {role, content} from the wire)."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise invalid(
+            f"messages must be nil or an array of maps {{role, content}}, not {describe(value)}; send nil, "
+            f"or 1 to {MAX_MESSAGES} messages."
+        )
+    if not 1 <= len(value) <= MAX_MESSAGES:
+        raise invalid(
+            f"messages has {len(value)} messages; send nil (no conversation), or 1 to {MAX_MESSAGES} "
+            f"messages."
+        )
+    return tuple(_check_message(message, f"messages[{index}]") for index, message in enumerate(value))
+
+
+def _check_chat(request: ScoreRequest) -> None:
+    """With messages, each item is the assistant's reply: text, after the conversation, with no query."""
+    if request.query is not None:
+        raise invalid(
+            "query is set together with messages; send the conversation in messages and query nil (each "
+            "item is the assistant's reply to it)."
+        )
+    if request.item_first:
+        raise invalid(
+            "item_first is true together with messages; send item_first false (each item is the assistant's "
+            "reply, so it comes after the conversation)."
+        )
+    for index, item in enumerate(request.items):
+        if not isinstance(item, str):
+            raise invalid(
+                f"items[{index}] is an array of token ids but messages is set; send every item as text (the "
+                f"assistant's reply), or send token ids without messages."
+            )
+
+
+def check_requires(value: object) -> tuple[str, ...] | None:
+    """nil, or names of request fields the producer needs understood; any other name is refused."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise invalid(
+            f"requires must be nil or an array of request field names, not {describe(value)}; send nil, or "
+            f'up to {MAX_REQUIRES} names such as "messages".'
+        )
+    if len(value) > MAX_REQUIRES:
+        raise invalid(f"requires has {len(value)} names; send at most {MAX_REQUIRES}, each field once.")
+    for index, name in enumerate(value):
+        if not isinstance(name, str):
+            raise invalid(
+                f"requires[{index}] must be a string, not {describe(name)}; send a request field name such "
+                f'as "messages".'
+            )
+    names: tuple[str, ...] = tuple(value)
+    unknown = [name for name in dict.fromkeys(names) if name not in REQUEST_FIELDS]
+    if unknown:
+        shown = ", ".join(quoted(name, 40) for name in unknown[:_SHOWN_UNKNOWN])
+        if len(unknown) > _SHOWN_UNKNOWN:
+            shown += f" and {len(unknown) - _SHOWN_UNKNOWN} more"
+        them = "it" if len(unknown) == 1 else "them"
+        raise invalid(
+            f"requires names {shown}, which this worker does not understand (it knows the request fields of "
+            f"schema version {SCHEMA_VERSION}); send the request to a worker that does, or remove {them} "
+            f"from requires if your results do not depend on {them}."
+        )
+    return names
+
+
 @dataclass(frozen=True, slots=True)
 class ScoreRequest:
     """One scoring request: a prompt per item (query + item, or item + query), scored by the model."""
@@ -67,6 +254,10 @@ class ScoreRequest:
     return_pooled_hidden_states: bool = False
     hidden_states_dtype: HiddenDType = HiddenDType.FLOAT32
     metadata: object = None
+    label_token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    truncate: Truncation = Truncation.NONE
+    requires: tuple[str, ...] | None = None
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -78,6 +269,9 @@ class ScoreRequest:
 
     def _validate(self) -> None:
         check_version(self.version)
+        # Before the other fields: one this worker does not know may change how they are meant to be read,
+        # and "not understood" is then the error the producer can act on.
+        object.__setattr__(self, "requires", check_requires(self.requires))
         query = None if self.query is None else check_input(self.query, "query")
         object.__setattr__(self, "query", query)
         object.__setattr__(self, "items", check_items(self.items, query))
@@ -85,4 +279,13 @@ class ScoreRequest:
             check_bool(getattr(self, field), field)
         dtype = HiddenDType(check_dtype(self.hidden_states_dtype, "hidden_states_dtype"))
         object.__setattr__(self, "hidden_states_dtype", dtype)
+        object.__setattr__(self, "label_token_ids", check_label_token_ids(self.label_token_ids))
+        object.__setattr__(self, "messages", check_messages(self.messages))
+        if self.messages is not None:
+            _check_chat(self)
+        object.__setattr__(self, "truncate", check_truncation(self.truncate))
         check_metadata(self.metadata)
+
+
+# What a worker of this version understands in `requires`: exactly the request's wire keys.
+REQUEST_FIELDS: frozenset[str] = frozenset(field.name for field in dataclass_fields(ScoreRequest))

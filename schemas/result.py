@@ -75,6 +75,17 @@ def _check_pooled(value: object) -> tuple[Tensor, ...] | None:
     return tuple(value)
 
 
+def _check_truncated(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise invalid(
+            f"truncated_tokens must be nil or an array of integers, not {describe(value)}; send nil, or one "
+            f"count (>= 0) per item."
+        )
+    return tuple(check_int(count, f"truncated_tokens[{index}]", 0) for index, count in enumerate(value))
+
+
 def _check_timings(value: object) -> dict[str, float]:
     if not isinstance(value, Mapping):
         raise invalid(f"timings must be a map of stage name to seconds, not {describe(value)}.")
@@ -83,7 +94,7 @@ def _check_timings(value: object) -> dict[str, float]:
 
 @dataclass(frozen=True, slots=True)
 class ScoreResult:
-    """The outcome of one request; on error, scores is empty and pooled_hidden_states is None."""
+    """The outcome of one request; on error, scores is () and pooled_hidden_states, truncated_tokens None."""
 
     request_id: str
     status: ResultStatus
@@ -94,6 +105,7 @@ class ScoreResult:
     timings: dict[str, float] = field(default_factory=dict)
     error: ErrorInfo | None = None
     metadata: object = None
+    truncated_tokens: tuple[int, ...] | None = None
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -117,6 +129,7 @@ class ScoreResult:
         if self.error is not None and not isinstance(self.error, ErrorInfo):
             raise invalid(f"error must be nil or a map {{code, message}}, not {describe(self.error)}.")
         check_metadata(self.metadata)
+        object.__setattr__(self, "truncated_tokens", _check_truncated(self.truncated_tokens))
         self._check_consistency()
 
     def _check_consistency(self) -> None:
@@ -129,11 +142,19 @@ class ScoreResult:
                     f"pooled_hidden_states has {len(pooled)} tensors for {len(self.scores)} items; "
                     f"send one tensor per item."
                 )
+            truncated = self.truncated_tokens
+            if truncated is not None and len(truncated) != len(self.scores):
+                raise invalid(
+                    f"truncated_tokens has {len(truncated)} counts for {len(self.scores)} items; send one "
+                    f"count per item, or nil."
+                )
             return
         if self.error is None:
             raise invalid('An "error" result has no error; send error as a map {code, message}.')
         if self.scores or self.pooled_hidden_states is not None:
             raise invalid('An "error" result carries scores or hidden states; send scores [] and nil states.')
+        if self.truncated_tokens is not None:
+            raise invalid('An "error" result carries truncated_tokens; send truncated_tokens nil.')
 
     @property
     def ok(self) -> bool:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from schemas import (
+    ChatMessage,
     ErrorCode,
     ErrorInfo,
     ResultStatus,
@@ -290,8 +291,20 @@ def test_a_decoder_defect_still_surfaces_as_schema_error(monkeypatch: pytest.Mon
         request_map(hidden_states_dtype="é" * 100_000),
         result_map(status="x" * 100_000),
         result_map(status="error", error={"code": "Z" * 100_000, "message": "m"}),
+        request_map(truncate="é" * 100_000),
+        request_map(requires=["é" * 100_000, *(f"unknown_{n}" * 1000 for n in range(63))]),
+        request_map(query=None, messages=[{"role": "user", "content": "c", "k" * 100_000: 1}]),
+        request_map(query=None, messages=[{"role": "r" * 100_000, "content": "c"}]),
     ],
-    ids=["request-dtype", "result-status", "result-error-code"],
+    ids=[
+        "request-dtype",
+        "result-status",
+        "result-error-code",
+        "request-truncate",
+        "request-requires",
+        "request-message-key",
+        "request-message-role",
+    ],
 )
 def test_messages_quote_user_input_briefly(body: dict[str, Any]) -> None:
     # An error result echoes its message: quoting a 100 KB field whole would make that result too large
@@ -301,3 +314,174 @@ def test_messages_quote_user_input_briefly(body: dict[str, Any]) -> None:
         decode(msgpack.packb(body))
     assert len(caught.value.message) < 400, caught.value.message[:200]
     assert "send" in caught.value.message
+
+
+CHAT = [{"role": "system", "content": "Judge the reply."}, {"role": "user", "content": "2 + 2?"}]
+
+
+def chat_map(**changes: Any) -> dict[str, Any]:
+    return request_map(**{"query": None, "messages": CHAT, **changes})
+
+
+def test_chat_template_request_is_valid() -> None:
+    # The error cases below only mean something if the unchanged chat request decodes.
+    request = decode_request(msgpack.packb(chat_map()))
+    assert request.messages == (ChatMessage("system", "Judge the reply."), ChatMessage("user", "2 + 2?"))
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragments"),
+    [
+        ({"label_token_ids": 5}, ["label_token_ids must be nil or an array", "1 to 256 distinct"]),
+        ({"label_token_ids": "Yes"}, ["label_token_ids must be nil or an array", "not a string"]),
+        ({"label_token_ids": []}, ["label_token_ids has 0 ids", "send nil"]),
+        ({"label_token_ids": list(range(257))}, ["label_token_ids has 257 ids", "1 to 256"]),
+        ({"label_token_ids": [3, 9, 3]}, ["label_token_ids[2] repeats 3 (label_token_ids[0])", "once"]),
+        ({"label_token_ids": [1, -1]}, ["label_token_ids[1] is -1", "[0, 2**31)"]),
+        ({"label_token_ids": [2**31]}, ["label_token_ids[0] is 2147483648", "[0, 2**31)"]),
+        ({"label_token_ids": [1, True]}, ["label_token_ids[1] must be an integer token id", "[0, 2**31)."]),
+        ({"label_token_ids": [1.0]}, ["label_token_ids[0] must be an integer token id, not a float"]),
+        ({"label_token_ids": ["Yes"]}, ["label_token_ids[0] must be an integer token id, not a string"]),
+        ({"truncate": "left"}, ["truncate is 'left'", '"query_left"', '"item_right"']),
+        ({"truncate": "QUERY_LEFT"}, ["truncate is 'QUERY_LEFT'", '"query_left"']),
+        ({"truncate": ""}, ["truncate is ''", '"none"']),
+        ({"truncate": True}, ["truncate is a boolean", '"none"']),
+        ({"truncate": ["item_left"]}, ["truncate is an array", '"item_left"']),
+        ({"requires": "messages"}, ["requires must be nil or an array", "not a string"]),
+        ({"requires": [["messages"]]}, ["requires[0] must be a string, not an array", '"messages"']),
+        ({"requires": ["messages", None]}, ["requires[1] must be a string, not nil"]),
+        ({"requires": ["messages"] * 65}, ["requires has 65 names", "at most 64"]),
+        ({"messages": "hello"}, ["messages must be nil or an array of maps {role, content}", "not a string"]),
+        ({"messages": []}, ["messages has 0 messages", "send nil (no conversation)"]),
+        ({"messages": CHAT * 129}, ["messages has 258 messages", "1 to 256"]),
+        ({"messages": ["hi"]}, ["messages[0] must be a map {role, content}", "not a string"]),
+        ({"messages": [*CHAT, ["user", "hi"]]}, ["messages[2] must be a map", "not an array"]),
+        ({"messages": [{"role": "user", "content": "c", "name": "x"}]}, ["messages[0] has the key 'name'"]),
+        ({"messages": [{"role": "user", "contents": "c"}]}, ["messages[0] has the key 'contents'"]),
+        ({"messages": [{"role": "user", "content": "c", b"x": 1}]}, ["messages[0] has the key b'x'"]),
+        ({"messages": [{"content": "c"}]}, ["messages[0].role is missing", '"user"']),
+        ({"messages": [{"role": None, "content": "c"}]}, ["messages[0].role is missing"]),
+        ({"messages": [{"role": "", "content": "c"}]}, ["messages[0].role has 0 characters", "1 to 32"]),
+        ({"messages": [{"role": "r" * 33, "content": "c"}]}, ["messages[0].role has 33 characters"]),
+        ({"messages": [{"role": 1, "content": "c"}]}, ["messages[0].role must be a string, not an integer"]),
+        ({"messages": [*CHAT, {"role": "user"}]}, ["messages[2].content is missing", "may be empty"]),
+        (
+            {"messages": [{"role": "user", "content": b"c"}]},
+            ["messages[0].content must be a string, not binary"],
+        ),
+        ({"messages": [{"role": "user", "content": ["c"]}]}, ["messages[0].content must be a string"]),
+    ],
+)
+def test_bad_new_request_fields_name_the_field(changes: dict[str, Any], fragments: list[str]) -> None:
+    body = chat_map(**changes) if "messages" not in changes else request_map(query=None, **changes)
+    error = request_error(body)
+    assert (error.code, error.request_id) == (ErrorCode.INVALID_REQUEST, "req-7")
+    assert_sentence(error, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragments"),
+    [
+        ({"query": "Q: "}, ["query is set together with messages", "query nil"]),
+        ({"query": [1, 2], "items": [[3]]}, ["query is set together with messages", "query nil"]),
+        ({"item_first": True}, ["item_first is true together with messages", "send item_first false"]),
+        (
+            {"items": [[1, 2]]},
+            ["items[0] is an array of token ids but messages is set", "every item as text"],
+        ),
+        ({"items": [[]]}, ["items[0] is an array of token ids but messages is set"]),
+    ],
+)
+def test_messages_rules(changes: dict[str, Any], fragments: list[str]) -> None:
+    error = request_error(chat_map(**changes))
+    assert (error.code, error.request_id) == (ErrorCode.INVALID_REQUEST, "req-7")
+    assert_sentence(error, *fragments)
+
+
+def test_messages_allow_no_items_and_empty_replies() -> None:
+    assert decode_request(msgpack.packb(chat_map(items=[]))).items == ()
+    assert decode_request(msgpack.packb(chat_map(items=["", "4"]))).items == ("", "4")
+
+
+def test_requires_with_one_unknown_name() -> None:
+    error = request_error(request_map(requires=["messages", "pooling"]))
+    assert (error.code, error.request_id) == (ErrorCode.INVALID_REQUEST, "req-7")
+    assert error.message.startswith("requires names 'pooling', which this worker does not understand")
+    assert_sentence(error, "schema version 1", "remove it from requires")
+
+
+def test_requires_with_several_unknown_names_names_them_once_each() -> None:
+    error = request_error(request_map(requires=["pooling", "truncate", "pooling", "Messages"]))
+    assert error.message.startswith("requires names 'pooling', 'Messages', which")
+    assert_sentence(error, "remove them from requires")
+    many = request_error(request_map(requires=[f"field_{n}" for n in range(10)]))
+    assert_sentence(many, "'field_0', 'field_1', 'field_2' and 7 more")
+
+
+@pytest.mark.parametrize("name", ["", "Query", "query ", "x-request-id", "scores", "truncated_tokens"])
+def test_requires_refuses_names_that_are_not_request_fields(name: str) -> None:
+    # Result fields and headers are not request fields: a producer cannot require them.
+    error = request_error(request_map(requires=[name]))
+    assert error.code is ErrorCode.INVALID_REQUEST and "does not understand" in error.message
+
+
+def test_requires_is_checked_before_the_other_fields() -> None:
+    # A field this worker lacks may be what makes the others valid, so "not understood" must win.
+    error = request_error(request_map(items=["a", [1]], requires=["mixed_inputs"]))
+    assert "requires names 'mixed_inputs'" in error.message
+    assert request_error(request_map(requires=["mixed_inputs"], version=2)).code is (
+        ErrorCode.UNSUPPORTED_SCHEMA_VERSION
+    )
+
+
+def test_constructor_validates_new_fields_like_the_decoder() -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"label_token_ids": (1, 1)}, "repeats 1"),
+        ({"label_token_ids": np.array([[1, 2]])}, "label_token_ids must be nil or an array"),
+        ({"messages": ({"role": "user"},)}, "messages[0].content is missing"),
+        ({"messages": (ChatMessage("user", "x"),), "query": "q"}, "query is set together with messages"),
+        ({"truncate": "query-left"}, "truncate is 'query-left'"),
+        ({"requires": ("pooling",)}, "requires names 'pooling'"),
+    ]
+    for changes, fragment in cases:
+        with pytest.raises(SchemaError) as caught:
+            ScoreRequest("r", items=("a",), **changes)
+        assert (caught.value.code, caught.value.request_id) == (ErrorCode.INVALID_REQUEST, "r")
+        assert fragment in caught.value.message, caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("role", "content", "fragment"),
+    [
+        ("", "c", "message.role has 0 characters"),
+        ("r" * 33, "c", "message.role has 33 characters"),
+        (None, "c", "message.role is missing"),
+        (5, "c", "message.role must be a string"),
+        ("user", None, "message.content is missing"),
+        ("user", 3, "message.content must be a string"),
+    ],
+)
+def test_chat_message_validates_itself(role: Any, content: Any, fragment: str) -> None:
+    with pytest.raises(SchemaError) as caught:
+        ChatMessage(role, content)
+    assert caught.value.code is ErrorCode.INVALID_REQUEST
+    assert_sentence(caught.value, fragment)
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        ({"truncated_tokens": 3}, "truncated_tokens must be nil or an array of integers"),
+        ({"truncated_tokens": [-1]}, "truncated_tokens[0] is -1"),
+        ({"truncated_tokens": [True]}, "truncated_tokens[0] must be an integer"),
+        ({"truncated_tokens": [1.0]}, "truncated_tokens[0] must be an integer"),
+        ({"truncated_tokens": []}, "truncated_tokens has 0 counts for 1 items"),
+        ({"truncated_tokens": [0, 0]}, "truncated_tokens has 2 counts for 1 items"),
+        ({"status": "error", "scores": [], "error": {"code": "MODEL_ERROR", "message": "m"},
+          "truncated_tokens": [0]}, '"error" result carries truncated_tokens'),
+    ],
+)  # fmt: skip
+def test_bad_truncated_tokens(changes: dict[str, Any], fragment: str) -> None:
+    error = result_error(result_map(**changes))
+    assert (error.code, error.request_id) == (ErrorCode.INVALID_REQUEST, "res-7")
+    assert_sentence(error, fragment)

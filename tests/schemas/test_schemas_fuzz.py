@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas import (
+    ChatMessage,
     ErrorCode,
     ErrorInfo,
     HiddenDType,
@@ -18,6 +19,7 @@ from schemas import (
     ScoreRequest,
     ScoreResult,
     Tensor,
+    Truncation,
     decode_request,
     decode_result,
     encode_request,
@@ -29,11 +31,12 @@ ROUND_TRIP = settings(max_examples=300, deadline=None, suppress_health_check=[He
 
 REQUEST_KEYS = [
     "version", "request_id", "query", "items", "item_first", "apply_softmax",
-    "return_pooled_hidden_states", "hidden_states_dtype", "metadata",
+    "return_pooled_hidden_states", "hidden_states_dtype", "metadata", "label_token_ids", "messages",
+    "truncate", "requires",
 ]  # fmt: skip
 RESULT_KEYS = [
     "version", "request_id", "status", "scores", "pooled_hidden_states", "prompt_tokens", "model",
-    "timings", "error", "metadata",
+    "timings", "error", "metadata", "truncated_tokens",
 ]  # fmt: skip
 
 msgpack_ints = st.integers(min_value=-(2**63), max_value=2**64 - 1)
@@ -54,7 +57,11 @@ near_misses = st.sampled_from(
     [
         -1, 2**31, 0, 1, 2, True, False, "", "x" * 257, "float64", "bfloat16", "ok", "error", [], [[]],
         [[-1]], [["a"], [1]], [1.5], {"dtype": "float32", "shape": [1], "data": b"\x00" * 3},
-        {"code": "NOPE"}, {"code": "MODEL_ERROR", "message": 1},
+        {"code": "NOPE"}, {"code": "MODEL_ERROR", "message": 1}, [3, 3], list(range(257)), "none",
+        "query_left", "item_right", ["messages"], ["pooling"], [["messages"]], ["query", 1],
+        [{"role": "user", "content": "hi"}], [{"role": "", "content": "hi"}], [{"role": "user"}],
+        [{"role": "user", "content": "hi", "name": "x"}], [{"role": "user", "content": None}], [[1, 2]],
+        [{b"role": "user", "content": "c"}],
     ]
 )  # fmt: skip
 mutations = msgpack_values | near_misses
@@ -108,8 +115,20 @@ def _valid_request_map() -> dict[str, Any]:
     return {
         "version": 1, "request_id": "near-1", "query": [1, 2], "items": [[3], [4, 5]], "item_first": True,
         "apply_softmax": False, "return_pooled_hidden_states": True, "hidden_states_dtype": "float16",
-        "metadata": {"a": 1},
+        "metadata": {"a": 1}, "label_token_ids": [7, 9], "truncate": "item_right",
+        "requires": ["truncate", "label_token_ids"],
     }  # fmt: skip
+
+
+def _valid_chat_request_map() -> dict[str, Any]:
+    return {
+        "version": 1, "request_id": "near-1", "items": ["4", ""], "apply_softmax": True,
+        "messages": [{"role": "system", "content": "Judge."}, {"role": "user", "content": "2 + 2?"}],
+        "label_token_ids": [1], "truncate": "query_left", "requires": ["messages"],
+    }  # fmt: skip
+
+
+REQUEST_TEMPLATES = {"tokens": _valid_request_map, "chat": _valid_chat_request_map}
 
 
 def _valid_result_map() -> dict[str, Any]:
@@ -117,22 +136,25 @@ def _valid_result_map() -> dict[str, Any]:
     return {
         "version": 1, "request_id": "near-2", "status": "ok", "scores": [[0.5], [1.5]],
         "pooled_hidden_states": [tensor, dict(tensor)], "prompt_tokens": 7, "model": "m",
-        "timings": {"total": 0.1}, "error": None, "metadata": None,
+        "timings": {"total": 0.1}, "error": None, "metadata": None, "truncated_tokens": [0, 3],
     }  # fmt: skip
 
 
 def test_near_valid_templates_are_valid() -> None:
     # The mutation tests below only mean something if the unmutated messages decode.
-    assert decode_request(msgpack.packb(_valid_request_map())).request_id == "near-1"
+    for template in REQUEST_TEMPLATES.values():
+        assert decode_request(msgpack.packb(template())).request_id == "near-1"
     assert decode_result(msgpack.packb(_valid_result_map())).request_id == "near-2"
 
 
 @FUZZ
-@given(st.sampled_from(REQUEST_KEYS), mutations, st.booleans())
-def test_near_valid_request_with_one_field_mutated(key: str, value: object, delete: bool) -> None:
-    body = _valid_request_map()
+@given(st.sampled_from(sorted(REQUEST_TEMPLATES)), st.sampled_from(REQUEST_KEYS), mutations, st.booleans())
+def test_near_valid_request_with_one_field_mutated(
+    template: str, key: str, value: object, delete: bool
+) -> None:
+    body = REQUEST_TEMPLATES[template]()
     if delete:
-        del body[key]
+        body.pop(key, None)
     else:
         body[key] = value
     try:
@@ -164,7 +186,15 @@ def test_near_valid_result_with_one_field_mutated(key: str, value: object, delet
 
 # Valid messages. NaN is left out of metadata so that dataclass equality can be used as the oracle.
 clean_text = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=30)
-token_lists = st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=20).map(tuple)
+token_ids = st.integers(min_value=0, max_value=2**31 - 1)
+token_lists = st.lists(token_ids, max_size=20).map(tuple)
+label_ids = st.none() | st.lists(token_ids, min_size=1, max_size=8, unique=True).map(tuple)
+chat_messages = st.builds(
+    ChatMessage,
+    role=st.text(alphabet=st.characters(exclude_categories=["Cs"]), min_size=1, max_size=32),
+    content=clean_text,
+)
+request_field_names = st.sampled_from(REQUEST_KEYS)
 metadata_values = st.recursive(
     st.none()
     | st.booleans()
@@ -179,16 +209,27 @@ metadata_values = st.recursive(
 
 @st.composite
 def valid_requests(draw: st.DrawFn) -> ScoreRequest:
-    inputs: st.SearchStrategy[Any] = clean_text if draw(st.booleans()) else token_lists
+    text = draw(st.booleans())
+    inputs: st.SearchStrategy[Any] = clean_text if text else token_lists
+    # A conversation replaces the query and puts every (text) item after it.
+    messages = (
+        draw(st.lists(chat_messages, min_size=1, max_size=4).map(tuple))
+        if text and draw(st.booleans())
+        else None
+    )
     return ScoreRequest(
         request_id=draw(st.text(alphabet=st.characters(exclude_categories=["Cs"]), min_size=1, max_size=256)),
         items=tuple(draw(st.lists(inputs, max_size=6))),
-        query=draw(st.none() | inputs),
-        item_first=draw(st.booleans()),
+        query=None if messages else draw(st.none() | inputs),
+        item_first=False if messages else draw(st.booleans()),
         apply_softmax=draw(st.booleans()),
         return_pooled_hidden_states=draw(st.booleans()),
         hidden_states_dtype=draw(st.sampled_from(list(HiddenDType))),
         metadata=draw(metadata_values),
+        label_token_ids=draw(label_ids),
+        messages=messages,
+        truncate=draw(st.sampled_from(list(Truncation))),
+        requires=draw(st.none() | st.lists(request_field_names, max_size=5).map(tuple)),
     )
 
 
@@ -199,6 +240,19 @@ def test_valid_requests_round_trip_exactly(request: ScoreRequest) -> None:
     decoded = decode_request(payload)
     assert decoded == request
     assert encode_request(decoded) == payload
+
+
+@FUZZ
+@given(st.lists(request_field_names | st.text(max_size=12), max_size=8))
+def test_requires_accepts_exactly_the_request_fields(names: list[str]) -> None:
+    body = {**_valid_request_map(), "requires": names}
+    try:
+        decoded = decode_request(msgpack.packb(body))
+    except SchemaError as error:
+        assert error.code is ErrorCode.INVALID_REQUEST and "does not understand" in error.message
+        assert not set(names) <= set(REQUEST_KEYS)
+    else:
+        assert set(names) <= set(REQUEST_KEYS) and decoded.requires == tuple(names)
 
 
 @st.composite
@@ -220,6 +274,8 @@ def valid_results(draw: st.DrawFn) -> ScoreResult:
         return ScoreResult.failure(request_id, code, draw(clean_text), timings=timings, metadata=metadata)
     scores = draw(st.lists(st.lists(st.floats(allow_nan=False), max_size=3).map(tuple), max_size=5))
     pooled = draw(st.none() | st.lists(tensors(), min_size=len(scores), max_size=len(scores)).map(tuple))
+    counts = st.integers(min_value=0, max_value=2**40)
+    truncated = draw(st.none() | st.lists(counts, min_size=len(scores), max_size=len(scores)).map(tuple))
     return ScoreResult(
         request_id=request_id,
         status=ResultStatus.OK,
@@ -229,6 +285,7 @@ def valid_results(draw: st.DrawFn) -> ScoreResult:
         model=draw(clean_text),
         timings=timings,
         metadata=metadata,
+        truncated_tokens=truncated,
     )
 
 

@@ -16,6 +16,7 @@ from schemas import (
     HEADER_REQUEST_ID,
     HEADER_SCHEMA_VERSION,
     SCHEMA_VERSION,
+    ChatMessage,
     ErrorCode,
     ErrorInfo,
     HiddenDType,
@@ -24,6 +25,7 @@ from schemas import (
     ScoreRequest,
     ScoreResult,
     Tensor,
+    Truncation,
     decode_request,
     decode_result,
     encode_request,
@@ -33,6 +35,8 @@ from schemas import (
     request_headers,
     result_headers,
 )
+from schemas.codec import _REQUEST_FIELDS, _RESULT_FIELDS
+from schemas.request import REQUEST_FIELDS
 
 NESTED_METADATA = {
     "trace": {"spans": [1, -2, 2**63 - 1, -(2**63), 2**64 - 1], "ok": True, "none": None},
@@ -113,7 +117,122 @@ def test_wire_form_is_a_plain_map_with_every_field() -> None:
         "return_pooled_hidden_states": False,
         "hidden_states_dtype": "bfloat16",
         "metadata": None,
+        "label_token_ids": None,
+        "messages": None,
+        "truncate": "none",
+        "requires": None,
     }
+
+
+# The map the encoder wrote before label_token_ids, messages, truncate and requires existed.
+OLD_REQUEST_MAP = {
+    "version": 1,
+    "request_id": "old-1",
+    "query": "Is this helpful?",
+    "items": ["Yes.", "No."],
+    "item_first": False,
+    "apply_softmax": True,
+    "return_pooled_hidden_states": True,
+    "hidden_states_dtype": "float16",
+    "metadata": {"k": 1},
+}
+
+
+def test_request_without_the_new_keys_decodes_exactly_as_before() -> None:
+    decoded = decode_request(msgpack.packb(OLD_REQUEST_MAP))
+    assert decoded == ScoreRequest(
+        "old-1",
+        items=("Yes.", "No."),
+        query="Is this helpful?",
+        apply_softmax=True,
+        return_pooled_hidden_states=True,
+        hidden_states_dtype=HiddenDType.FLOAT16,
+        metadata={"k": 1},
+    )
+    assert (decoded.label_token_ids, decoded.messages, decoded.requires) == (None, None, None)
+    assert decoded.truncate is Truncation.NONE
+    # Nil is the default too, so a producer that writes every key as nil gets the same request.
+    nils = dict.fromkeys(("label_token_ids", "messages", "truncate", "requires"))
+    assert decode_request(msgpack.packb({**OLD_REQUEST_MAP, **nils})) == decoded
+    # Re-encoding adds the new keys with their defaults and changes nothing else.
+    wire = msgpack.unpackb(encode_request(decoded))
+    assert {key: wire[key] for key in OLD_REQUEST_MAP} == OLD_REQUEST_MAP
+    assert {key: wire[key] for key in wire.keys() - OLD_REQUEST_MAP.keys()} == {
+        "label_token_ids": None,
+        "messages": None,
+        "truncate": "none",
+        "requires": None,
+    }
+
+
+def test_judge_request_round_trips() -> None:
+    request = ScoreRequest(
+        "judge-1", items=("4", "5"), query="2 + 2 = ", apply_softmax=True, label_token_ids=(7566, 2360)
+    )
+    decoded = roundtrip_request(request)
+    assert decoded == request and decoded.label_token_ids == (7566, 2360)
+    assert msgpack.unpackb(encode_request(request))["label_token_ids"] == [7566, 2360]
+
+
+def test_label_token_ids_normalise_to_a_tuple_of_plain_ints() -> None:
+    ids: Any = np.array([0, 5, 2**31 - 1], dtype=np.int64)
+    request = ScoreRequest("r", items=("a",), label_token_ids=ids)
+    assert request.label_token_ids == (0, 5, 2**31 - 1)
+    assert all(type(token) is int for token in request.label_token_ids)
+    most: Any = list(range(256))
+    assert ScoreRequest("r", items=(), label_token_ids=most).label_token_ids == tuple(range(256))
+
+
+def test_chat_request_round_trips() -> None:
+    conversation = (
+        ChatMessage("system", "Reply Yes if the answer is correct, else No."),
+        ChatMessage("user", "What is 2 + 2?"),
+        ChatMessage("assistant", ""),
+        ChatMessage("r" * 32, "✓ é"),
+    )
+    request = ScoreRequest("chat-1", items=("4", ""), messages=conversation, label_token_ids=(1, 2))
+    decoded = roundtrip_request(request)
+    assert decoded == request and decoded.messages == conversation
+    assert msgpack.unpackb(encode_request(request))["messages"] == [
+        {"role": m.role, "content": m.content} for m in conversation
+    ]
+
+
+def test_messages_may_be_given_as_maps() -> None:
+    maps: Any = [{"role": "user", "content": "Hi"}, {"content": "Hello", "role": "assistant"}]
+    request = ScoreRequest("r", items=("a",), messages=maps)
+    assert request.messages == (ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello"))
+    assert ScoreRequest("r", items=(), messages=[ChatMessage("user", "x")] * 256).messages is not None
+
+
+@pytest.mark.parametrize("truncation", list(Truncation))
+def test_every_truncation_round_trips(truncation: Truncation) -> None:
+    wire_name: Any = truncation.value
+    request = ScoreRequest("r", items=("a",), query="q", truncate=wire_name)
+    assert request.truncate is truncation
+    assert roundtrip_request(request).truncate is truncation
+    assert msgpack.unpackb(encode_request(request))["truncate"] == truncation.value
+
+
+def test_requires_with_every_known_field_round_trips() -> None:
+    names = tuple(sorted(REQUEST_FIELDS))
+    request = ScoreRequest("r", items=("a",), requires=names)
+    assert roundtrip_request(request).requires == names
+    for name in names:
+        one: Any = [name]
+        assert roundtrip_request(ScoreRequest("r", items=("a",), requires=one)).requires == (name,)
+    assert roundtrip_request(ScoreRequest("r", items=(), requires=())).requires == ()
+    most: Any = ["messages"] * 64
+    assert ScoreRequest("r", items=(), requires=most).requires == ("messages",) * 64
+
+
+def test_requires_knows_exactly_the_wire_keys() -> None:
+    # The decoder's table, the dataclass and what requires accepts must not drift apart.
+    assert set(_REQUEST_FIELDS) | {"version"} == REQUEST_FIELDS
+    assert set(msgpack.unpackb(encode_request(ScoreRequest("r", items=())))) == REQUEST_FIELDS
+    assert set(_RESULT_FIELDS) | {"version"} == set(ScoreResult.__dataclass_fields__)
+    ok = ScoreResult("r", ResultStatus.OK)
+    assert set(msgpack.unpackb(encode_result(ok))) == set(ScoreResult.__dataclass_fields__)
 
 
 def test_minimal_foreign_request_with_unknown_keys_and_nils_decodes_to_defaults() -> None:
@@ -214,6 +333,28 @@ def test_ok_result_every_field_round_trips() -> None:
     assert roundtrip_result(result) == result
 
 
+def test_truncated_tokens_round_trip() -> None:
+    result = ScoreResult(
+        "r", ResultStatus.OK, scores=((0.5,), (1.5,), (2.5,)), truncated_tokens=(0, 17, 2**40)
+    )
+    decoded = roundtrip_result(result)
+    assert decoded == result and decoded.truncated_tokens == (0, 17, 2**40)
+    assert msgpack.unpackb(encode_result(result))["truncated_tokens"] == [0, 17, 2**40]
+    empty = ScoreResult("r", ResultStatus.OK, truncated_tokens=())
+    assert roundtrip_result(empty).truncated_tokens == ()
+
+
+def test_result_without_truncated_tokens_reads_as_nil() -> None:
+    # What a worker from before the field writes.
+    body = {"version": 1, "request_id": "r", "status": "ok", "scores": [[1.0]], "metadata": None}
+    result = decode_result(msgpack.packb(body))
+    assert result.truncated_tokens is None
+    assert msgpack.unpackb(encode_result(result))["truncated_tokens"] is None
+    failure = ScoreResult.failure("r", ErrorCode.MODEL_ERROR, "Retry the request.")
+    assert failure.truncated_tokens is None
+    assert msgpack.unpackb(encode_result(failure))["truncated_tokens"] is None
+
+
 def test_non_finite_scores_survive() -> None:
     result = ScoreResult("r", ResultStatus.OK, scores=((math.nan, math.inf, -math.inf, -0.0),))
     scores = roundtrip_result(result).scores[0]
@@ -251,6 +392,22 @@ def test_failure_result_round_trips() -> None:
     wire = msgpack.unpackb(encode_result(result))
     assert wire["status"] == "error"
     assert wire["error"] == {"code": "INPUT_TOO_LONG", "message": result.error.message}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        ErrorCode.LABEL_IDS_NOT_SUPPORTED,
+        ErrorCode.LABEL_IDS_REQUIRED,
+        ErrorCode.LABEL_ID_OUT_OF_RANGE,
+        ErrorCode.CHAT_TEMPLATE_MISSING,
+    ],
+)
+def test_judge_and_chat_error_codes_round_trip(code: ErrorCode) -> None:
+    result = ScoreResult.failure("r", code, "Send label_token_ids nil to this model.")
+    assert code.value == code.name
+    assert roundtrip_result(result).error == ErrorInfo(code, "Send label_token_ids nil to this model.")
+    assert msgpack.unpackb(encode_result(result))["error"]["code"] == code.name
 
 
 def test_error_code_from_a_newer_worker_stays_readable() -> None:
