@@ -107,7 +107,9 @@ class Scorer:
             self.attention = "plain"  # the model's own attention on a padded batch (see _plain_pooled_hidden)
             log.info("%s cannot run packed: it takes the plain padded path", Path(model_dir).name)
         template = PairTemplate.from_tokenizer(self._loaded.tokenizer) if self._loaded.encoder else None
-        self._prompts = PromptBuilder(self._loaded.tokenizer, self._loaded.vocab_size, limit, template)
+        self._prompts = PromptBuilder(
+            self._loaded.tokenizer, self._loaded.vocab_size, limit, template, judge=self._loaded.judge
+        )
         self.pooling = self.config.resolve_pooling(self._loaded.default_pooling)
 
     @property
@@ -132,6 +134,11 @@ class Scorer:
     def hf_model(self) -> PreTrainedModel:
         """The loaded transformers model (for the self-check's plain forward)."""
         return self._loaded.model
+
+    @property
+    def is_judge(self) -> bool:
+        """A causal LM scored on label tokens (requests must carry label_token_ids)."""
+        return self._loaded.judge
 
     @property
     def uses_token_types(self) -> bool:
@@ -252,6 +259,7 @@ class Scorer:
                 timings=dict(timings),
                 error=None,
                 metadata=p.request.metadata,
+                truncated_tokens=p.truncated,
             )
             for p, scores, hidden in zip(batch, output.scores, output.hidden, strict=True)
         ]
@@ -277,7 +285,11 @@ class Scorer:
         else:
             pooled = self._packed_pooled_hidden(prompts, token_types)
         head_input = pooled.to(self.dtype)  # MEAN pools in float32; the head runs in the model's dtype
-        logits = self._loaded.head(head_input).float()  # [N, L]: scores are float32 whatever the model dtype
+        columns: dict[int, int] = {}
+        if self._loaded.judge:
+            logits, columns = self._label_logits(head_input, batch)  # [N, U] over the batch's label ids
+        else:
+            logits = self._loaded.head(head_input).float()  # [N, L]: float32 whatever the model dtype
         self._synchronize()
         forward_done = time.perf_counter()
         host_logits = logits.cpu()  # [N, L], a few bytes per item: softmax on the host needs no extra upload
@@ -287,6 +299,8 @@ class Scorer:
         per_request: list[list[tuple[float, ...]]] = []
         for p, rows in zip(batch, _item_ranges(item_counts), strict=True):
             scores = host_logits[rows.start : rows.stop]
+            if columns:  # a judge: this request's labels, in the order it sent them
+                scores = scores[:, [columns[label] for label in p.request.label_token_ids or ()]]
             if p.request.apply_softmax:
                 scores = torch.softmax(scores, dim=-1)
             per_request.append([tuple(row) for row in scores.tolist()])
@@ -321,6 +335,26 @@ class Scorer:
         )
         hidden: torch.Tensor = output.last_hidden_state[0]  # [T, H]
         return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
+
+    def _label_logits(
+        self, pooled: torch.Tensor, batch: list[PreparedRequest]
+    ) -> tuple[torch.Tensor, dict[int, int]]:
+        """A judge's logits for the label tokens any request of the batch asked for, and each label's column.
+
+        Only those rows of lm_head are multiplied: [N, H] x [H, U] instead of [N, H] x [H, vocab].
+        """
+        labels = sorted({label for p in batch for label in p.request.label_token_ids or ()})
+        head = self._loaded.head
+        assert isinstance(head, torch.nn.Linear)
+        index = torch.tensor(labels, dtype=torch.long, device=pooled.device)
+        logits = pooled @ head.weight.index_select(0, index).T  # [N, U]
+        if head.bias is not None:
+            logits = logits + head.bias.index_select(0, index)
+        logits = logits.float()
+        cap = self._loaded.final_softcap
+        if cap is not None:  # Gemma 2 caps its output logits: tanh(x / cap) * cap, as its HF forward does
+            logits = torch.tanh(logits / cap) * cap
+        return logits, {label: column for column, label in enumerate(labels)}
 
     def _plain_pooled_hidden(self, prompts: list[Prompt], token_types: list[Prompt] | None) -> torch.Tensor:
         """Models whose attention cannot be packed: HF's own forward on a right-padded batch, then the same

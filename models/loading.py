@@ -12,7 +12,12 @@ from typing import Any
 import torch
 from huggingface_hub.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 from torch import nn
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 from transformers.utils import logging as hf_logging
 from transformers.utils.import_utils import is_accelerate_available
 
@@ -62,6 +67,8 @@ class LoadedModel:
     # RoBERTa-style positions: pad id + 1 + index, pad tokens keeping the pad id (None: 0 + index)
     position_pad: int | None = None
     packable: bool = True  # False: the plain padded path (the model's attention is not pluggable)
+    judge: bool = False  # a causal LM: `head` is its lm_head, scored on label tokens only
+    final_softcap: float | None = None  # a judge's cap on its logits, tanh(x / cap) * cap (Gemma 2)
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -81,10 +88,12 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {str(config_path)!r}: {exc}") from exc
     architectures = config.get("architectures") or []
-    if not any(str(arch).endswith("ForSequenceClassification") for arch in architectures):
+    judge = is_judge(config)
+    if not judge and not any(str(arch).endswith("ForSequenceClassification") for arch in architectures):
         raise ModelLoadError(
             f"{str(model_dir)!r} holds {architectures or 'no declared architecture'}, not a "
-            "*ForSequenceClassification model; score-worker scores with a classification or reward head"
+            "*ForSequenceClassification model (classification or reward head) nor a *ForCausalLM judge of "
+            f"a supported decoder type ({', '.join(DECODER_MODEL_TYPES)})"
         )
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -92,6 +101,14 @@ def read_config(model_dir: Path) -> dict[str, Any]:
             f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return config
+
+
+def is_judge(config: dict[str, Any]) -> bool:
+    """A causal LM of a supported decoder type: scored by the logits of label tokens (label_token_ids)."""
+    architectures = [str(arch) for arch in config.get("architectures") or []]
+    classifier = any(arch.endswith("ForSequenceClassification") for arch in architectures)
+    causal = any(arch.endswith("ForCausalLM") for arch in architectures)
+    return causal and not classifier and config.get("model_type") in DECODER_MODEL_TYPES
 
 
 def head_name(model: nn.Module) -> str:
@@ -221,12 +238,14 @@ def load_model(
 ) -> LoadedModel:
     """Load weights, head and tokenizer; the model is in eval mode on `device`."""
     config = read_config(model_dir)
+    judge = is_judge(config)
     runs_packed = packable(str(config.get("model_type")))
     if not runs_packed:
         attn_implementation = "eager"
     try:
         with quiet_progress_bars():
-            model, info = AutoModelForSequenceClassification.from_pretrained(
+            auto: Any = AutoModelForCausalLM if judge else AutoModelForSequenceClassification
+            model, info = auto.from_pretrained(
                 str(model_dir),
                 dtype=dtype,
                 attn_implementation=attn_implementation,
@@ -238,7 +257,8 @@ def load_model(
             f"cannot load the model in {str(model_dir)!r}: {type(exc).__name__}: {exc}"
         ) from exc
     _check_all_weights_loaded(model_dir, info)
-    _adapt_head(model, model_dir, info.get("unexpected_keys") or ())
+    if not judge:
+        _adapt_head(model, model_dir, info.get("unexpected_keys") or ())
     model.to(device).eval()
     base = getattr(model, model.base_model_prefix, None)
     if not isinstance(base, nn.Module):
@@ -263,18 +283,33 @@ def load_model(
     return LoadedModel(
         model=model,
         base=base,
-        head=_encoder_head(model) if encoder else find_head(model),
+        head=_judge_head(model) if judge else _encoder_head(model) if encoder else find_head(model),
         tokenizer=tokenizer,
         vocab_size=int(embeddings.num_embeddings),
         max_position_embeddings=max_positions,
         name=model_dir.resolve().name or str(config.get("_name_or_path", "")),
         pad_token_id=_pad_token_id(model),
-        default_pooling=_default_pooling(config) if encoder else "last",
+        # HF's causal LMs have no pad rule: a judge reads the logits at the prompt's true last token.
+        default_pooling="last_token" if judge else _default_pooling(config) if encoder else "last",
         encoder=encoder,
         token_types=encoder and int(config.get("type_vocab_size") or 1) > 1,
         position_pad=position_pad,
         packable=runs_packed,
+        judge=judge,
+        final_softcap=_final_softcap(model) if judge else None,
     )
+
+
+def _final_softcap(model: PreTrainedModel) -> float | None:
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def _judge_head(model: PreTrainedModel) -> nn.Module:
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        raise ModelLoadError(f"{type(model).__name__} has no linear lm_head to score label tokens with")
+    return head
 
 
 def _default_pooling(config: dict[str, Any]) -> Pooling:

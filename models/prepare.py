@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from schemas import ErrorCode, ScoreRequest
+from schemas import ErrorCode, ScoreRequest, Truncation
+from schemas._checks import Input
 
 Prompt = tuple[int, ...]
 
@@ -21,6 +22,8 @@ class PreparedRequest:
     tokenize_s: float
     # Segment ids per prompt (0 for the query, 1 for the item), for encoders with token types (BERT).
     token_types: tuple[Prompt, ...] | None = None
+    # Tokens truncation removed from each prompt; None when the request asked no truncation.
+    truncated: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +74,21 @@ class PairTemplate:
             pair_types=pair_types,
         )
 
+    def segments(
+        self, first: tuple[str, Prompt], second: tuple[str, Prompt] | None
+    ) -> list[tuple[str, Prompt]]:
+        """One prompt as named segments: the template's fixed tokens around the first and second parts."""
+        if second is None:
+            before, after = self.single
+            return [("fixed", before), first, ("fixed", after)]
+        before, between, after = self.pair
+        return [("fixed", before), first, ("fixed", between), second, ("fixed", after)]
+
+    def join_segments(self, segments: list[tuple[str, Prompt]]) -> tuple[Prompt, Prompt | None]:
+        """`segments`' output back into token ids and token types (after a part was cut)."""
+        parts = [tokens for _, tokens in segments]
+        return self.join(parts[1], parts[3] if len(parts) == 5 else None)
+
     def join(self, first: Prompt, second: Prompt | None) -> tuple[Prompt, Prompt | None]:
         """Token ids and (when the model has them) token types of one prompt."""
         if second is None:
@@ -104,15 +122,23 @@ class PromptBuilder:
     max_input_tokens: int
     # Encoders: query and item are a text pair in the tokenizer's template (None for decoders).
     template: PairTemplate | None = None
+    # Causal-LM judges score label tokens (label_token_ids); other models score with their own head.
+    judge: bool = False
 
     def prepare(self, request: ScoreRequest) -> PreparedRequest:
         """Build and check every item's prompt; raises PromptError for the first bad item."""
         started = time.perf_counter()
+        self._check_labels(request)
         token_types = None
-        if self.template is None:
+        if request.messages is not None:
+            prompts = self._build_chat(request)
+        elif self.template is None:
             prompts = self._build(request)
         else:
             prompts, token_types = self._build_pairs(request)
+        truncated = None
+        if request.truncate is not Truncation.NONE:
+            prompts, token_types, truncated = self._truncate(request, prompts, token_types)
         for index, prompt in enumerate(prompts):
             self._check(index, prompt)
         return PreparedRequest(
@@ -120,7 +146,125 @@ class PromptBuilder:
             prompts=prompts,
             tokenize_s=time.perf_counter() - started,
             token_types=token_types,
+            truncated=truncated,
         )
+
+    def _check_labels(self, request: ScoreRequest) -> None:
+        labels = request.label_token_ids
+        if labels is not None and not self.judge:
+            raise PromptError(
+                ErrorCode.LABEL_IDS_NOT_SUPPORTED,
+                "This model scores with its own classification head, not with label tokens; send "
+                "label_token_ids nil, or send the request to a causal-LM judge model.",
+            )
+        if not self.judge:
+            return
+        if labels is None:
+            raise PromptError(
+                ErrorCode.LABEL_IDS_REQUIRED,
+                "This is a causal-LM judge model: it scores the logits of label tokens; send "
+                "label_token_ids, the token ids of the labels (e.g. of ' Yes' and ' No') in its tokenizer.",
+            )
+        largest = max(labels)
+        if largest >= self.vocab_size:
+            raise PromptError(
+                ErrorCode.LABEL_ID_OUT_OF_RANGE,
+                f"label_token_ids has {largest}, outside the model's vocabulary of {self.vocab_size}; send "
+                "label ids from this model's tokenizer.",
+            )
+
+    def _build_chat(self, request: ScoreRequest) -> tuple[Prompt, ...]:
+        """The conversation and each item as the assistant's reply, rendered whole by the chat template
+        (end-of-turn tokens included), the way reward models are fed conversations."""
+        conversation = self._conversation(request)
+        return tuple(
+            self._render([*conversation, {"role": "assistant", "content": str(item)}])
+            for item in request.items
+        )
+
+    @staticmethod
+    def _conversation(request: ScoreRequest) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content} for m in request.messages or ()]
+
+    def _render(self, turns: list[dict[str, str]], generation_prompt: bool = False) -> Prompt:
+        rendered = self._chat_tokenizer().apply_chat_template(
+            turns, tokenize=True, add_generation_prompt=generation_prompt
+        )
+        return _as_prompt(rendered)
+
+    def _chat_tokenizer(self) -> Any:
+        tokenizer = self._text_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise PromptError(
+                ErrorCode.CHAT_TEMPLATE_MISSING,
+                "This model's tokenizer has no chat template, so messages cannot be rendered; render the "
+                "conversation into query yourself and send messages nil.",
+            )
+        return tokenizer
+
+    def _truncate(
+        self, request: ScoreRequest, prompts: tuple[Prompt, ...], token_types: tuple[Prompt, ...] | None
+    ) -> tuple[tuple[Prompt, ...], tuple[Prompt, ...] | None, tuple[int, ...]]:
+        """Cut the part `truncate` names in every prompt longer than the limit, by as much as it must lose."""
+        out, types, cut = list(prompts), list(token_types) if token_types is not None else None, []
+        for index, prompt in enumerate(prompts):
+            excess = len(prompt) - self.max_input_tokens
+            if excess <= 0:
+                cut.append(0)
+                continue
+            segments = self._segments(request, index)
+            role = "query" if request.truncate.value.startswith("query") else "item"
+            at = next((i for i, (name, _) in enumerate(segments) if name == role), None)
+            if at is None or len(segments[at][1]) < excess:
+                have = 0 if at is None else len(segments[at][1])
+                raise PromptError(
+                    ErrorCode.INPUT_TOO_LONG,
+                    f"Item {index} has {len(prompt)} prompt tokens, more than the limit of "
+                    f"{self.max_input_tokens}, and its {role} has only {have} tokens to give up; shorten "
+                    f"the other part or truncate it instead.",
+                )
+            tokens = segments[at][1]
+            kept = (
+                tokens[excess:] if request.truncate.value.endswith("left") else tokens[: len(tokens) - excess]
+            )
+            segments[at] = (role, kept)
+            out[index], segment_types = self._join(segments)
+            if types is not None:
+                types[index] = segment_types or (0,) * len(out[index])
+            cut.append(excess)
+        return tuple(out), None if types is None else tuple(types), tuple(cut)
+
+    def _segments(self, request: ScoreRequest, index: int) -> list[tuple[str, Prompt]]:
+        """A prompt as named token segments ("query", "item", fixed template tokens), so that one part can
+        be cut. Text parts are tokenized separately here (only for prompts that must lose tokens)."""
+        item = request.items[index]
+        if request.messages is not None:
+            conversation = self._conversation(request)
+            prefix = self._render(conversation, generation_prompt=True)
+            whole = self._render([*conversation, {"role": "assistant", "content": str(item)}])
+            shared = _shared_length(prefix, whole)
+            return [("query", whole[:shared]), ("item", whole[shared:])]
+        query = request.query
+        item_ids, query_ids = self._ids(item), (None if query is None else self._ids(query))
+        first, second = ("item", item_ids), (None if query_ids is None else ("query", query_ids))
+        if query_ids is not None and not request.item_first:
+            first, second = ("query", query_ids), ("item", item_ids)
+        if self.template is not None:
+            return self.template.segments(first, second)
+        if isinstance(item, str):  # a decoder's text prompt: the tokenizer's specials around the joined text
+            before, after = single_template(self._text_tokenizer())
+            return [("fixed", before), first, *([second] if second else []), ("fixed", after)]
+        return [first, *([second] if second else [])]
+
+    def _ids(self, value: Input) -> Prompt:
+        if isinstance(value, str):
+            return _as_prompt(self._text_tokenizer()(value, add_special_tokens=False)["input_ids"])
+        return tuple(value)
+
+    def _join(self, segments: list[tuple[str, Prompt]]) -> tuple[Prompt, Prompt | None]:
+        if self.template is None:
+            return tuple(t for _, tokens in segments for t in tokens), None
+        return self.template.join_segments(segments)
 
     def _build_pairs(self, request: ScoreRequest) -> tuple[tuple[Prompt, ...], tuple[Prompt, ...] | None]:
         """Encoders: (query, item) as the tokenizer's pair (item first with item_first), or the item alone."""
@@ -206,3 +350,27 @@ class PromptBuilder:
                 f"Item {index} has token id {largest}, outside the model's vocabulary of {self.vocab_size}; "
                 "send ids from this model's tokenizer.",
             )
+
+
+def _as_prompt(ids: Any) -> Prompt:
+    """Token ids from a tokenizer call: a list, or a mapping with input_ids (apply_chat_template in 5.x)."""
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return tuple(int(token) for token in ids)
+
+
+def single_template(tokenizer: Any) -> tuple[Prompt, Prompt]:
+    """The special tokens a tokenizer puts before and after one text (e.g. BOS before, nothing after)."""
+    probe = "first words"
+    bare = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(probe)["input_ids"])
+    at = _find(full, bare, 0)
+    return tuple(full[:at]), tuple(full[at + len(bare) :])
+
+
+def _shared_length(a: Prompt, b: Prompt) -> int:
+    """Length of the common prefix of two token sequences."""
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return min(len(a), len(b))

@@ -47,18 +47,20 @@ def run_self_check(scorer: Scorer) -> SelfCheckReport:
     """Score fixed prompts packed and through HF's plain forward; raise ModelLoadError when they disagree."""
     started = time.perf_counter()
     prompts = _fixed_prompts(scorer)
+    labels = _fixed_labels(scorer)
     request = ScoreRequest(
         request_id="self-check",
         items=tuple(prompts),
         return_pooled_hidden_states=True,
         hidden_states_dtype=HiddenDType.FLOAT32,
+        label_token_ids=labels,
     )
     result = scorer.score([request])[0]
     if not result.ok or result.pooled_hidden_states is None:
         raise ModelLoadError(f"self-check: the packed path failed on a fixed input: {result.error}")
     packed_scores = np.asarray(result.scores, dtype=np.float64)
     packed_hidden = np.stack([t.to_numpy().astype(np.float64) for t in result.pooled_hidden_states])
-    plain_scores, plain_hidden = _plain_forward(scorer, prompts)
+    plain_scores, plain_hidden = _plain_forward(scorer, prompts, labels)
     scale = max(1.0, float(np.abs(plain_scores).max()))
     diff = float(np.abs(packed_scores - plain_scores).max())
     cosine = float(min(_cosine(a, b) for a, b in zip(packed_hidden, plain_hidden, strict=True)))
@@ -71,6 +73,14 @@ def run_self_check(scorer: Scorer) -> SelfCheckReport:
             "with attention='reference' to see whether the attention kernel is the cause."
         )
     return report
+
+
+def _fixed_labels(scorer: Scorer) -> tuple[int, ...] | None:
+    """A judge's label ids for the check: spread over its vocabulary (the classifiers score with a head)."""
+    if not scorer.is_judge:
+        return None
+    vocab = scorer.vocab_size
+    return tuple(sorted({vocab - 1, vocab // 2, min(5, vocab - 1)}))
 
 
 def _fixed_prompts(scorer: Scorer) -> list[tuple[int, ...]]:
@@ -87,13 +97,17 @@ def _fixed_prompts(scorer: Scorer) -> list[tuple[int, ...]]:
 
 
 @torch.inference_mode()
-def _plain_forward(scorer: Scorer, prompts: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
+def _plain_forward(
+    scorer: Scorer, prompts: list[tuple[int, ...]], labels: tuple[int, ...] | None
+) -> tuple[np.ndarray, np.ndarray]:
     """HF's own forward of each prepared prompt alone (no padding): logits and the pooled hidden state."""
     model = scorer.hf_model
     scores, hidden = [], []
     with _plain_attention(model):
         for index, prompt in enumerate(prompts):
-            prepared = scorer.prepare(ScoreRequest(request_id=f"self-check-{index}", items=(prompt,)))
+            prepared = scorer.prepare(
+                ScoreRequest(request_id=f"self-check-{index}", items=(prompt,), label_token_ids=labels)
+            )
             ids = prepared.prompts[0]  # type: ignore[union-attr]  # with the template an encoder adds
             extra = {}
             types = getattr(prepared, "token_types", None)
@@ -108,7 +122,12 @@ def _plain_forward(scorer: Scorer, prompts: list[tuple[int, ...]]) -> tuple[np.n
             hidden.append(pooled.double().cpu().numpy())
             # With the model's own pooling, HF's logits are the reference; with another, its head on the
             # plainly computed pooled state.
-            logits = out.logits[0] if scorer.pools_like_its_head else scorer.apply_head(pooled[None])[0]
+            if labels is not None:  # a causal LM's logits at the pooled (last) position, label columns only
+                logits = out.logits[0, row if row is not None else -1, list(labels)]
+            elif scorer.pools_like_its_head:
+                logits = out.logits[0]
+            else:
+                logits = scorer.apply_head(pooled[None])[0]
             scores.append(logits.double().cpu().numpy())
     return np.stack(scores), np.stack(hidden)
 

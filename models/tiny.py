@@ -13,6 +13,7 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 from transformers import (
     AutoConfig,
+    AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     PretrainedConfig,
     PreTrainedTokenizerFast,
@@ -59,6 +60,13 @@ _TEMPLATES = {
     "deberta-v2": ("<s> $A </s>", "<s> $A </s> $B </s>"),
     "modernbert": ("<s> $A </s>", "<s> $A </s> $B </s>"),
 }
+
+
+# A minimal chat template for the decoders' tokenizers: each turn between <s> and </s>, as "role: text".
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
 
 
 def train_tokenizer(seed: int, vocab_size: int = _VOCAB_SIZE, architecture: str = "llama") -> Tokenizer:
@@ -167,16 +175,25 @@ def _encoder_config(architecture: str, vocab_size: int, num_labels: int) -> Pret
 
 
 def write_tiny_model(
-    path: str | Path, architecture: str = "llama", seed: int = 0, num_labels: int = 1
+    path: str | Path, architecture: str = "llama", seed: int = 0, num_labels: int = 1, judge: bool = False
 ) -> Path:
-    """Write a random-weight model (safetensors) and its tokenizer to `path`; deterministic from `seed`."""
+    """Write a random-weight model (safetensors) and its tokenizer to `path`; deterministic from `seed`.
+
+    `judge`: a *ForCausalLM of a decoder architecture instead of a classifier (scored on label tokens).
+    Decoders' tokenizers carry a small chat template, so `messages` can be tried on them.
+    """
+    if judge and architecture not in DECODERS:
+        raise ValueError(f"a judge is a causal LM: pick a decoder architecture, not {architecture!r}")
     target = Path(path)
     target.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(seed, architecture=architecture)
     config = tiny_config(architecture, tokenizer.get_vocab_size(), num_labels)
+    if judge:
+        config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+    auto: Any = AutoModelForCausalLM if judge else AutoModelForSequenceClassification
     with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG state
         torch.manual_seed(seed)
-        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        model = auto.from_config(config, dtype=torch.float32)
     _fill_zero_initialised(model, seed)
     with quiet_progress_bars():
         model.save_pretrained(str(target))
@@ -193,6 +210,7 @@ def write_tiny_model(
         model_input_names=["input_ids", "token_type_ids", "attention_mask"]
         if architecture == "bert"
         else ["input_ids", "attention_mask"],
+        **({} if encoder else {"chat_template": CHAT_TEMPLATE}),
     )
     fast.save_pretrained(str(target))
     _fix_architectures(target, config)
@@ -225,6 +243,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--architecture", choices=ARCHITECTURES, default="llama")
     parser.add_argument("--seed", type=int, default=0, help="weights and tokenizer are deterministic from it")
     parser.add_argument("--num-labels", type=int, default=1, help="outputs of the head (1 = reward model)")
+    parser.add_argument(
+        "--judge", action="store_true", help="a causal LM scored on label tokens instead of a classifier"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,8 +253,10 @@ def run(args: argparse.Namespace) -> int:
     if args.num_labels < 1:
         print("--num-labels must be at least 1")
         return 2
-    target = write_tiny_model(args.directory, args.architecture, args.seed, args.num_labels)
-    print(
-        f"wrote a tiny {args.architecture} model (seed {args.seed}, {args.num_labels} label(s)) to {target}"
-    )
+    if args.judge and args.architecture not in DECODERS:
+        print(f"--judge needs a decoder architecture ({', '.join(DECODERS)})")
+        return 2
+    target = write_tiny_model(args.directory, args.architecture, args.seed, args.num_labels, args.judge)
+    kind = "judge (causal LM)" if args.judge else f"model ({args.num_labels} label(s))"
+    print(f"wrote a tiny {args.architecture} {kind}, seed {args.seed}, to {target}")
     return 0
