@@ -58,10 +58,18 @@ def make_requests(token_ids: Sequence[torch.Tensor], hidden: bool = True) -> lis
     ]
 
 
-def make_scorer(model_dir: Path, max_batch_tokens: int, dtype: str = "bfloat16") -> Any:
+def make_scorer(
+    model_dir: Path, max_batch_tokens: int, dtype: str = "bfloat16", deterministic: bool = False
+) -> Any:
     from models import Scorer, ScorerConfig
 
-    config = ScorerConfig(device="cuda", dtype=dtype, attention="varlen", max_batch_tokens=max_batch_tokens)
+    config = ScorerConfig(
+        device="cuda",
+        dtype=dtype,
+        attention="varlen",
+        max_batch_tokens=max_batch_tokens,
+        deterministic=deterministic,
+    )
     return Scorer(str(model_dir), config)
 
 

@@ -37,6 +37,9 @@ class ScorerConfig:
     varlen_kernel: VarlenKernel | None = None
     # "auto": what the model's own HF head pools; else one of models.packing.POOLINGS.
     pooling: str = "auto"
+    # Bit-identical results whatever else is in a request's batch and however batches are cut: every item
+    # runs alone (at a throughput cost measured on W1, docs/benchmarks.md).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -221,7 +221,9 @@ class Scorer:
             item if isinstance(item, ScoreResult) else None for item in prepared
         ]
         pending = [(i, item) for i, item in enumerate(prepared) if isinstance(item, PreparedRequest)]
-        for batch in _split(pending, self.config.max_batch_tokens):
+        # Deterministic: one request per batch (a judge's label columns then depend on the request alone).
+        budget = 0 if self.config.deterministic else self.config.max_batch_tokens
+        for batch in _split(pending, budget):
             scored = self._run_batch([p for _, p in batch], on_batch)
             for (index, _), result in zip(batch, scored, strict=True):
                 results[index] = result
@@ -280,14 +282,21 @@ class Scorer:
                 for p in batch
                 for types in (p.token_types or tuple((0,) * len(prompt) for prompt in p.prompts))
             ]
-        if not self._loaded.packable:
-            pooled = self._plain_pooled_hidden(prompts, token_types)
+        forward = self._packed_pooled_hidden if self._loaded.packable else self._plain_pooled_hidden
+        if self.config.deterministic:
+            # Every item alone, head included: no result depends on what else shares the batch (kernels
+            # pick their tiling by the matrix shapes, so a row's rounding can change with the batch).
+            pooled = torch.cat(
+                [forward([p], None if token_types is None else [t]) for p, t in _with(token_types, prompts)]
+            )
         else:
-            pooled = self._packed_pooled_hidden(prompts, token_types)
+            pooled = forward(prompts, token_types)
         head_input = pooled.to(self.dtype)  # MEAN pools in float32; the head runs in the model's dtype
         columns: dict[int, int] = {}
         if self._loaded.judge:
             logits, columns = self._label_logits(head_input, batch)  # [N, U] over the batch's label ids
+        elif self.config.deterministic:
+            logits = torch.cat([self._loaded.head(row[None]).float() for row in head_input])
         else:
             logits = self._loaded.head(head_input).float()  # [N, L]: float32 whatever the model dtype
         self._synchronize()
@@ -439,6 +448,12 @@ def _stats(
         hidden_bytes=hidden_bytes,
         failed=failed,
     )
+
+
+def _with(token_types: list[Prompt] | None, prompts: list[Prompt]) -> Iterator[tuple[Prompt, Prompt]]:
+    """(prompt, its token types or ()) pairs."""
+    for index, prompt in enumerate(prompts):
+        yield prompt, () if token_types is None else token_types[index]
 
 
 def _wants_hidden(prepared: PreparedRequest) -> bool:

@@ -141,6 +141,7 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
         dtype=settings.dtype,
         max_batch_tokens=settings.max_batch_tokens,
         pooling=settings.pooling,
+        deterministic=settings.deterministic,
     )
     scorer = Scorer(settings.model_dir, config)
     if settings.self_check:

@@ -49,6 +49,10 @@ class WorkerSettings(BaseSettings):
         description="score a fixed input packed and through HF's own forward at start-up; refuse to start "
         "when they disagree",
     )
+    deterministic: bool = Field(
+        False,
+        description="bit-identical results whatever shares a request's batch (each item runs alone: slower)",
+    )
     max_batch_tokens: int = Field(8192, gt=0, description="token budget of one model batch")
     max_batch_requests: int = Field(64, gt=0, description="most requests in one model batch")
     max_wait_ms: int = Field(5, ge=0, le=60_000, description="longest wait after a batch's first request")

@@ -32,3 +32,24 @@ def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
     written = list(tmp_path.glob("*.json"))
     assert written, "gpu_check wrote no JSON report"
     assert json.loads(written[0].read_text())
+
+
+def test_w1_fails_when_a_timed_path_is_wrong() -> None:
+    """W1 exits non-zero when a timed path's scores are off the float32 reference (its figure is void)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from bench.w1 import verdict
+
+    def errors(diff: float, finite: bool = True) -> dict[str, object]:
+        return {"max_abs_score_diff": diff, "all_finite": finite}
+
+    fine = {
+        "fp32_score_scale": 2.0,
+        "vs_fp32": {"hf_sdpa_padded8_arrival": errors(0.15), "packed_varlen": errors(0.13)},
+    }
+    assert verdict(fine) == []
+    wrong = {**fine, "vs_fp32": {**fine["vs_fp32"], "packed_deterministic": errors(1.5)}}  # type: ignore[dict-item]
+    assert [f.split(":")[0] for f in verdict(wrong)] == ["packed_deterministic"]
+    nan = {**fine, "vs_fp32": {**fine["vs_fp32"], "packed_varlen": errors(0.1, finite=False)}}  # type: ignore[dict-item]
+    assert [f.split(":")[0] for f in verdict(nan)] == ["packed_varlen"]
