@@ -298,6 +298,15 @@ def check_one(case: Case, dtype: str, attention: Attention, same_model: torch.nn
     alone = flatten([scorer.score([r])[0] for r in requests], prepared)
     drift = float(np.abs(alone["scores"] - packed["scores"]).max())
     outcome.numbers["batch_drift"] = drift
+    # With the deterministic setting there must be none at all, scores and hidden states bit for bit.
+    exact = Scorer(str(case.model_dir), ScorerConfig(**{**config.__dict__, "deterministic": True}))
+    mixed = flatten(exact.score(list(reversed(requests)))[::-1], prepared)
+    single = flatten([exact.score([r])[0] for r in requests], prepared)
+    identical = np.array_equal(mixed["scores"], single["scores"]) and all(
+        np.array_equal(a[3], b[3]) for a, b in zip(mixed["hidden"], single["hidden"], strict=True)
+    )
+    outcome.numbers["deterministic_identical"] = str(identical)
+    outcome.expect(identical, "deterministic results changed with the batch")
     outcome.expect(
         drift <= FLOORS[dtype][0] * max(1.0, float(np.abs(packed["scores"]).max())), f"drift {drift:.2e}"
     )

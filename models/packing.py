@@ -111,10 +111,13 @@ def pool(hidden: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
     """Pooled hidden states [N, H] from the packed output [T, H]: selected rows, or float32 item means."""
     if packed.item_of_token is None:
         return hidden.index_select(0, packed.pooled_rows)
-    sums = torch.zeros(
-        (packed.lengths.shape[0], hidden.shape[1]), dtype=torch.float32, device=hidden.device
-    ).index_add_(0, packed.item_of_token, hidden.float())
-    return sums / packed.lengths.unsqueeze(1).to(torch.float32)
+    # An averaging matrix [N, T] times the states [T, H], not index_add_: CUDA's index_add_ sums with atomics,
+    # whose order (and so rounding) changes from run to run; a matmul's does not.
+    tokens = hidden.shape[0]
+    weights = torch.zeros((packed.lengths.shape[0], tokens), dtype=torch.float32, device=hidden.device)
+    columns = torch.arange(tokens, device=hidden.device)
+    weights[packed.item_of_token, columns] = 1.0 / packed.lengths.to(torch.float32)[packed.item_of_token]
+    return weights @ hidden.float()
 
 
 def _to_device(array: np.ndarray, device: torch.device, non_blocking: bool) -> torch.Tensor:
