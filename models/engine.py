@@ -146,8 +146,9 @@ class Scorer:
 
     @property
     def pools_like_its_head(self) -> bool:
-        """Whether the pooling is the one the model's own HF head uses (its logits are then comparable)."""
-        return self.pooling == self._loaded.default_pooling
+        """Whether HF's own forward computes this scorer's scores: the model's own head (not a TRL value head
+        loaded beside it) with the pooling that head uses."""
+        return self.pooling == self._loaded.default_pooling and not self._loaded.value_head
 
     def pooled_row(self, prompt: Sequence[int]) -> int | None:
         """Index of the pooled token of one prompt (None for MEAN pooling)."""

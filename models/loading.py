@@ -69,6 +69,7 @@ class LoadedModel:
     packable: bool = True  # False: the plain padded path (the model's attention is not pluggable)
     judge: bool = False  # a causal LM: `head` is its lm_head, scored on label tokens only
     final_softcap: float | None = None  # a judge's cap on its logits, tanh(x / cap) * cap (Gemma 2)
+    value_head: bool = False  # a TRL value head on a causal LM: HF's own forward does not compute the score
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -257,7 +258,12 @@ def load_model(
             f"cannot load the model in {str(model_dir)!r}: {type(exc).__name__}: {exc}"
         ) from exc
     _check_all_weights_loaded(model_dir, info)
-    if not judge:
+    value_head = _value_head(model_dir, model) if judge else None
+    if value_head is not None:
+        # A reward model after all: its score is the value head at the last token, not label logits.
+        judge = False
+        value_head.to(device=device, dtype=dtype)
+    elif not judge:
         _adapt_head(model, model_dir, info.get("unexpected_keys") or ())
     model.to(device).eval()
     base = getattr(model, model.base_model_prefix, None)
@@ -283,14 +289,17 @@ def load_model(
     return LoadedModel(
         model=model,
         base=base,
-        head=_judge_head(model) if judge else _encoder_head(model) if encoder else find_head(model),
+        head=value_head or _head(model, judge, encoder),
+        value_head=value_head is not None,
         tokenizer=tokenizer,
         vocab_size=int(embeddings.num_embeddings),
         max_position_embeddings=max_positions,
         name=model_dir.resolve().name or str(config.get("_name_or_path", "")),
         pad_token_id=_pad_token_id(model),
-        # HF's causal LMs have no pad rule: a judge reads the logits at the prompt's true last token.
-        default_pooling="last_token" if judge else _default_pooling(config) if encoder else "last",
+        # HF's causal LMs have no pad rule: judges and TRL value heads read the prompt's true last token.
+        default_pooling=(
+            "last_token" if judge or value_head else _default_pooling(config) if encoder else "last"
+        ),
         encoder=encoder,
         token_types=encoder and int(config.get("type_vocab_size") or 1) > 1,
         position_pad=position_pad,
@@ -303,6 +312,50 @@ def load_model(
 def _final_softcap(model: PreTrainedModel) -> float | None:
     cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     return float(cap) if cap else None
+
+
+# TRL's value-head reward models (AutoModelForCausalLMWithValueHead) save a causal LM plus this linear head.
+VALUE_HEAD_KEYS = ("v_head.summary.weight", "v_head.summary.bias")
+
+
+def _checkpoint_keys(model_dir: Path) -> set[str]:
+    """Tensor names of a safetensors checkpoint, read from the index or the file headers only."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    keys: set[str] = set()
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as checkpoint:
+            keys.update(checkpoint.keys())
+    return keys
+
+
+def _value_head(model_dir: Path, model: PreTrainedModel) -> nn.Linear | None:
+    """The checkpoint's TRL value head as a linear layer [H] -> [1], or None when it has none."""
+    keys = _checkpoint_keys(model_dir)
+    if VALUE_HEAD_KEYS[0] not in keys:
+        return None
+    weight = _read_checkpoint_tensor(model_dir, VALUE_HEAD_KEYS[0])
+    hidden = int(model.config.get_text_config().hidden_size)
+    if tuple(weight.shape) != (1, hidden):
+        raise ModelLoadError(
+            f"the value head in {str(model_dir)!r} has shape {tuple(weight.shape)}, not (1, {hidden}); "
+            "score-worker loads TRL's single-output value head"
+        )
+    head = nn.Linear(hidden, 1, bias=VALUE_HEAD_KEYS[1] in keys)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        if head.bias is not None:
+            head.bias.copy_(_read_checkpoint_tensor(model_dir, VALUE_HEAD_KEYS[1]))
+    return head
+
+
+def _head(model: PreTrainedModel, judge: bool, encoder: bool) -> nn.Module:
+    if judge:
+        return _judge_head(model)
+    return _encoder_head(model) if encoder else find_head(model)
 
 
 def _judge_head(model: PreTrainedModel) -> nn.Module:

@@ -259,3 +259,28 @@ def test_head_weights_the_model_does_not_use_are_fatal(
     with pytest.raises(ModelLoadError, match="head weights the model's own head does not use") as error:
         Scorer(odd, ScorerConfig(device="cpu"))
     assert next(iter(extra)) in str(error.value)
+
+
+def test_a_trl_value_head_makes_a_causal_lm_a_reward_model(tmp_path: Path) -> None:
+    """TRL's AutoModelForCausalLMWithValueHead saves v_head.summary.* beside the causal LM: the score is that
+    head on the last token's final hidden state, not label logits."""
+    from models.selfcheck import run_self_check
+
+    model_dir = write_tiny_model(tmp_path / "valued", "llama", seed=3, judge=True)
+    weights = load_file(model_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(1, 64, generator=generator), torch.tensor([0.25])
+    weights.update({"v_head.summary.weight": weight, "v_head.summary.bias": bias})
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    scorer = Scorer(model_dir, ScorerConfig(device="cpu"))
+    assert not scorer.is_judge and scorer.info.pooling == "last_token"
+    prompt = (12, 40, 77, 9, 0)  # ends in the pad id: a value head reads the true last token anyway
+    result = scorer.score([ScoreRequest(request_id="r", items=(prompt,), return_pooled_hidden_states=True)])[
+        0
+    ]
+    assert result.ok and result.pooled_hidden_states is not None
+    hidden = torch.from_numpy(result.pooled_hidden_states[0].to_numpy().copy())
+    np.testing.assert_allclose(result.scores[0], (hidden @ weight.T + bias).numpy(), atol=1e-5, rtol=1e-5)
+    assert run_self_check(scorer).max_score_diff < 1e-4
+    labelled = ScoreRequest(request_id="l", items=(prompt,), label_token_ids=(5,))
+    assert scorer.score([labelled])[0].error.code.value == "LABEL_IDS_NOT_SUPPORTED"  # type: ignore[union-attr]
