@@ -143,6 +143,61 @@ def _read_checkpoint_tensor(model_dir: Path, key: str) -> torch.Tensor:
     raise ModelLoadError(f"{key} is not in the checkpoint of {str(model_dir)!r}")
 
 
+# Heads other than HF's own, declared in config.json as {"score_worker_head": {"type": ..., ...}}
+# (docs/models.md). A head's shape cannot be guessed safely from its weights (the activation is not in
+# them), so anything but a plain linear head must be declared.
+_ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU, "sigmoid": nn.Sigmoid,
+}  # fmt: skip
+
+
+def declared_head(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The head declared in config.json, checked: {"type": "mlp", "activation": one of _ACTIVATIONS}."""
+    declared = config.get("score_worker_head")
+    if declared is None:
+        return None
+    if not isinstance(declared, dict) or declared.get("type") != "mlp":
+        raise ModelLoadError(
+            f'score_worker_head in config.json is {declared!r}; declare {{"type": "mlp", "activation": '
+            f'"relu"}} (activations: {", ".join(_ACTIVATIONS)}) or remove it for the model\'s own head'
+        )
+    if declared.get("activation") not in _ACTIVATIONS:
+        raise ModelLoadError(
+            f"score_worker_head.activation is {declared.get('activation')!r}; use one of "
+            f"{', '.join(_ACTIVATIONS)}"
+        )
+    return declared
+
+
+def _mlp_head(model_dir: Path, name: str, activation: str, keys: set[str]) -> nn.Sequential:
+    """`name`.0, `name`.2, ... linear layers (nn.Sequential's numbering) with the activation between them."""
+    indices = sorted(
+        {int(key.split(".")[1]) for key in keys if key.startswith(f"{name}.") and key.endswith(".weight")}
+    )
+    if len(indices) < 2:
+        raise ModelLoadError(
+            f"score_worker_head declares an MLP but the checkpoint has {len(indices)} linear layer(s) under "
+            f"{name!r}; an MLP head has {name}.0.weight, {name}.2.weight, ... (nn.Sequential's names)"
+        )
+    layers: list[nn.Module] = []
+    width: int | None = None
+    for position, index in enumerate(indices):
+        weight = _read_checkpoint_tensor(model_dir, f"{name}.{index}.weight")
+        if width is not None and weight.shape[1] != width:
+            raise ModelLoadError(f"{name}.{index}.weight takes {weight.shape[1]} inputs, not {width}")
+        bias_key = f"{name}.{index}.bias"
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias_key in keys)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if linear.bias is not None:
+                linear.bias.copy_(_read_checkpoint_tensor(model_dir, bias_key))
+        layers.append(linear)
+        if position < len(indices) - 1:
+            layers.append(_ACTIVATIONS[activation]())
+        width = weight.shape[0]
+    return nn.Sequential(*layers)
+
+
 def _adapt_head(model: PreTrainedModel, model_dir: Path, unexpected: Sequence[str]) -> None:
     """Load every head weight of the checkpoint into the head, or refuse the model.
 
@@ -257,6 +312,16 @@ def load_model(
         raise ModelLoadError(
             f"cannot load the model in {str(model_dir)!r}: {type(exc).__name__}: {exc}"
         ) from exc
+    declared = declared_head(config)
+    if declared is not None and not judge:
+        # HF built its own linear head and reports its weights missing: the declared head replaces it.
+        name = head_name(model)
+        head = _mlp_head(model_dir, name, declared["activation"], _checkpoint_keys(model_dir))
+        setattr(model, name, head.to(dtype=dtype))
+        info["missing_keys"] = [k for k in info.get("missing_keys") or () if not k.startswith(f"{name}.")]
+        info["unexpected_keys"] = [
+            k for k in info.get("unexpected_keys") or () if not k.startswith(f"{name}.")
+        ]
     _check_all_weights_loaded(model_dir, info)
     value_head = _value_head(model_dir, model) if judge else None
     if value_head is not None:

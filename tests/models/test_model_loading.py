@@ -284,3 +284,48 @@ def test_a_trl_value_head_makes_a_causal_lm_a_reward_model(tmp_path: Path) -> No
     assert run_self_check(scorer).max_score_diff < 1e-4
     labelled = ScoreRequest(request_id="l", items=(prompt,), label_token_ids=(5,))
     assert scorer.score([labelled])[0].error.code.value == "LABEL_IDS_NOT_SUPPORTED"  # type: ignore[union-attr]
+
+
+def _with_mlp_head(tiny_llama_dir: Path, target: Path, declared: object) -> tuple[Path, torch.nn.Module]:
+    model_dir = _copy_with_config(tiny_llama_dir, target)
+    weights = load_file(model_dir / "model.safetensors")
+    del weights["score.weight"]
+    generator = torch.Generator().manual_seed(1)
+    head = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    weights.update({f"score.{key}": value.clone() for key, value in head.state_dict().items()})
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    if declared is not None:
+        config["score_worker_head"] = declared
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir, head
+
+
+def test_a_declared_mlp_head_is_loaded_and_applied(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    model_dir, head = _with_mlp_head(tiny_llama_dir, tmp_path / "mlp", {"type": "mlp", "activation": "gelu"})
+    scorer = Scorer(model_dir, ScorerConfig(device="cpu"))
+    request = ScoreRequest(request_id="r", items=("The quick brown fox.",), return_pooled_hidden_states=True)
+    result = scorer.score([request])[0]
+    assert result.ok and result.pooled_hidden_states is not None
+    hidden = torch.from_numpy(result.pooled_hidden_states[0].to_numpy().copy())
+    with torch.no_grad():
+        np.testing.assert_allclose(result.scores[0], head(hidden).numpy(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("declared", "message"),
+    [
+        (None, r"weights for score\.weight"),
+        ({"type": "mlp", "activation": "swish"}, "activation"),
+    ],
+    ids=["undeclared", "unknown-activation"],
+)
+def test_an_mlp_head_must_be_declared_properly(
+    declared: object, message: str, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    model_dir, _ = _with_mlp_head(tiny_llama_dir, tmp_path / "mlp", declared)
+    with pytest.raises(ModelLoadError, match=message):
+        Scorer(model_dir, ScorerConfig(device="cpu"))
