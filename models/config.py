@@ -40,6 +40,8 @@ class ScorerConfig:
     # Bit-identical results whatever else is in a request's batch and however batches are cut: every item
     # runs alone (at a throughput cost measured on W1, docs/benchmarks.md).
     deterministic: bool = False
+    # Load a directory that ships its own model code (auto_map): that code runs, so only on explicit opt-in.
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -83,7 +83,7 @@ class Scorer:
 
     def __init__(self, model_dir: str | Path, config: ScorerConfig | None = None) -> None:
         self.config = config or ScorerConfig()
-        softcap = read_config(Path(model_dir)).get("attn_logit_softcapping")
+        softcap = read_config(Path(model_dir), self.config.trust_remote_code).get("attn_logit_softcapping")
         try:
             self.device = self.config.resolve_device()
             self.dtype = self.config.resolve_dtype(self.device)
@@ -98,7 +98,11 @@ class Scorer:
             )  # fmt: skip
         implementation = register_attention(self.attention, self.config.varlen_kernel)
         self._loaded: LoadedModel = load_model(
-            Path(model_dir), device=self.device, dtype=self.dtype, attn_implementation=implementation
+            Path(model_dir),
+            device=self.device,
+            dtype=self.dtype,
+            attn_implementation=implementation,
+            trust_remote_code=self.config.trust_remote_code,
         )
         limit = self._loaded.max_position_embeddings
         if self.config.max_input_tokens is not None:

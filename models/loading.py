@@ -72,8 +72,12 @@ class LoadedModel:
     value_head: bool = False  # a TRL value head on a causal LM: HF's own forward does not compute the score
 
 
-def read_config(model_dir: Path) -> dict[str, Any]:
-    """Read and check config.json without importing any model code."""
+def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Read and check config.json without importing any model code.
+
+    A directory that ships its own model code (`auto_map`) is refused unless `trust_remote_code`: loading it
+    runs that code. With the opt-in, its model type need not be one transformers knows.
+    """
     if not model_dir.is_dir():
         raise ModelLoadError(
             f"model path {str(model_dir)!r} is not a directory; pass a local HuggingFace "
@@ -97,6 +101,13 @@ def read_config(model_dir: Path) -> dict[str, Any]:
             f"a supported decoder type ({', '.join(DECODER_MODEL_TYPES)})"
         )
     model_type = config.get("model_type")
+    if config.get("auto_map"):
+        if not trust_remote_code:
+            raise ModelLoadError(
+                f"{str(model_dir)!r} ships its own model code (auto_map in config.json); loading it runs "
+                "that code, so score-worker does so only with trust_remote_code set (only for code you trust)"
+            )
+        return config
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -227,11 +238,11 @@ def _adapt_head(model: PreTrainedModel, model_dir: Path, unexpected: Sequence[st
     )
 
 
-def _load_tokenizer(model_dir: Path) -> Any | None:
+def _load_tokenizer(model_dir: Path, trust_remote_code: bool = False) -> Any | None:
     if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
         return None
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     except Exception as exc:  # any failure here means the directory's tokenizer files are unusable
         raise ModelLoadError(
             f"cannot load the tokenizer of {str(model_dir)!r}: {type(exc).__name__}: {exc}"
@@ -290,12 +301,19 @@ def _check_all_weights_loaded(model_dir: Path, info: dict[str, Any]) -> None:
 
 
 def load_model(
-    model_dir: Path, *, device: torch.device, dtype: torch.dtype, attn_implementation: str
+    model_dir: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Load weights, head and tokenizer; the model is in eval mode on `device`."""
-    config = read_config(model_dir)
+    config = read_config(model_dir, trust_remote_code)
     judge = is_judge(config)
-    runs_packed = packable(str(config.get("model_type")))
+    remote_code = bool(config.get("auto_map"))
+    # A model's own code may ignore our attention, whatever type it claims: it runs the plain path.
+    runs_packed = not remote_code and packable(str(config.get("model_type")))
     if not runs_packed:
         attn_implementation = "eager"
     try:
@@ -306,6 +324,7 @@ def load_model(
                 dtype=dtype,
                 attn_implementation=attn_implementation,
                 output_loading_info=True,
+                trust_remote_code=remote_code,
                 **_placement(device),
             )
     except Exception as exc:  # missing or corrupt weights, unknown config keys: all are load failures
@@ -340,7 +359,7 @@ def load_model(
     if not isinstance(embeddings, nn.Embedding):
         raise ModelLoadError(f"{type(model).__name__} has no token embedding table")
     encoder = config.get("model_type") in ENCODER_MODEL_TYPES
-    tokenizer = _load_tokenizer(model_dir)
+    tokenizer = _load_tokenizer(model_dir, remote_code)
     if encoder and tokenizer is None:
         raise ModelLoadError(
             f"{str(model_dir)!r} holds a cross-encoder without tokenizer files; its pair template "

@@ -142,6 +142,7 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
         max_batch_tokens=settings.max_batch_tokens,
         pooling=settings.pooling,
         deterministic=settings.deterministic,
+        trust_remote_code=settings.trust_remote_code,
     )
     scorer = Scorer(settings.model_dir, config)
     if settings.self_check:

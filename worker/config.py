@@ -53,6 +53,9 @@ class WorkerSettings(BaseSettings):
         False,
         description="bit-identical results whatever shares a request's batch (each item runs alone: slower)",
     )
+    trust_remote_code: bool = Field(
+        False, description="load a model directory that ships its own code (runs that code: opt in knowingly)"
+    )
     max_batch_tokens: int = Field(8192, gt=0, description="token budget of one model batch")
     max_batch_requests: int = Field(64, gt=0, description="most requests in one model batch")
     max_wait_ms: int = Field(5, ge=0, le=60_000, description="longest wait after a batch's first request")

@@ -329,3 +329,60 @@ def test_an_mlp_head_must_be_declared_properly(
     model_dir, _ = _with_mlp_head(tiny_llama_dir, tmp_path / "mlp", declared)
     with pytest.raises(ModelLoadError, match=message):
         Scorer(model_dir, ScorerConfig(device="cpu"))
+
+
+_CUSTOM_CODE = """
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaModel, LlamaPreTrainedModel
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+
+
+class HouseConfig(LlamaConfig):
+    model_type = "house-llama"
+
+
+class HouseForSequenceClassification(LlamaPreTrainedModel):
+    config_class = HouseConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = LlamaModel(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, output_hidden_states=None, **kw):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         output_hidden_states=output_hidden_states, **kw)
+        logits = self.score(out.last_hidden_state)
+        last = (input_ids != self.config.pad_token_id).int().cumsum(-1).argmax(-1)
+        pooled = logits[torch.arange(logits.shape[0]), last]
+        return SequenceClassifierOutputWithPast(logits=pooled, hidden_states=out.hidden_states)
+"""
+
+
+def test_a_model_with_its_own_code_loads_only_on_opt_in(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Remote code runs when loaded: refused by default; with trust_remote_code it takes the plain path,
+    scored like the model it wraps, and the self-check guards it."""
+    from models.selfcheck import run_self_check
+
+    custom = _copy_with_config(tiny_llama_dir, tmp_path / "house")
+    (custom / "house_model.py").write_text(_CUSTOM_CODE)
+    config = json.loads((custom / "config.json").read_text())
+    config.update(
+        model_type="house-llama",
+        architectures=["HouseForSequenceClassification"],
+        auto_map={
+            "AutoConfig": "house_model.HouseConfig",
+            "AutoModelForSequenceClassification": "house_model.HouseForSequenceClassification",
+        },
+    )
+    (custom / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="ships its own model code"):
+        Scorer(custom, ScorerConfig(device="cpu"))
+    scorer = Scorer(custom, ScorerConfig(device="cpu", trust_remote_code=True))
+    assert scorer.info.attention == "plain" and scorer.info.architecture == "HouseForSequenceClassification"
+    request = ScoreRequest(request_id="r", items=("The quick brown fox.", "Yes"))
+    same = Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).score([request])[0]
+    np.testing.assert_allclose(scorer.score([request])[0].scores, same.scores, atol=1e-5, rtol=1e-5)
+    assert run_self_check(scorer).max_score_diff < 1e-4
