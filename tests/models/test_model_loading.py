@@ -351,7 +351,8 @@ class HouseForSequenceClassification(LlamaPreTrainedModel):
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, output_hidden_states=None, **kw):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, output_hidden_states=None,
+                **kw):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          output_hidden_states=output_hidden_states, **kw)
         logits = self.score(out.last_hidden_state)
