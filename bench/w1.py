@@ -175,6 +175,12 @@ def packed_run(
     result.update(batches=len(chunks), save_seconds=save_s, load_seconds=load_s)
     if deterministic:
         return result
+    # The worker's start-up self-check on this 8B model: it must cost seconds, not minutes.
+    from models.selfcheck import run_self_check
+
+    check = run_self_check(scorer)
+    result["self_check"] = dict(check.__dict__)
+    print(f"  self-check: {check}", flush=True)
     # Where the time goes, on a few batches: unprofiled wall time first, then the kernels under the profiler.
     sample = chunks[: min(4, len(chunks))]
     try:
