@@ -53,3 +53,6 @@ def test_w1_fails_when_a_timed_path_is_wrong() -> None:
     assert [f.split(":")[0] for f in verdict(wrong)] == ["packed_deterministic"]
     nan = {**fine, "vs_fp32": {**fine["vs_fp32"], "packed_varlen": errors(0.1, finite=False)}}  # type: ignore[dict-item]
     assert [f.split(":")[0] for f in verdict(nan)] == ["packed_varlen"]
+    alone = {"fp32_score_scale": 2.0, "vs_fp32": {"packed_varlen": errors(0.13)}}  # --skip-baselines
+    assert verdict(alone) == []
+    assert verdict({**alone, "vs_fp32": {"packed_varlen": errors(0.3)}}) != []
