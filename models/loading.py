@@ -137,21 +137,31 @@ def find_head(model: nn.Module) -> nn.Module:
     return head
 
 
-def _read_checkpoint_tensor(model_dir: Path, key: str) -> torch.Tensor:
-    """One tensor of a safetensors checkpoint, single-file or sharded, read without loading the rest."""
+def _checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor of a checkpoint, single-file or sharded (headers only)."""
     from safetensors import safe_open
 
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = [model_dir / json.loads(index.read_text())["weight_map"][key]]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    for path in files:
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return {key: model_dir / name for key, name in weight_map.items()}
+    files: dict[str, Path] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as checkpoint:
-            if key in checkpoint.keys():  # noqa: SIM118 - safe_open is no mapping
-                tensor: torch.Tensor = checkpoint.get_tensor(key)
-                return tensor
-    raise ModelLoadError(f"{key} is not in the checkpoint of {str(model_dir)!r}")
+            files.update(dict.fromkeys(checkpoint.keys(), path))
+    return files
+
+
+def _read_checkpoint_tensor(model_dir: Path, key: str) -> torch.Tensor:
+    """One tensor of a safetensors checkpoint, read without loading the rest."""
+    from safetensors import safe_open
+
+    path = _checkpoint_files(model_dir).get(key)
+    if path is None:
+        raise ModelLoadError(f"{key} is not in the checkpoint of {str(model_dir)!r}")
+    with safe_open(str(path), framework="pt") as checkpoint:
+        tensor: torch.Tensor = checkpoint.get_tensor(key)
+    return tensor
 
 
 # Heads other than HF's own, declared in config.json as {"score_worker_head": {"type": ..., ...}}
@@ -404,16 +414,7 @@ VALUE_HEAD_KEYS = ("v_head.summary.weight", "v_head.summary.bias")
 
 def _checkpoint_keys(model_dir: Path) -> set[str]:
     """Tensor names of a safetensors checkpoint, read from the index or the file headers only."""
-    from safetensors import safe_open
-
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
-    keys: set[str] = set()
-    for path in model_dir.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as checkpoint:
-            keys.update(checkpoint.keys())
-    return keys
+    return set(_checkpoint_files(model_dir))
 
 
 def _value_head(model_dir: Path, model: PreTrainedModel) -> nn.Linear | None:

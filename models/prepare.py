@@ -11,6 +11,7 @@ from schemas import ErrorCode, ScoreRequest, Truncation
 from schemas._checks import Input
 
 Prompt = tuple[int, ...]
+_PROBE = "first words"  # a text whose tokens show where a tokenizer puts its special tokens
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,11 @@ class PairTemplate:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> PairTemplate:
-        first, second = "first words", "second words"
+        first, second = _PROBE, "second words"
         a = list(tokenizer(first, add_special_tokens=False)["input_ids"])
         b = list(tokenizer(second, add_special_tokens=False)["input_ids"])
-        lone = list(tokenizer(first)["input_ids"])
         encoded = tokenizer(first, second)
         both = list(encoded["input_ids"])
-        at = _find(lone, a, 0)
         i = _find(both, a, 0)
         j = _find(both, b, i + len(a))
         types = encoded.get("token_type_ids")
@@ -69,7 +68,7 @@ class PairTemplate:
             pair_types = (types[0] if i else 0, types[i], types[i + len(a)] if j > i + len(a) else types[i],
                           types[j], types[-1] if len(both) > j + len(b) else types[j])  # fmt: skip
         return cls(
-            single=(tuple(lone[:at]), tuple(lone[at + len(a) :])),
+            single=single_template(tokenizer),
             pair=(tuple(both[:i]), tuple(both[i + len(a) : j]), tuple(both[j + len(b) :])),
             pair_types=pair_types,
         )
@@ -361,9 +360,8 @@ def _as_prompt(ids: Any) -> Prompt:
 
 def single_template(tokenizer: Any) -> tuple[Prompt, Prompt]:
     """The special tokens a tokenizer puts before and after one text (e.g. BOS before, nothing after)."""
-    probe = "first words"
-    bare = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
-    full = list(tokenizer(probe)["input_ids"])
+    bare = list(tokenizer(_PROBE, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(_PROBE)["input_ids"])
     at = _find(full, bare, 0)
     return tuple(full[:at]), tuple(full[at + len(bare) :])
 
