@@ -66,11 +66,12 @@ def run_self_check(scorer: Scorer) -> SelfCheckReport:
         raise ModelLoadError(f"self-check: the packed path failed on a fixed input: {result.error}")
     packed_scores = np.asarray(result.scores, dtype=np.float64)
     packed_hidden = np.stack([t.to_numpy().astype(np.float64) for t in result.pooled_hidden_states])
-    plain_scores, plain_hidden = _plain_forward(scorer, prompts, labels, batched=False)
+    inputs = _prepared_inputs(scorer, prompts, labels)
+    plain_scores, plain_hidden = _plain_forward(scorer, inputs, labels, batched=False)
     scale = max(1.0, float(np.abs(plain_scores).max()))
     diff = float(np.abs(packed_scores - plain_scores).max())
     cosine = _min_cosine(packed_hidden, plain_hidden)
-    noise, noise_cosine = _hf_noise(scorer, prompts, labels, plain_scores, plain_hidden)
+    noise, noise_cosine = _hf_noise(scorer, inputs, labels, plain_scores, plain_hidden)
     bound = max(SCORE_TOLERANCE[scorer.dtype] * scale, NOISE_MARGIN * noise)
     min_cosine = min(HIDDEN_MIN_COSINE[scorer.dtype], 1.0 - NOISE_MARGIN * (1.0 - noise_cosine))
     report = SelfCheckReport(
@@ -108,12 +109,13 @@ def _fixed_prompts(scorer: Scorer) -> list[tuple[int, ...]]:
     return prompts
 
 
-@torch.inference_mode()
-def _plain_forward(
-    scorer: Scorer, prompts: list[tuple[int, ...]], labels: tuple[int, ...] | None, batched: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """HF's own forward of the prepared prompts, each alone or all in one right-padded batch: the scores and
-    pooled hidden states it gives."""
+Inputs = tuple[list[list[int]], list[list[int] | None]]  # token ids and (encoders) token types per prompt
+
+
+def _prepared_inputs(
+    scorer: Scorer, prompts: list[tuple[int, ...]], labels: tuple[int, ...] | None
+) -> Inputs:
+    """The prompts as the scorer prepares them (with the template an encoder adds), for HF's forward."""
     prepared = [
         scorer.prepare(ScoreRequest(request_id=f"self-check-{i}", items=(p,), label_token_ids=labels))
         for i, p in enumerate(prompts)
@@ -121,8 +123,18 @@ def _plain_forward(
     ready = [p for p in prepared if isinstance(p, PreparedRequest)]
     if len(ready) != len(prepared):
         raise ModelLoadError("self-check: the fixed input could not be prepared for this model")
-    ids = [list(p.prompts[0]) for p in ready]  # with the template an encoder adds
+    ids = [list(p.prompts[0]) for p in ready]
     types = [list(p.token_types[0]) if p.token_types else None for p in ready]
+    return ids, types
+
+
+@torch.inference_mode()
+def _plain_forward(
+    scorer: Scorer, inputs: Inputs, labels: tuple[int, ...] | None, batched: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """HF's own forward of the prepared prompts, each alone or all in one right-padded batch: the scores and
+    pooled hidden states it gives."""
+    ids, types = inputs
     groups = [list(range(len(ids)))] if batched else [[i] for i in range(len(ids))]
     scores: list[np.ndarray] = [np.empty(0)] * len(ids)
     hidden: list[np.ndarray] = [np.empty(0)] * len(ids)
@@ -167,7 +179,7 @@ def _read(
 
 def _hf_noise(
     scorer: Scorer,
-    prompts: list[tuple[int, ...]],
+    inputs: Inputs,
     labels: tuple[int, ...] | None,
     alone: np.ndarray,
     alone_hidden: np.ndarray,
@@ -175,7 +187,7 @@ def _hf_noise(
     """How much HF's own results move between two equivalent layouts (alone vs one padded batch)."""
     if scorer.pad_token_id is None and not scorer.is_judge:
         return 0.0, 1.0  # HF's classifiers cannot pool a padded batch without a pad id
-    batched, batched_hidden = _plain_forward(scorer, prompts, labels, batched=True)
+    batched, batched_hidden = _plain_forward(scorer, inputs, labels, batched=True)
     return float(np.abs(batched - alone).max()), _min_cosine(batched_hidden, alone_hidden)
 
 
