@@ -101,14 +101,30 @@ class EmbeddedBroker:
     The broker's output goes to `log_path` (kept after stop, for debugging).
     """
 
-    def __init__(self, port: int | None = None, log_dir: Path | None = None, start_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        port: int | None = None,
+        log_dir: Path | None = None,
+        start_timeout_s: float = 30.0,
+        advertised: tuple[str, int] | None = None,
+    ):
+        """`advertised` is the address the broker tells clients to use (default: where it listens), for a
+        proxy in front of it (TLS termination, fault injection)."""
         self._requested_port = port
+        self._advertised = advertised
         self._port: int | None = None
         self._log_dir = log_dir
         self._start_timeout_s = start_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
         self._finalizer: weakref.finalize[[subprocess.Popen[bytes]], EmbeddedBroker] | None = None
         self.log_path: Path | None = None
+
+    @property
+    def listen_port(self) -> int:
+        """The loopback port the broker itself listens on (the advertised address may be a proxy's)."""
+        if self._port is None:
+            raise BrokerError("the embedded broker is not running; call start() first")
+        return self._port
 
     @property
     def bootstrap_servers(self) -> str:
@@ -140,7 +156,9 @@ class EmbeddedBroker:
     def _launch(self, binary: str, port: int) -> None:
         assert self.log_path is not None
         url = f"tcp://127.0.0.1:{port}"
-        command = [binary, "broker", "--listener-url", url, "--advertised-listener-url", url]
+        host, advertised_port = self._advertised or ("127.0.0.1", port)
+        command = [binary, "broker", "--listener-url", url]
+        command += ["--advertised-listener-url", f"tcp://{host}:{advertised_port}"]
         command += ["--storage-engine", "memory://tansu/"]
         with open(self.log_path, "wb") as log_file:
             self._process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
@@ -163,7 +181,7 @@ class EmbeddedBroker:
                     f"tansu exited with code {self._process.returncode} at start-up: {self._log_tail()}"
                 )
             try:
-                if ("127.0.0.1", port) in metadata_brokers("127.0.0.1", port):
+                if (self._advertised or ("127.0.0.1", port)) in metadata_brokers("127.0.0.1", port):
                     return
             except (OSError, struct.error, BrokerError) as exc:
                 last_error = exc
