@@ -37,6 +37,8 @@ _REQUEST_FIELDS: dict[str, object] = {
     "messages": None,
     "truncate": Truncation.NONE,
     "requires": None,
+    "deadline_ms": None,
+    "ttl_ms": None,
 }
 _RESULT_FIELDS: dict[str, object] = {
     "request_id": _REQUIRED,
@@ -209,6 +211,8 @@ def encode_request(request: ScoreRequest) -> bytes:
         "messages": None if messages is None else [{"role": m.role, "content": m.content} for m in messages],
         "truncate": request.truncate.value,
         "requires": request.requires,
+        "deadline_ms": request.deadline_ms,
+        "ttl_ms": request.ttl_ms,
     }
     return _pack(body, request.request_id)
 

@@ -11,6 +11,7 @@ from schemas._checks import (
     Input,
     check_bool,
     check_input,
+    check_int,
     check_metadata,
     check_request_id,
     check_token_ids,
@@ -258,6 +259,10 @@ class ScoreRequest:
     messages: tuple[ChatMessage, ...] | None = None
     truncate: Truncation = Truncation.NONE
     requires: tuple[str, ...] | None = None
+    # Unix time in milliseconds after which the result is no longer wanted (EXPIRED instead of a score).
+    deadline_ms: int | None = None
+    # Milliseconds the request stays wanted, counted from its record's timestamp.
+    ttl_ms: int | None = None
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -284,7 +289,20 @@ class ScoreRequest:
         if self.messages is not None:
             _check_chat(self)
         object.__setattr__(self, "truncate", check_truncation(self.truncate))
+        for field, minimum in (("deadline_ms", 0), ("ttl_ms", 1)):
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, check_int(value, field, minimum))
         check_metadata(self.metadata)
+
+    def expires_at_ms(self, record_timestamp_ms: int, default_ttl_ms: int = 0) -> int | None:
+        """Unix milliseconds after which this request is expired: the earlier of `deadline_ms` and the
+        time-to-live from its record's timestamp (the request's own `ttl_ms`, else `default_ttl_ms` when
+        positive); None when neither applies."""
+        ttl = self.ttl_ms if self.ttl_ms is not None else (default_ttl_ms or None)
+        limits = [self.deadline_ms, None if ttl is None else record_timestamp_ms + ttl]
+        present = [limit for limit in limits if limit is not None]
+        return min(present) if present else None
 
 
 # What a worker of this version understands in `requires`: exactly the request's wire keys.

@@ -121,7 +121,23 @@ def test_wire_form_is_a_plain_map_with_every_field() -> None:
         "messages": None,
         "truncate": "none",
         "requires": None,
+        "deadline_ms": None,
+        "ttl_ms": None,
     }
+
+
+def test_deadline_is_the_earlier_of_deadline_and_time_to_live() -> None:
+    assert ScoreRequest("r", items=("a",)).expires_at_ms(1_000) is None
+    assert ScoreRequest("r", items=("a",)).expires_at_ms(1_000, default_ttl_ms=500) == 1_500
+    assert ScoreRequest("r", items=("a",), ttl_ms=200).expires_at_ms(1_000, default_ttl_ms=500) == 1_200
+    assert ScoreRequest("r", items=("a",), deadline_ms=1_100, ttl_ms=200).expires_at_ms(1_000) == 1_100
+    assert ScoreRequest("r", items=("a",), deadline_ms=9_000).expires_at_ms(1_000, 500) == 1_500
+    request = decode_request(encode_request(ScoreRequest("r", items=("a",), deadline_ms=5, ttl_ms=7)))
+    assert (request.deadline_ms, request.ttl_ms) == (5, 7)
+    for bad in ({"ttl_ms": 0}, {"deadline_ms": -1}, {"ttl_ms": 1.5}, {"deadline_ms": True}):
+        with pytest.raises(SchemaError) as error:
+            ScoreRequest("r", items=("a",), **bad)  # type: ignore[arg-type]
+        assert error.value.code is ErrorCode.INVALID_REQUEST
 
 
 # The map the encoder wrote before label_token_ids, messages, truncate and requires existed.
@@ -152,7 +168,7 @@ def test_request_without_the_new_keys_decodes_exactly_as_before() -> None:
     assert (decoded.label_token_ids, decoded.messages, decoded.requires) == (None, None, None)
     assert decoded.truncate is Truncation.NONE
     # Nil is the default too, so a producer that writes every key as nil gets the same request.
-    nils = dict.fromkeys(("label_token_ids", "messages", "truncate", "requires"))
+    nils = dict.fromkeys(("label_token_ids", "messages", "truncate", "requires", "deadline_ms", "ttl_ms"))
     assert decode_request(msgpack.packb({**OLD_REQUEST_MAP, **nils})) == decoded
     # Re-encoding adds the new keys with their defaults and changes nothing else.
     wire = msgpack.unpackb(encode_request(decoded))
@@ -162,6 +178,8 @@ def test_request_without_the_new_keys_decodes_exactly_as_before() -> None:
         "messages": None,
         "truncate": "none",
         "requires": None,
+        "deadline_ms": None,
+        "ttl_ms": None,
     }
 
 
