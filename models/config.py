@@ -33,6 +33,9 @@ class ScorerConfig:
     max_batch_tokens: int = 16384
     # None: the model's own limit (config.max_position_embeddings) is the only one.
     max_input_tokens: int | None = None
+    # Per-request limits, checked before any tokenizing (items) or model work (tokens); None: no limit.
+    max_request_items: int | None = None
+    max_request_tokens: int | None = None
     # Replaces torch's varlen_attn for attention="varlen"; lets CPU tests drive the GPU wrapper logic.
     varlen_kernel: VarlenKernel | None = None
     # "auto": what the model's own HF head pools; else one of models.packing.POOLINGS.
@@ -54,6 +57,10 @@ class ScorerConfig:
             raise ValueError(f"max_batch_tokens must be at least 1, got {self.max_batch_tokens}")
         if self.max_input_tokens is not None and self.max_input_tokens < 1:
             raise ValueError(f"max_input_tokens must be at least 1 when set, got {self.max_input_tokens}")
+        for name in ("max_request_items", "max_request_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1 when set, got {value}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 

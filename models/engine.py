@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -13,8 +14,9 @@ import torch
 from transformers import PreTrainedModel
 
 from models.attention import register_attention
+from models.chunks import token_runs
 from models.config import ScorerConfig
-from models.errors import ModelLoadError
+from models.errors import DeviceLostError, ModelLoadError
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import (
     RowRequest,
@@ -42,7 +44,7 @@ class BatchStats:
     hidden_requests: int  # requests of the batch that asked for pooled hidden states
     # Bytes of pooled hidden states copied to the host, by dtype name ("float32", "float16", "bfloat16").
     hidden_bytes: dict[str, int] = field(default_factory=dict)
-    failed: bool = False  # the forward pass raised: every request of the batch got MODEL_ERROR
+    failed: bool = False  # the forward pass raised: its requests are scored again in halves
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,13 @@ class Scorer:
             log.info("%s cannot run packed: it takes the plain padded path", Path(model_dir).name)
         template = PairTemplate.from_tokenizer(self._loaded.tokenizer) if self._loaded.encoder else None
         self._prompts = PromptBuilder(
-            self._loaded.tokenizer, self._loaded.vocab_size, limit, template, judge=self._loaded.judge
+            self._loaded.tokenizer,
+            self._loaded.vocab_size,
+            limit,
+            template,
+            judge=self._loaded.judge,
+            max_request_items=self.config.max_request_items,
+            max_request_tokens=self.config.max_request_tokens,
         )
         self.pooling = self.config.resolve_pooling(self._loaded.default_pooling)
 
@@ -167,6 +175,13 @@ class Scorer:
         """The model's head on pooled states [N, H] -> float32 scores [N, L]."""
         scores: torch.Tensor = self._loaded.head(pooled.to(device=self.device, dtype=self.dtype))
         return scores.float()
+
+    @functools.cached_property
+    def num_labels(self) -> int:
+        """Floats per item from the model's own head (a judge has one per label id it is asked for)."""
+        head_input = torch.zeros(1, self.hidden_size, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            return int(self._loaded.head(head_input).shape[-1])
 
     @property
     def hidden_size(self) -> int:
@@ -235,23 +250,29 @@ class Scorer:
         return [result for result in results if result is not None]
 
     def _run_batch(self, batch: list[PreparedRequest], on_batch: BatchObserver | None) -> list[ScoreResult]:
+        """Score a batch; when it fails, score its halves apart, down to single requests, so that only a
+        request that fails alone gets MODEL_ERROR (one poisonous or oversized request must not fail the
+        innocent ones beside it). Raises DeviceLostError when the device is gone."""
         tokenize_s = sum(p.tokenize_s for p in batch)
         started = time.perf_counter()
         try:
             output = self._forward_batch(batch)
-        except Exception as exc:  # out of memory, kernel errors: the batch fails, the scorer keeps going
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+        except Exception as exc:  # out of memory, kernel errors: find the request that causes it
             if on_batch is not None:
                 on_batch(_stats(batch, time.perf_counter() - started, 0.0, {}, failed=True))
+            self._recover(exc)
+            if len(batch) > 1:
+                log.warning(
+                    "a batch of %d requests failed (%s); scoring its halves apart", len(batch), _describe(exc)
+                )
+                half = len(batch) // 2
+                return self._run_batch(batch[:half], on_batch) + self._run_batch(batch[half:], on_batch)
+            log.warning("request %s fails alone: %s", batch[0].request.request_id, _describe(exc))
             message = (
-                f"The forward pass failed for this request's batch ({_describe(exc)}); send the request "
-                "again, and if it keeps failing, send fewer or shorter items."
+                f"The forward pass failed for this request on its own ({_describe(exc)}); if it is out of "
+                "memory, send fewer or shorter items; otherwise report the request id."
             )
-            return [
-                self._failure(p.request, ErrorCode.MODEL_ERROR, message, {"tokenize_s": tokenize_s})
-                for p in batch
-            ]
+            return [self._failure(batch[0].request, ErrorCode.MODEL_ERROR, message, {"tokenize_s": tokenize_s})]
         if on_batch is not None:
             on_batch(_stats(batch, output.forward_s, output.copy_s, output.hidden_bytes))
         timings = {"tokenize_s": tokenize_s, "forward_s": output.forward_s, "copy_s": output.copy_s}
@@ -418,6 +439,24 @@ class Scorer:
             copied_bytes[entry.dtype.value] = copied_bytes.get(entry.dtype.value, 0) + size
         return hidden, copied_bytes
 
+    def _recover(self, error: BaseException) -> None:
+        """After a failed forward: free the cached blocks (an out-of-memory retry needs them), and raise
+        DeviceLostError when the device no longer runs anything (a kernel fault kills the CUDA context)."""
+        if self.device.type != "cuda":
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            probe = torch.ones(1, device=self.device) + 1
+            torch.cuda.synchronize(self.device)
+            if probe.item() != 2.0:
+                raise RuntimeError("the device computes 1 + 1 wrongly")
+        except Exception as probe_error:
+            raise DeviceLostError(
+                f"{self.device} failed after {_describe(error)} and no longer runs anything "
+                f"({_describe(probe_error)}); the process must restart"
+            ) from error
+
     def _synchronize(self) -> None:
         # CUDA work is asynchronous: without a sync, the clock would stop before the kernels finish.
         if self.device.type == "cuda":
@@ -476,17 +515,8 @@ def _split(
     pending: Sequence[tuple[int, PreparedRequest]], max_tokens: int
 ) -> Iterator[list[tuple[int, PreparedRequest]]]:
     """Consecutive batches of at most max_tokens tokens; a request over the budget runs alone."""
-    batch: list[tuple[int, PreparedRequest]] = []
-    tokens = 0
-    for entry in pending:
-        size = entry[1].num_tokens
-        if batch and tokens + size > max_tokens:
-            yield batch
-            batch, tokens = [], 0
-        batch.append(entry)
-        tokens += size
-    if batch:
-        yield batch
+    for run in token_runs([entry[1].num_tokens for entry in pending], max_tokens):
+        yield list(pending[run.start : run.stop])
 
 
 def _describe(exc: BaseException) -> str:

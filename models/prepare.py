@@ -123,10 +123,19 @@ class PromptBuilder:
     template: PairTemplate | None = None
     # Causal-LM judges score label tokens (label_token_ids); other models score with their own head.
     judge: bool = False
+    max_request_items: int | None = None
+    max_request_tokens: int | None = None
 
     def prepare(self, request: ScoreRequest) -> PreparedRequest:
         """Build and check every item's prompt; raises PromptError for the first bad item."""
         started = time.perf_counter()
+        # Before tokenizing: a request with 100,000 items must cost nothing but this comparison.
+        if self.max_request_items is not None and len(request.items) > self.max_request_items:
+            raise PromptError(
+                ErrorCode.TOO_MANY_ITEMS,
+                f"The request has {len(request.items)} items, more than this worker's limit of "
+                f"{self.max_request_items} (max_request_items); split it into several requests.",
+            )
         self._check_labels(request)
         token_types = None
         if request.messages is not None:
@@ -140,6 +149,13 @@ class PromptBuilder:
             prompts, token_types, truncated = self._truncate(request, prompts, token_types)
         for index, prompt in enumerate(prompts):
             self._check(index, prompt)
+        total = sum(len(prompt) for prompt in prompts)
+        if self.max_request_tokens is not None and total > self.max_request_tokens:
+            raise PromptError(
+                ErrorCode.REQUEST_TOO_LONG,
+                f"The request's prompts have {total} tokens in all, more than this worker's limit of "
+                f"{self.max_request_tokens} (max_request_tokens); split it into several requests.",
+            )
         return PreparedRequest(
             request=request,
             prompts=prompts,

@@ -1,7 +1,7 @@
 """The wire contract of score-worker (version 1): message types, validation, msgpack codec, headers."""
 
 from schemas._checks import Input
-from schemas.codec import decode_request, decode_result, encode_request, encode_result
+from schemas.codec import decode_request, decode_result, encode_request, encode_result, result_size_bound
 from schemas.errors import ErrorCode, SchemaError
 from schemas.headers import (
     HEADER_CONTENT_TYPE,
@@ -51,4 +51,5 @@ __all__ = [
     "headers_to_dict",
     "request_headers",
     "result_headers",
+    "result_size_bound",
 ]

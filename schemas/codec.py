@@ -10,8 +10,8 @@ import msgpack
 from schemas._checks import describe, invalid, is_valid_request_id
 from schemas.errors import ErrorCode, SchemaError
 from schemas.request import ScoreRequest, Truncation, check_version
-from schemas.result import ErrorInfo, ScoreResult, check_error_code
-from schemas.tensor import HiddenDType, Tensor, check_tensor_parts
+from schemas.result import ErrorInfo, ResultStatus, ScoreResult, check_error_code
+from schemas.tensor import ITEMSIZE, HiddenDType, Tensor, check_tensor_parts
 from schemas.version import SCHEMA_VERSION
 
 Buffer = bytes | bytearray | memoryview
@@ -239,3 +239,35 @@ def encode_result(result: ScoreResult) -> bytes:
         "truncated_tokens": result.truncated_tokens,
     }
     return _pack(body, result.request_id)
+
+
+# Per-part upper bounds of msgpack encodings (bytes): an array or bin header, a float64, an integer, and a
+# tensor map's keys, dtype name and shape around its data.
+_HEADER, _FLOAT, _INT, _TENSOR_MAP = 5, 9, 9, 48
+
+
+def result_size_bound(
+    request: ScoreRequest, model: str, items: int, floats_per_item: int, hidden_size: int
+) -> int:
+    """An upper bound of the encoded size of `request`'s OK result, computed without scoring it.
+
+    `items` prompts, `floats_per_item` scores each and, when the request asks for them, pooled hidden states
+    of `hidden_size` values in its dtype. The metadata and ids are encoded for real; only the parts that
+    grow with the items are bounded. Lets a worker refuse a result that cannot fit its record limit before
+    spending model time on it.
+    """
+    skeleton = ScoreResult(
+        request.request_id,
+        ResultStatus.OK,
+        pooled_hidden_states=() if request.return_pooled_hidden_states else None,
+        model=model,
+        timings={"tokenize_s": 0.0, "forward_s": 0.0, "copy_s": 0.0},
+        metadata=request.metadata,
+    )
+    size = len(encode_result(skeleton)) + _INT + 3 * _HEADER  # prompt_tokens; the arrays' own headers
+    size += items * (_HEADER + floats_per_item * _FLOAT)
+    if request.return_pooled_hidden_states:
+        size += items * (_TENSOR_MAP + hidden_size * ITEMSIZE[request.hidden_states_dtype.value])
+    if request.truncate is not Truncation.NONE:
+        size += items * _INT
+    return size

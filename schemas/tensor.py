@@ -13,7 +13,7 @@ import numpy.typing as npt
 from schemas._checks import describe, invalid, quoted
 
 MAX_TENSOR_DIMS = 8
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _LITTLE_ENDIAN: dict[str, np.dtype[Any]] = {
     "float32": np.dtype("<f4"),
     "float16": np.dtype("<f2"),
@@ -33,7 +33,7 @@ def check_dtype(value: object, field: str) -> str:
     """A tensor/hidden-state dtype name as a plain string."""
     if isinstance(value, HiddenDType):
         return value.value
-    if not isinstance(value, str) or value not in _ITEMSIZE:
+    if not isinstance(value, str) or value not in ITEMSIZE:
         shown = quoted(value) if isinstance(value, str) else describe(value)
         raise invalid(f'{field} is {shown}; send one of "float32", "float16" or "bfloat16".')
     return value
@@ -54,11 +54,11 @@ def check_tensor_parts(
     if not isinstance(data, bytes | bytearray | memoryview):
         raise invalid(f"{field}.data must be binary, not {describe(data)}; send the raw little-endian bytes.")
     raw = bytes(data)
-    expected = math.prod(dims) * _ITEMSIZE[name]
+    expected = math.prod(dims) * ITEMSIZE[name]
     if len(raw) != expected:
         raise invalid(
             f"{field}.data has {len(raw)} bytes but shape {dims} of {name} needs {expected}; "
-            f"send exactly prod(shape) * {_ITEMSIZE[name]} bytes."
+            f"send exactly prod(shape) * {ITEMSIZE[name]} bytes."
         )
     return name, tuple(dims), raw
 

@@ -32,6 +32,7 @@ from schemas import (
     encode_result,
     header_request_id,
     headers_to_dict,
+    result_size_bound,
     request_headers,
     result_headers,
 )
@@ -486,3 +487,39 @@ def test_schema_error_pickles_and_reads_as_its_message() -> None:
     assert (copy.code, copy.message, copy.request_id) == (error.code, error.message, "r1")
     assert str(error) == "items is missing; send an array."
     assert str(ErrorCode.MODEL_ERROR) == "MODEL_ERROR" and str(HiddenDType.BFLOAT16) == "bfloat16"
+
+
+@pytest.mark.parametrize("dtype", list(HiddenDType))
+@pytest.mark.parametrize("items", [0, 1, 7, 300])
+def test_result_size_bound_is_an_upper_bound_and_a_close_one(dtype: HiddenDType, items: int) -> None:
+    hidden, labels = 96, 3
+    request = ScoreRequest(
+        "bound-" + "x" * 200,
+        items=("a",) * max(items, 1),
+        return_pooled_hidden_states=True,
+        hidden_states_dtype=dtype,
+        truncate=Truncation.ITEM_LEFT,
+        metadata={"trace": "y" * 500, "n": [1, 2.5, None]},
+    )
+    rng = np.random.default_rng(items)
+    states = tuple(Tensor.from_numpy(rng.standard_normal(hidden).astype(np.float32)) for _ in range(items))
+    if dtype is not HiddenDType.FLOAT32:
+        states = tuple(Tensor.from_numpy(t.to_numpy().astype(np.float16)) for t in states)
+        if dtype is HiddenDType.BFLOAT16:
+            states = tuple(
+                Tensor.from_bfloat16_bits(np.zeros(hidden, dtype=np.uint16) + 0x3F80) for _ in range(items)
+            )
+    result = ScoreResult(
+        request.request_id,
+        ResultStatus.OK,
+        scores=tuple(tuple(rng.standard_normal(labels).tolist()) for _ in range(items)),
+        pooled_hidden_states=states,
+        prompt_tokens=2**40,
+        model="some/model",
+        timings={"tokenize_s": 0.123456789, "forward_s": 1e-300, "copy_s": 3.0},
+        metadata=request.metadata,
+        truncated_tokens=(2**33,) * items,
+    )
+    actual = len(encode_result(result))
+    bound = result_size_bound(request, "some/model", items, labels, hidden)
+    assert actual <= bound <= actual + 64 + 40 * items
