@@ -45,6 +45,8 @@ class ScorerConfig:
     deterministic: bool = False
     # Load a directory that ships its own model code (auto_map): that code runs, so only on explicit opt-in.
     trust_remote_code: bool = False
+    # Load pickle weights (pytorch_model.bin) when there are no safetensors: unpickling can run code.
+    allow_pickle_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

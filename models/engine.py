@@ -105,6 +105,7 @@ class Scorer:
             dtype=self.dtype,
             attn_implementation=implementation,
             trust_remote_code=self.config.trust_remote_code,
+            allow_pickle_weights=self.config.allow_pickle_weights,
         )
         limit = self._loaded.max_position_embeddings
         if self.config.max_input_tokens is not None:
@@ -257,6 +258,8 @@ class Scorer:
         started = time.perf_counter()
         try:
             output = self._forward_batch(batch)
+        except DeviceLostError:
+            raise
         except Exception as exc:  # out of memory, kernel errors: find the request that causes it
             if on_batch is not None:
                 on_batch(_stats(batch, time.perf_counter() - started, 0.0, {}, failed=True))
@@ -272,7 +275,9 @@ class Scorer:
                 f"The forward pass failed for this request on its own ({_describe(exc)}); if it is out of "
                 "memory, send fewer or shorter items; otherwise report the request id."
             )
-            return [self._failure(batch[0].request, ErrorCode.MODEL_ERROR, message, {"tokenize_s": tokenize_s})]
+            return [
+                self._failure(batch[0].request, ErrorCode.MODEL_ERROR, message, {"tokenize_s": tokenize_s})
+            ]
         if on_batch is not None:
             on_batch(_stats(batch, output.forward_s, output.copy_s, output.hidden_bytes))
         timings = {"tokenize_s": tokenize_s, "forward_s": output.forward_s, "copy_s": output.copy_s}

@@ -280,6 +280,28 @@ def quiet_progress_bars() -> Iterator[None]:
             enable_progress_bars()
 
 
+# Weights that load through Python's unpickler (torch.load): a crafted file can run code as it is read.
+_PICKLE_WEIGHTS = ("pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+def _safetensors_only(model_dir: Path, allow_pickle_weights: bool) -> bool:
+    """Whether the weights load from safetensors only (from_pretrained's use_safetensors).
+
+    A directory whose only weights are pickles is refused unless `allow_pickle_weights`; where safetensors
+    exist they are always the ones read, so a pickle beside them is never opened.
+    """
+    if any(model_dir.glob("*.safetensors")):
+        return True
+    pickles = sorted({path.name for pattern in _PICKLE_WEIGHTS for path in model_dir.glob(pattern)})
+    if pickles and not allow_pickle_weights:
+        raise ModelLoadError(
+            f"{str(model_dir)!r} has its weights only as pickle files ({', '.join(pickles[:3])}), and "
+            "loading a pickle can run code hidden in it. Convert them to safetensors, or, for weights you "
+            "trust, set allow_pickle_weights (SCORE_WORKER_ALLOW_PICKLE_WEIGHTS=true, --allow-pickle-weights)"
+        )
+    return not pickles
+
+
 def _placement(device: torch.device) -> dict[str, Any]:
     """from_pretrained arguments that load the weights straight onto a GPU instead of through host tensors.
 
@@ -317,9 +339,11 @@ def load_model(
     dtype: torch.dtype,
     attn_implementation: str,
     trust_remote_code: bool = False,
+    allow_pickle_weights: bool = False,
 ) -> LoadedModel:
     """Load weights, head and tokenizer; the model is in eval mode on `device`."""
     config = read_config(model_dir, trust_remote_code)
+    safetensors_only = _safetensors_only(model_dir, allow_pickle_weights)
     judge = is_judge(config)
     remote_code = bool(config.get("auto_map"))
     # A model's own code may ignore our attention, whatever type it claims: it runs the plain path.
@@ -335,6 +359,7 @@ def load_model(
                 attn_implementation=attn_implementation,
                 output_loading_info=True,
                 trust_remote_code=remote_code,
+                use_safetensors=safetensors_only,
                 **_placement(device),
             )
     except Exception as exc:  # missing or corrupt weights, unknown config keys: all are load failures

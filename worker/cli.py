@@ -13,12 +13,21 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import SecretStr, ValidationError
+from pydantic import ValidationError
 
-from worker.config import ENV_PREFIX, WorkerSettings, describe_validation_error, flag_for
+from worker.config import (
+    ENV_PREFIX,
+    KafkaSecurity,
+    WorkerSettings,
+    describe_validation_error,
+    flag_for,
+    is_secret,
+)
+from worker.logs import RepeatFilter
 
 if TYPE_CHECKING:
     from models import Scorer
+    from worker.service import WorkerService
 
 log = logging.getLogger("worker")
 
@@ -64,14 +73,22 @@ def configure_logging(level: str, fmt: str = "text") -> None:
     else:
         formatter = logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
     handler.setFormatter(formatter)
+    # A broker outage makes the Kafka client repeat the same error on every reconnect attempt.
+    handler.addFilter(RepeatFilter())
     logging.basicConfig(level=level.upper(), handlers=[handler])
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per WorkerSettings field (secrets excepted: those come from the environment only)."""
-    for name, field in WorkerSettings.model_fields.items():
-        if field.annotation in (SecretStr, SecretStr | None):
+    """One flag per WorkerSettings field (secrets excepted: those come from the environment only).
+
+    The help shows each field's default, never the environment's value, so a secret set there stays unseen.
+    """
+    # The security fields come first in the settings (inherited from KafkaSecurity); they read better last.
+    security = KafkaSecurity.model_fields
+    fields = sorted(WorkerSettings.model_fields.items(), key=lambda item: item[0] in security)
+    for name, field in fields:
+        if is_secret(name):
             continue
         env = f"{ENV_PREFIX}{name.upper()}"
         default = "" if field.is_required() else f", default {field.default}"
@@ -105,8 +122,9 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"score-worker run: invalid settings\n{describe_validation_error(error)}", file=sys.stderr)
         return EXIT_USAGE
     from models import ModelLoadError
+    from models.errors import DeviceLostError
     from worker.errors import WorkerError
-    from worker.service import WorkerService, serve_with_signals
+    from worker.service import WorkerService
 
     log.info(
         "starting worker %s: group %s, %s -> %s on %s, model %s, metrics port %s",
@@ -115,27 +133,45 @@ def run_worker(args: argparse.Namespace) -> int:
     )  # fmt: skip
     service = WorkerService(settings, lambda: _load_scorer(settings))
     try:
-        asyncio.run(serve_with_signals(service))
+        code = _serve(service)
     except (ModelLoadError, ValueError) as error:
         print(f"score-worker run: cannot load the model in {settings.model_dir}: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except WorkerError as error:
+    except (WorkerError, DeviceLostError) as error:
         log.error("%s", error)
-        return EXIT_FAILURE
+        code = EXIT_FAILURE
     except OSError as error:  # the metrics port is taken, ...
         log.error("the worker failed: %s", error)
-        return EXIT_FAILURE
+        code = EXIT_FAILURE
     except Exception:  # a broker that cannot be reached, refused credentials, ...: say so, exit non-zero
         log.exception("the worker failed")
-        return EXIT_FAILURE
+        code = EXIT_FAILURE
+    if service.worker is not None and service.worker.model_call_stuck:
+        # The model thread is still inside a call that may never return; the interpreter would wait for it
+        # at exit. What was not committed is delivered again to the group.
+        log.error("exiting with a model call still running (exit code %d)", code or EXIT_FAILURE)
+        logging.shutdown()
+        os._exit(code or EXIT_FAILURE)
+    return code
+
+
+def _serve(service: WorkerService) -> int:
+    from worker.service import serve_with_signals
+
+    asyncio.run(serve_with_signals(service))
     return EXIT_OK
 
 
 def _load_scorer(settings: WorkerSettings) -> Scorer:
     """Load the model and, unless turned off, check it against HF's own forward before any request."""
+    import torch
+
     from models import Scorer, ScorerConfig
     from models.selfcheck import run_self_check
 
+    threads = torch_threads(settings)
+    torch.set_num_threads(threads)
+    log.info("torch uses %d CPU threads (torch_threads)", threads)
     config = ScorerConfig(
         device=settings.device,
         dtype=settings.dtype,
@@ -143,6 +179,10 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
         pooling=settings.pooling,
         deterministic=settings.deterministic,
         trust_remote_code=settings.trust_remote_code,
+        allow_pickle_weights=settings.allow_pickle_weights,
+        max_input_tokens=settings.max_item_tokens,
+        max_request_items=settings.max_request_items,
+        max_request_tokens=settings.max_request_tokens,
     )
     scorer = Scorer(settings.model_dir, config)
     if settings.self_check:
@@ -153,6 +193,19 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
             report.seconds, report.items, report.max_score_diff, report.score_scale, report.min_hidden_cosine,
         )  # fmt: skip
     return scorer
+
+
+def torch_threads(settings: WorkerSettings) -> int:
+    """The setting, else every CPU this process may run on (its affinity, which container CPU sets and
+    `taskset` narrow), or 2 when a GPU does the model work and the CPU only tokenizes and encodes."""
+    if settings.torch_threads:
+        return settings.torch_threads
+    if settings.device.startswith("cuda"):
+        return 2
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def _chosen_command(argv: Sequence[str]) -> str | None:

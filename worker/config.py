@@ -27,7 +27,127 @@ def flag_for(field: str) -> str:
     return FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
 
 
-class WorkerSettings(BaseSettings):
+class KafkaSecurity(BaseSettings):
+    """How every Kafka client of the project reaches the brokers: TLS and SASL, from SCORE_WORKER_* variables.
+
+    The worker's settings extend it; `submit`, `produce-samples` and `lag-exporter` read it alone. Secrets are
+    SecretStr (masked in reprs) and validation errors never echo their input.
+    """
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, hide_input_in_errors=True)
+
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT", description="how to reach the brokers"
+    )
+    ssl_cafile: Path | None = Field(
+        default=None,
+        description="CA bundle (PEM) that the brokers' certificates must chain to (system CAs if unset)",
+    )
+    ssl_certfile: Path | None = Field(
+        default=None, description="client certificate (PEM) for brokers that require one; needs ssl_keyfile"
+    )
+    ssl_keyfile: Path | None = Field(default=None, description="private key (PEM) of ssl_certfile")
+    ssl_key_password: SecretStr | None = Field(
+        default=None, description="password of an encrypted ssl_keyfile (environment only)"
+    )
+    ssl_check_hostname: bool = Field(
+        default=True,
+        description="check that the broker's certificate names the host dialled; turn off knowingly",
+    )
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        default="PLAIN", description="SASL mechanism"
+    )
+    sasl_username: str | None = Field(default=None, description="SASL user name")
+    sasl_password: SecretStr | None = Field(default=None, description="SASL password (environment only)")
+
+    @field_validator("ssl_cafile", "ssl_certfile", "ssl_keyfile")
+    @classmethod
+    def _check_file(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"file {str(value)!r} does not exist")
+        return value
+
+    @model_validator(mode="after")
+    def _check_security(self) -> KafkaSecurity:
+        tls = self.security_protocol in ("SSL", "SASL_SSL")
+        sasl = self.security_protocol.startswith("SASL")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError(
+                "ssl_certfile and ssl_keyfile go together: set both (the client certificate and its private "
+                "key) or neither"
+            )
+        # Settings that would be silently ignored leave the connection less protected than its owner thinks.
+        unused = [name for name in _TLS_FIELDS if not tls and self._is_set(name)]
+        unused += [name for name in _SASL_FIELDS if not sasl and self._is_set(name)]
+        if unused:
+            raise ValueError(
+                f"{', '.join(unused)} set but security_protocol is {self.security_protocol}, which does not "
+                f"use them; set {ENV_PREFIX}SECURITY_PROTOCOL to SSL, SASL_PLAINTEXT or SASL_SSL"
+            )
+        if sasl and (self.sasl_username is None or not self.sasl_password):
+            raise ValueError(
+                f"security_protocol {self.security_protocol} needs sasl_username and sasl_password "
+                f"(set {ENV_PREFIX}SASL_USERNAME and {ENV_PREFIX}SASL_PASSWORD)"
+            )
+        if tls:
+            self.ssl_context()  # a CA, certificate or key that cannot be used fails here, at start-up
+        return self
+
+    def _is_set(self, name: str) -> bool:
+        default = type(self).model_fields[name].default
+        return bool(getattr(self, name) != default)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The TLS context of SSL and SASL_SSL: the CA, the client certificate when given, hostname checks."""
+        cafile = str(self.ssl_cafile) if self.ssl_cafile else None
+        try:
+            context = ssl.create_default_context(cafile=cafile)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"cannot read CA certificates from ssl_cafile {cafile!r}: {exc}") from None
+        context.check_hostname = self.ssl_check_hostname
+        if self.ssl_certfile is not None and self.ssl_keyfile is not None:
+            self._load_client_certificate(context, self.ssl_certfile, self.ssl_keyfile)
+        return context
+
+    def _load_client_certificate(self, context: ssl.SSLContext, certfile: Path, keyfile: Path) -> None:
+        def no_password() -> str:
+            # Without a callback OpenSSL would prompt on the terminal, which hangs a service.
+            raise ValueError(
+                f"the private key {str(keyfile)!r} is encrypted: set {ENV_PREFIX}SSL_KEY_PASSWORD"
+            )
+
+        password = self.ssl_key_password.get_secret_value() if self.ssl_key_password else no_password
+        try:
+            context.load_cert_chain(certfile, keyfile, password=password)
+        except (ssl.SSLError, OSError) as exc:
+            # OpenSSL's reasons here are terse ("PEM lib"); the usual causes are worth naming.
+            raise ValueError(
+                f"cannot load the client certificate {str(certfile)!r} with the key {str(keyfile)!r} "
+                f"({exc}): a wrong ssl_key_password, a key that does not belong to the certificate, or a "
+                "file that is not PEM"
+            ) from None
+
+    def kafka_security_kwargs(self) -> dict[str, Any]:
+        """aiokafka's security arguments (protocol, TLS context, SASL credentials), alike for every client."""
+        kwargs: dict[str, Any] = {"security_protocol": self.security_protocol}
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            kwargs["ssl_context"] = self.ssl_context()
+        if self.security_protocol.startswith("SASL"):
+            kwargs["sasl_mechanism"] = self.sasl_mechanism
+            kwargs["sasl_plain_username"] = self.sasl_username
+            kwargs["sasl_plain_password"] = (
+                self.sasl_password.get_secret_value() if self.sasl_password else None
+            )
+        return kwargs
+
+
+# The variables KafkaSecurity reads: every command that connects to Kafka honours them.
+SECURITY_ENV_VARS = tuple(f"{ENV_PREFIX}{name.upper()}" for name in KafkaSecurity.model_fields)
+_TLS_FIELDS = ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_key_password", "ssl_check_hostname")
+_SASL_FIELDS = ("sasl_mechanism", "sasl_username", "sasl_password")
+
+
+class WorkerSettings(KafkaSecurity):
     """Everything `score-worker run` needs; immutable once built."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid")
@@ -56,11 +176,70 @@ class WorkerSettings(BaseSettings):
     trust_remote_code: bool = Field(
         False, description="load a model directory that ships its own code (runs that code: opt in knowingly)"
     )
+    allow_pickle_weights: bool = Field(
+        False,
+        description="load weights from pickle files (pytorch_model.bin) when a model has no safetensors; "
+        "unpickling can run code: opt in knowingly",
+    )
     max_batch_tokens: int = Field(8192, gt=0, description="token budget of one model batch")
     max_batch_requests: int = Field(64, gt=0, description="most requests in one model batch")
     max_wait_ms: int = Field(5, ge=0, le=60_000, description="longest wait after a batch's first request")
     max_inflight_requests: int = Field(
         1024, gt=0, description="fetched but unpublished requests above which fetching pauses"
+    )
+    # Limits: each checked before any model work, each with its own error code (schemas/README.md).
+    max_request_items: int = Field(
+        4096,
+        gt=0,
+        description="most items in one request; more is TOO_MANY_ITEMS (checked before tokenizing)",
+    )
+    max_request_tokens: int = Field(
+        262_144, gt=0, description="most prompt tokens in one request; more is REQUEST_TOO_LONG"
+    )
+    max_item_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="most tokens in one item's prompt (default: the model's limit); INPUT_TOO_LONG",
+    )
+    default_ttl_ms: int = Field(
+        0,
+        ge=0,
+        description="time-to-live of requests that set no deadline, from their record timestamp; 0: none",
+    )
+    # Time bounds: every wait the worker can get stuck in has one.
+    watchdog_ms: int = Field(
+        120_000,
+        ge=0,
+        description="a model call running longer than this (and watchdog_multiple times its expected time) "
+        "stops the worker uncommitted; 0 turns the watchdog off",
+    )
+    watchdog_multiple: float = Field(
+        20.0,
+        ge=1.0,
+        description="how many times its expected time (from recent batches) a model call may run",
+    )
+    drain_timeout_ms: int = Field(
+        30_000, gt=0, description="longest a stop (SIGTERM) waits for in-flight requests before exiting"
+    )
+    revocation_timeout_ms: int = Field(
+        30_000, gt=0, description="longest a rebalance waits for in-flight requests of revoked partitions"
+    )
+    commit_timeout_ms: int = Field(10_000, gt=0, description="longest one offset commit may take")
+    publish_timeout_ms: int = Field(
+        120_000,
+        gt=0,
+        description="how long a result that the broker does not acknowledge is retried before the worker "
+        "stops (uncommitted, so it is redelivered)",
+    )
+    group_instance_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=249,
+        description="static group membership: a restart within the session timeout keeps the partitions "
+        "without a rebalance (unique per worker)",
+    )
+    torch_threads: int = Field(
+        0, ge=0, description="CPU threads torch may use; 0: every CPU this process may run on (CUDA: 2)"
     )
     auto_offset_reset: Literal["earliest", "latest"] = Field(
         "earliest", description="where a new consumer group starts"
@@ -95,16 +274,6 @@ class WorkerSettings(BaseSettings):
     broker_probe_interval_ms: int = Field(
         5_000, ge=100, le=300_000, description="how often readiness asks the brokers for metadata"
     )
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
-        "PLAINTEXT", description="how to reach the brokers"
-    )
-    ssl_cafile: Path | None = Field(None, description="CA bundle for SSL / SASL_SSL (system CAs if unset)")
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
-        "PLAIN", description="SASL mechanism"
-    )
-    sasl_username: str | None = Field(None, description="SASL user name")
-    # A secret string: never printed in logs, reprs or validation errors.
-    sasl_password: SecretStr | None = Field(None, description="SASL password (environment only)")
 
     @field_validator("bootstrap_servers")
     @classmethod
@@ -148,35 +317,36 @@ class WorkerSettings(BaseSettings):
         topics = [self.requests_topic, self.results_topic, self.dlq_topic]
         if len(set(topics)) != len(topics):
             raise ValueError(f"requests, results and DLQ topics must differ, got {topics}")
-        if self.security_protocol.startswith("SASL") and (
-            self.sasl_username is None or not self.sasl_password
-        ):
-            raise ValueError(
-                f"security_protocol {self.security_protocol} needs sasl_username and sasl_password "
-                f"(set {ENV_PREFIX}SASL_USERNAME and {ENV_PREFIX}SASL_PASSWORD)"
-            )
         return self
 
     def kafka_client_kwargs(self) -> dict[str, Any]:
         """Connection arguments shared by aiokafka's consumer, producer and admin client."""
-        kwargs: dict[str, Any] = {
+        return {
             "bootstrap_servers": self.bootstrap_servers,
             "client_id": self.client_id,
-            "security_protocol": self.security_protocol,
+            **self.kafka_security_kwargs(),
         }
-        if self.security_protocol in ("SSL", "SASL_SSL"):
-            cafile = str(self.ssl_cafile) if self.ssl_cafile else None
-            kwargs["ssl_context"] = ssl.create_default_context(cafile=cafile)
-        if self.security_protocol.startswith("SASL"):
-            kwargs["sasl_mechanism"] = self.sasl_mechanism
-            kwargs["sasl_plain_username"] = self.sasl_username
-            kwargs["sasl_plain_password"] = (
-                self.sasl_password.get_secret_value() if self.sasl_password else None
-            )
-        return kwargs
 
 
-def describe_validation_error(error: ValidationError) -> str:
+def is_secret(field: str) -> bool:
+    """Whether a settings field is a secret: environment only, never a flag, never printed."""
+    info = WorkerSettings.model_fields.get(field)
+    return info is not None and info.annotation in (SecretStr, SecretStr | None)
+
+
+def security_from_environment() -> KafkaSecurity:
+    """The security settings alone, from SCORE_WORKER_* variables, for the commands other than `run`.
+
+    Raises ValueError with one line per bad setting (naming its variable; these commands have no such flags).
+    """
+    try:
+        return KafkaSecurity()
+    except ValidationError as error:
+        lines = describe_validation_error(error, flags=False)
+        raise ValueError(f"invalid security settings\n{lines}") from None
+
+
+def describe_validation_error(error: ValidationError, flags: bool = True) -> str:
     """One line per invalid field, naming the flag and the environment variable that set it."""
     lines = []
     for item in error.errors():
@@ -185,7 +355,8 @@ def describe_validation_error(error: ValidationError) -> str:
         if item["type"] == "missing":
             message = "required"
         if field:
-            where = f"{flag_for(field)} / {ENV_PREFIX}{field.upper()}"
+            env = f"{ENV_PREFIX}{field.upper()}"
+            where = env if is_secret(field) or not flags else f"{flag_for(field)} / {env}"
             lines.append(f"{field} ({where}): {message}")
         else:
             lines.append(message)

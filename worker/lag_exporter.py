@@ -16,7 +16,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
@@ -24,6 +25,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from worker.config import SECURITY_ENV_VARS, security_from_environment
 from worker.health import HealthServer
 from worker.metrics import PREFIX
 
@@ -37,6 +39,7 @@ ENV_VARS = (
     "SCORE_LAG_EXPORTER_GROUPS",
     "SCORE_LAG_EXPORTER_PORT",
     "SCORE_LAG_EXPORTER_INTERVAL_S",
+    *SECURITY_ENV_VARS,
 )
 
 
@@ -72,9 +75,18 @@ class LagExporter:
     """Polls the brokers every `interval_s` and keeps the gauges current."""
 
     def __init__(
-        self, bootstrap: str, groups: Sequence[str], topics: Sequence[str], interval_s: float
+        self,
+        bootstrap: str,
+        groups: Sequence[str],
+        topics: Sequence[str],
+        interval_s: float,
+        kafka_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self._bootstrap, self._groups, self._topics = bootstrap, list(groups), list(topics)
+        """`kafka_options` (security_protocol, ssl_context, sasl_*) go to every client it makes."""
+        self._groups, self._topics = list(groups), list(topics)
+        self._options: dict[str, Any] = {
+            "bootstrap_servers": bootstrap, "client_id": "score-lag-exporter", **(kafka_options or {}),
+        }  # fmt: skip
         self._interval_s = interval_s
         self.metrics = LagMetrics()
         self.healthy = False
@@ -88,20 +100,16 @@ class LagExporter:
     async def start(self) -> None:
         """Connect; raises KafkaError while no broker answers (`run` keeps trying)."""
         try:
-            admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap, client_id="score-lag-exporter")
+            admin = AIOKafkaAdminClient(**self._options)
             self._admin = admin
             await admin.start()
             # No group: it only reads positions. Tiny fetches: one record at the log end is all it needs.
             self._consumer = AIOKafkaConsumer(
-                bootstrap_servers=self._bootstrap, client_id="score-lag-exporter", enable_auto_commit=False,
-                max_partition_fetch_bytes=1, fetch_max_wait_ms=100,
-            )  # fmt: skip
+                **self._options, enable_auto_commit=False, max_partition_fetch_bytes=1, fetch_max_wait_ms=100
+            )
             await self._consumer.start()
             for group in self._groups:
-                reader = AIOKafkaConsumer(
-                    bootstrap_servers=self._bootstrap, client_id="score-lag-exporter", group_id=group,
-                    enable_auto_commit=False,
-                )  # fmt: skip
+                reader = AIOKafkaConsumer(**self._options, group_id=group, enable_auto_commit=False)
                 self._group_readers[group] = reader
                 await reader.start()
         except BaseException:
@@ -218,7 +226,13 @@ def run(args: argparse.Namespace) -> int:
         print("lag-exporter: pass --bootstrap-servers or set SCORE_WORKER_BOOTSTRAP_SERVERS", file=sys.stderr)
         return 2
     topics = args.topic or [os.environ.get("SCORE_WORKER_REQUESTS_TOPIC", "score.requests")]
-    exporter = LagExporter(args.bootstrap_servers, args.group or args.default_groups, topics, args.interval)
+    try:
+        security = security_from_environment().kafka_security_kwargs()
+    except ValueError as error:
+        print(f"lag-exporter: {error}", file=sys.stderr)
+        return 2
+    groups = args.group or args.default_groups
+    exporter = LagExporter(args.bootstrap_servers, groups, topics, args.interval, security)
     try:
         asyncio.run(_serve(exporter, args.host, args.port))
     except (KafkaError, OSError) as exc:

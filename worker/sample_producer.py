@@ -21,15 +21,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from schemas import HiddenDType, Input, ScoreRequest, encode_request, request_headers
+from worker.config import SECURITY_ENV_VARS, security_from_environment
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED = 0, 1
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 # Every environment variable this command reads (the deployment tests check compose against it).
 ENV_VARS: tuple[str, ...] = (
@@ -38,6 +40,7 @@ ENV_VARS: tuple[str, ...] = (
     "SCORE_SAMPLES_RATE",
     "SCORE_SAMPLES_HIDDEN_FRACTION",
     "SCORE_SAMPLES_INVALID_FRACTION",
+    *SECURITY_ENV_VARS,
 )
 DEFAULT_HEARTBEAT_FILE = "/tmp/score-samples.alive"
 DEFAULT_TOPIC = "score.requests"
@@ -151,13 +154,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Send until stopped or `--count` is reached; 0 on a signal or when every request was acknowledged."""
     mix = SampleMix(args.hidden_fraction, args.invalid_fraction, seed=args.seed)
+    try:
+        security = security_from_environment().kafka_security_kwargs()
+    except ValueError as error:
+        log.error("%s", error)
+        return EXIT_USAGE
     log.info(
         "producing samples to %s on %s: %.3g/s, %.0f%% with hidden states, %.0f%% meant to fail, %s",
         args.topic, args.bootstrap_servers, args.rate, 100 * args.hidden_fraction,
         100 * args.invalid_fraction, f"{args.count} requests" if args.count else "until stopped",
     )  # fmt: skip
     try:
-        counts = asyncio.run(_produce(args, mix))
+        counts = asyncio.run(_produce(args, mix, security))
     except (KafkaError, OSError) as error:
         log.error("cannot produce to %s on %s: %s", args.topic, args.bootstrap_servers, error)
         return EXIT_FAILED
@@ -318,11 +326,12 @@ class _Sender:
             await asyncio.wait(self._pending, timeout=_STOP_FLUSH_TIMEOUT_S)
 
 
-async def _produce(args: argparse.Namespace, mix: SampleMix) -> Counts:
+async def _produce(args: argparse.Namespace, mix: SampleMix, security: dict[str, Any]) -> Counts:
     stop = asyncio.Event()
     producer = AIOKafkaProducer(
-        bootstrap_servers=args.bootstrap_servers, client_id="score-samples", acks="all", linger_ms=5
-    )
+        bootstrap_servers=args.bootstrap_servers, client_id="score-samples", acks="all", linger_ms=5,
+        **security,
+    )  # fmt: skip
     sender = _Sender(args, producer, mix)
     with _stop_on_signals(stop):
         try:

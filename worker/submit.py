@@ -33,6 +33,7 @@ from worker.client import (
     ScoreClientError,
     new_request_id,
 )
+from worker.config import security_from_environment
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the broker could not be reached, or results were missing at the timeout
@@ -99,13 +100,14 @@ def run(args: argparse.Namespace) -> int:
     """Validate every input line, send the requests, write one result per request; returns the exit code."""
     try:
         requests = read_requests(args.input)
-    except (InputError, UnicodeDecodeError, OSError) as exc:
+        security = security_from_environment().kafka_security_kwargs()
+    except (InputError, UnicodeDecodeError, OSError, ValueError) as exc:
         print(f"score-worker submit: {exc} (nothing was sent)", file=sys.stderr)
         return EXIT_BAD_INPUT
     output_format = args.format or _format_for(args.output)
     try:
         with _open_output(args.output, output_format) as stream:
-            counts = asyncio.run(_score_to(stream, output_format, requests, args))
+            counts = asyncio.run(_score_to(stream, output_format, requests, args, security))
     except (ScoreClientError, KafkaError, OSError) as exc:
         print(f"score-worker submit: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -177,7 +179,11 @@ def _jsonable(value: Any) -> Any:
 
 
 async def _score_to(
-    stream: IO[bytes], output_format: str, requests: list[ScoreRequest], args: argparse.Namespace
+    stream: IO[bytes],
+    output_format: str,
+    requests: list[ScoreRequest],
+    args: argparse.Namespace,
+    security: dict[str, Any],
 ) -> dict[ResultStatus, int]:
     index_of = {request.request_id: i for i, request in enumerate(requests)}
     arrived: dict[int, ScoreResult] = {}
@@ -188,6 +194,7 @@ async def _score_to(
         requests_topic=args.requests_topic,
         results_topic=args.results_topic,
         max_message_bytes=args.max_record_bytes,
+        kafka_options=security,
     ) as client:
         async for result in client.stream(requests, timeout=args.timeout):
             arrived[index_of[result.request_id]] = result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -387,3 +388,69 @@ def test_a_model_with_its_own_code_loads_only_on_opt_in(tiny_llama_dir: Path, tm
     same = Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).score([request])[0]
     np.testing.assert_allclose(scorer.score([request])[0].scores, same.scores, atol=1e-5, rtol=1e-5)
     assert run_self_check(scorer).max_score_diff < 1e-4
+
+
+def _pickle_only_copy(source: Path, target: Path) -> Path:
+    """The same model with its weights as pytorch_model.bin (a pickle) instead of safetensors."""
+    shutil.copytree(source, target)
+    weights = target / "model.safetensors"
+    torch.save(load_file(str(weights)), target / "pytorch_model.bin")
+    weights.unlink()
+    return target
+
+
+def test_pickle_weights_load_only_on_opt_in(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Unpickling can run code hidden in the file: a directory with only pickle weights is refused, naming the
+    setting that allows it; with the setting it scores like the safetensors original."""
+    pickled = _pickle_only_copy(tiny_llama_dir, tmp_path / "pickled")
+    with pytest.raises(ModelLoadError) as info:
+        Scorer(pickled, ScorerConfig(device="cpu"))
+    message = str(info.value)
+    assert "pytorch_model.bin" in message and "safetensors" in message
+    assert "allow_pickle_weights" in message and "SCORE_WORKER_ALLOW_PICKLE_WEIGHTS" in message
+    request = ScoreRequest(request_id="r", items=("The quick brown fox.", "Yes"))
+    scores = Scorer(pickled, ScorerConfig(device="cpu", allow_pickle_weights=True)).score([request])[0].scores
+    same = Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).score([request])[0].scores
+    np.testing.assert_allclose(scores, same, atol=1e-6, rtol=1e-6)
+
+
+def test_transformers_is_always_told_no_remote_code_and_safetensors_only(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every from_pretrained call of a default load, the ones transformers makes inside included."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    calls: list[tuple[str, object, object]] = []
+    for cls in (AutoConfig, AutoTokenizer, AutoModelForSequenceClassification, AutoModelForCausalLM):
+        original = cls.from_pretrained
+
+        def spy(
+            *args: object, _name: str = cls.__name__, _original: object = original, **kwargs: object
+        ) -> object:
+            calls.append((_name, kwargs.get("trust_remote_code", "absent"), kwargs.get("use_safetensors")))
+            return _original(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(cls, "from_pretrained", spy)
+    Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    names = {name for name, _, _ in calls}
+    assert {"AutoModelForSequenceClassification", "AutoTokenizer", "AutoConfig"} <= names, calls
+    assert all(trust is False for _, trust, _ in calls), calls
+    assert [safe for name, _, safe in calls if name.startswith("AutoModel")] == [True]
+
+
+def test_a_tokenizer_that_ships_its_own_code_never_runs_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """auto_map in tokenizer_config.json (config.json has none, so nothing asks for trust): the module it
+    names is never imported, whether the tokenizer then loads with its built-in class or is refused."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    marker = tmp_path / "tokenizer-code-ran"
+    (model / "house_tokenizer.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "from transformers import PreTrainedTokenizerFast as HouseTokenizer\n"
+    )
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "house_tokenizer.HouseTokenizer"]}
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    with contextlib.suppress(ModelLoadError):
+        Scorer(model, ScorerConfig(device="cpu"))
+    assert not marker.exists()

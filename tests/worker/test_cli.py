@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import types
@@ -112,3 +113,21 @@ def test_run_refuses_to_start_when_the_self_check_fails(
     ]
     assert cli.main(argv) == cli.EXIT_USAGE
     assert "self-check failed" in capsys.readouterr().err
+
+
+def test_run_help_lists_the_security_flags_and_never_a_secret_from_the_environment() -> None:
+    secrets = {
+        "SCORE_WORKER_SASL_PASSWORD": "s3cret-sasl-pw",
+        "SCORE_WORKER_SSL_KEY_PASSWORD": "s3cret-key-pw",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "run", "--help"],
+        capture_output=True, text=True, timeout=60, check=False, env={**os.environ, **secrets},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--ssl-certfile", "--ssl-keyfile", "--no-ssl-check-hostname", "--allow-pickle-weights"):
+        assert flag in proc.stdout
+    assert "--sasl-password" not in proc.stdout and "--ssl-key-password" not in proc.stdout
+    assert not any(value in proc.stdout + proc.stderr for value in secrets.values())
+    # The connection settings lead; the security ones follow the rest.
+    assert proc.stdout.index("--bootstrap-servers") < proc.stdout.index("--security-protocol")

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import ssl
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from secure_proxy import Pki, make_test_pki
 
 from worker.cli import main
-from worker.config import WorkerSettings, describe_validation_error
+from worker.config import KafkaSecurity, WorkerSettings, describe_validation_error, security_from_environment
 
 
 @pytest.fixture(autouse=True)
@@ -123,3 +125,101 @@ def test_cli_prints_one_line_per_field_and_exits_2(
     assert err[0] == "score-worker run: invalid settings"
     assert len(err) == 4
     assert {line.split(" ", 1)[0] for line in err[1:]} == {"model_dir", "bootstrap_servers", "max_wait_ms"}
+
+
+# --- Kafka security: client certificates, hostname checks, settings that go together, hidden secrets
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    try:
+        return make_test_pki(tmp_path_factory.mktemp("pki"))
+    except FileNotFoundError as exc:
+        pytest.skip(f"no certificates for the TLS settings tests: {exc}")
+
+
+def _mtls(pki: Pki, **changes: object) -> dict[str, object]:
+    values: dict[str, object] = {
+        "security_protocol": "SSL",
+        "ssl_cafile": pki.ca,
+        "ssl_certfile": pki.client_cert,
+        "ssl_keyfile": pki.client_key,
+        "ssl_key_password": pki.client_key_password,
+    }
+    return values | changes
+
+
+def test_client_certificate_and_hostname_check_reach_the_ssl_context(tmp_path: Path, pki: Pki) -> None:
+    kwargs = WorkerSettings(bootstrap_servers="h:1", model_dir=tmp_path, **_mtls(pki)).kafka_client_kwargs()  # type: ignore[arg-type]
+    context = kwargs["ssl_context"]
+    assert kwargs["security_protocol"] == "SSL" and "sasl_mechanism" not in kwargs
+    assert context.check_hostname and context.verify_mode == ssl.CERT_REQUIRED
+    trusted = [dict(pair for rdn in cert["subject"] for pair in rdn) for cert in context.get_ca_certs()]
+    assert trusted == [{"commonName": "score-worker test ca"}]  # the CA file only, not the system's
+    relaxed = KafkaSecurity(**_mtls(pki, ssl_check_hostname=False)).kafka_security_kwargs()  # type: ignore[arg-type]
+    # Only the name check goes: the certificate chain is still verified.
+    assert not relaxed["ssl_context"].check_hostname
+    assert relaxed["ssl_context"].verify_mode == ssl.CERT_REQUIRED
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"ssl_keyfile": None, "ssl_key_password": None}, "ssl_certfile and ssl_keyfile go together"),
+        ({"ssl_certfile": None}, "ssl_certfile and ssl_keyfile go together"),
+        ({"ssl_certfile": Path("/no/such/cert.pem")}, "file '/no/such/cert.pem' does not exist"),
+        ({"ssl_key_password": None}, "is encrypted: set SCORE_WORKER_SSL_KEY_PASSWORD"),
+        ({"ssl_key_password": "not-the-password"}, "cannot load the client certificate"),
+        ({"security_protocol": "PLAINTEXT"}, "ssl_cafile, ssl_certfile, ssl_keyfile, ssl_key_password set"),
+        ({"sasl_username": "svc"}, "sasl_username set but security_protocol is SSL"),
+    ],
+)
+def test_security_settings_that_cannot_work_are_one_clear_line(
+    pki: Pki, changes: dict[str, object], expected: str
+) -> None:
+    with pytest.raises(ValidationError) as info:
+        KafkaSecurity(**_mtls(pki, **changes))  # type: ignore[arg-type]
+    text = describe_validation_error(info.value)
+    assert expected in text and len(text.splitlines()) == 1, text
+    assert "not-the-password" not in text and pki.client_key_password not in text
+
+
+def test_a_ca_file_that_holds_no_certificate_is_named(pki: Pki) -> None:
+    with pytest.raises(ValidationError, match="cannot read CA certificates from ssl_cafile"):
+        KafkaSecurity(**_mtls(pki, ssl_cafile=pki.client_key))  # type: ignore[arg-type]
+
+
+def test_secrets_never_appear_in_reprs_or_validation_errors(tmp_path: Path, pki: Pki) -> None:
+    values = {**_mtls(pki, security_protocol="SASL_SSL"), "sasl_password": "s3cret-sasl"}
+    settings = WorkerSettings(bootstrap_servers="h:1", model_dir=tmp_path, sasl_username="svc", **values)  # type: ignore[arg-type]
+    assert "s3cret-sasl" not in repr(settings) and pki.client_key_password not in repr(settings)
+    # A whole-model error used to echo the raw input, passwords included, in str(ValidationError).
+    with pytest.raises(ValidationError) as info:
+        WorkerSettings(bootstrap_servers="h:1", model_dir=tmp_path, **values)  # type: ignore[arg-type]
+    assert "needs sasl_username and sasl_password" in str(info.value)
+    for shown in (str(info.value), repr(info.value), describe_validation_error(info.value)):
+        assert "s3cret-sasl" not in shown and pki.client_key_password not in shown
+    with pytest.raises(ValidationError) as info:
+        WorkerSettings(bootstrap_servers="h:1", model_dir=tmp_path, sasl_password=["s3cret-sasl"])  # type: ignore[arg-type]
+    assert "s3cret-sasl" not in str(info.value)
+    # Secrets have no flag, so their message names only the variable.
+    assert describe_validation_error(info.value).startswith("sasl_password (SCORE_WORKER_SASL_PASSWORD): ")
+
+
+def test_other_commands_read_the_security_settings_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, pki: Pki
+) -> None:
+    monkeypatch.setenv("SCORE_WORKER_SECURITY_PROTOCOL", "SASL_SSL")
+    monkeypatch.setenv("SCORE_WORKER_SASL_MECHANISM", "SCRAM-SHA-512")
+    monkeypatch.setenv("SCORE_WORKER_SASL_USERNAME", "svc")
+    monkeypatch.setenv("SCORE_WORKER_SASL_PASSWORD", "s3cret-sasl")
+    monkeypatch.setenv("SCORE_WORKER_SSL_CAFILE", str(pki.ca))
+    monkeypatch.setenv("SCORE_WORKER_MAX_WAIT_MS", "3")  # a worker setting: not theirs, and no error
+    kwargs = security_from_environment().kafka_security_kwargs()
+    assert kwargs["sasl_plain_password"] == "s3cret-sasl" and kwargs["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert isinstance(kwargs["ssl_context"], ssl.SSLContext)
+    monkeypatch.setenv("SCORE_WORKER_SSL_CERTFILE", str(pki.client_cert))
+    with pytest.raises(ValueError, match="invalid security settings") as info:
+        security_from_environment()
+    assert "--" not in str(info.value)  # these commands have no security flags: the message names none
+    assert "s3cret-sasl" not in str(info.value)
