@@ -20,3 +20,8 @@ class PublishError(WorkerError):
 
     The worker stops instead of committing past it: the request is redelivered after a restart.
     """
+
+
+class ModelStuckError(WorkerError):
+    """A model call ran past the watchdog's limit: the worker stops without committing it and exits
+    non-zero, so that the group hands its partitions to a healthy worker."""

@@ -27,6 +27,8 @@ class Readiness:
     model_loaded: bool = False
     group_joined: bool = False
     broker_reachable: bool = False
+    # False once the watchdog found a model call past its limit: the worker is stopping.
+    model_responsive: bool = True
     _last: bool | None = None
 
     def checks(self) -> dict[str, bool]:
@@ -34,6 +36,7 @@ class Readiness:
             "model_loaded": self.model_loaded,
             "group_joined": self.group_joined,
             "broker_reachable": self.broker_reachable,
+            "model_responsive": self.model_responsive,
         }
 
     @property

@@ -11,10 +11,21 @@ from typing import Any, Protocol
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from models import BatchObserver
-from schemas import ErrorCode, SchemaError, ScoreRequest, ScoreResult, decode_request, header_request_id
+from models.errors import DeviceLostError
+from schemas import (
+    ErrorCode,
+    SchemaError,
+    ScoreRequest,
+    ScoreResult,
+    decode_request,
+    header_request_id,
+    result_headers,
+    result_size_bound,
+)
 from worker.config import WorkerSettings
 from worker.metrics import ResultTally, WorkerMetrics
 from worker.publisher import OutRecord, dead_letter_record, result_record
+from worker.publisher import record_size as out_record_size
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +55,7 @@ class Accepted:
     timestamp_ms: int  # the request record's timestamp: where its end-to-end latency starts
     size: int  # bytes of the request record
     ready_at: float  # monotonic time it was tokenised: where its wait for a batch starts
+    expires_at_ms: int | None = None  # Unix milliseconds after which it gets EXPIRED instead of a score
 
 
 @dataclass(eq=False)
@@ -90,21 +102,61 @@ class Intake:
         except Exception as exc:  # decode_request promises SchemaError only; never lose a record to a bug
             log.exception("decoding offset %d of %s failed unexpectedly", record.offset, tp)
             return self._reject_record(record, ErrorCode.INTERNAL_ERROR, f"decoding failed: {exc!r}", None)
+        expires_at_ms = request.expires_at_ms(record.timestamp, self._settings.default_ttl_ms)
+        answer: ScoreResult | None = None
+        prepared: Any = None
+        if expires_at_ms is not None and time.time() * 1000 >= expires_at_ms:
+            answer = self.expired(request, expires_at_ms)  # before tokenizing: it costs nothing more
+        else:
+            answer, prepared = self._prepare(request, record.key)
+        self._metrics.tokenized(time.perf_counter() - started)
+        if answer is not None:
+            # Well-formed but unscorable (empty input, too long, expired...): the result says why.
+            return self._answered(record, [result_record(self._settings, record.key, answer)])
+        return Accepted(
+            tp, record.offset, record.key, request, prepared, record.timestamp, record_size(record),
+            time.monotonic(), expires_at_ms,
+        )  # fmt: skip
+
+    def _prepare(self, request: ScoreRequest, key: bytes | None) -> tuple[ScoreResult | None, Any]:
+        """(error result, None) or (None, the prepared request)."""
         try:
             prepared = self._scorer.prepare(request)
         except Exception as exc:
             log.exception("preparing request %s failed unexpectedly", request.request_id)
-            prepared = self.failure(
-                request, ErrorCode.INTERNAL_ERROR, f"preparing the request failed: {exc!r}"
-            )
-        self._metrics.tokenized(time.perf_counter() - started)
+            message = f"preparing the request failed: {exc!r}"
+            return self.failure(request, ErrorCode.INTERNAL_ERROR, message), None
         if isinstance(prepared, ScoreResult):
-            # Well-formed but unscorable (empty input, too long, ...): the result tells the producer why.
-            return self._answered(record, [result_record(self._settings, record.key, prepared)])
-        return Accepted(
-            tp, record.offset, record.key, request, prepared, record.timestamp, record_size(record),
-            time.monotonic(),
-        )  # fmt: skip
+            return prepared, None
+        return self._too_large(request, key, len(prepared.prompts)), prepared
+
+    def _too_large(self, request: ScoreRequest, key: bytes | None, items: int) -> ScoreResult | None:
+        """RESULT_TOO_LARGE before any model time, when the result's size bound breaks the record limit."""
+        floats = getattr(self._scorer, "num_labels", None)
+        hidden = getattr(self._scorer, "hidden_size", None)
+        if floats is None or hidden is None:  # a scorer that cannot say: the check after scoring remains
+            return None
+        if request.label_token_ids is not None:
+            floats = len(request.label_token_ids)
+        bound = result_size_bound(request, self._scorer.model_name, items, floats, hidden)
+        size = out_record_size(key, None, result_headers(request.request_id)) + bound
+        limit = self._settings.max_record_bytes
+        if size <= limit:
+            return None
+        message = (
+            f"the result of {items} items would be up to {size} bytes, above the record limit of {limit} "
+            "bytes (max_record_bytes); send fewer items or less metadata per request, ask for "
+            "float16/bfloat16 hidden states, or raise the limit"
+        )
+        return self.failure(request, ErrorCode.RESULT_TOO_LARGE, message)
+
+    def expired(self, request: ScoreRequest, expires_at_ms: int) -> ScoreResult:
+        late_ms = int(time.time() * 1000) - expires_at_ms
+        message = (
+            f"the request's deadline passed {late_ms} ms before it could be scored; send it again with a "
+            "later deadline_ms or ttl_ms, or add workers if requests often wait this long"
+        )
+        return self.failure(request, ErrorCode.EXPIRED, message)
 
     def _reject_record(
         self, record: ConsumerRecord[bytes, bytes], code: ErrorCode, message: str, request_id: str | None
@@ -140,26 +192,28 @@ class Intake:
             request.request_id, code, message, model=self._scorer.model_name, metadata=request.metadata
         )
 
-    def score(self, items: Sequence[Accepted]) -> Outgoing:
-        """Runs on the model thread: score, then encode (encoding large hidden states is not free)."""
+    def score(self, prepared: Sequence[Any]) -> list[ScoreResult]:
+        """Runs on the model thread: one result per prepared request (or part of one), in order."""
         try:
-            results = self._scorer.score_prepared(
-                [item.prepared for item in items], on_batch=self._metrics.model_batch
-            )
-            if len(results) != len(items):
-                raise RuntimeError(f"scorer returned {len(results)} results for {len(items)} requests")
+            results = self._scorer.score_prepared(prepared, on_batch=self._metrics.model_batch)
+            if len(results) != len(prepared):
+                raise RuntimeError(f"scorer returned {len(results)} results for {len(prepared)} requests")
+        except DeviceLostError:
+            raise  # nothing more can run here: the worker stops, uncommitted
         except Exception as exc:  # the Scorer reports model failures itself; this is a last resort
-            log.exception(
-                "scoring a batch of %d requests failed (first request id %s)",
-                len(items), items[0].request.request_id if items else "-",
-            )  # fmt: skip
-            results = [
-                self.failure(i.request, ErrorCode.INTERNAL_ERROR, f"scoring failed: {exc!r}") for i in items
+            log.exception("scoring a batch of %d requests failed", len(prepared))
+            return [
+                self.failure(p.request, ErrorCode.INTERNAL_ERROR, f"scoring failed: {exc!r}")
+                for p in prepared
             ]
+        return results
+
+    def encode(self, answers: Sequence[tuple[Accepted, ScoreResult]]) -> Outgoing:
+        """Results as records to publish (encoding large hidden states is not free: model thread)."""
         started = time.perf_counter()
         tally = ResultTally()
         records = []
-        for item, result in zip(items, results, strict=True):
+        for item, result in answers:
             record = result_record(self._settings, item.key, result)
             tally.add(record, item.timestamp_ms)
             tally.request_bytes += item.size

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.structs import ConsumerRecord
 
@@ -28,7 +29,10 @@ log = logging.getLogger(__name__)
 
 Headers = list[tuple[str, bytes]]
 
-_SEND_ATTEMPTS = 5
+# Retries back off from 0.4 s, doubling, to at most this: a long outage costs a request every few seconds.
+_MAX_BACKOFF_S = 5.0
+# The broker refuses a record above its own size limit (lower than ours): such a record is never sent as is.
+_TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError)
 # DLQ headers are for people reading the topic; a traceback-sized message does not belong there (bytes).
 _MAX_HEADER_MESSAGE = 1000
 
@@ -44,6 +48,9 @@ class OutRecord:
     # What the record carries, for the metrics: the result encoded in it, or the dead-letter reason.
     result: ScoreResult | None = None
     dead_letter_reason: str | None = None
+    # The smallest form of the same answer (error result without metadata, dead letter without value), sent
+    # instead when the broker refuses this one as too large.
+    fallback: OutRecord | None = None
 
 
 def record_size(key: bytes | None, value: bytes | None, headers: Headers) -> int:
@@ -116,17 +123,21 @@ def _shorten_utf8(text: str, max_bytes: int) -> bytes:
 
 
 def _first_within(limit: int, candidates: Iterable[OutRecord]) -> OutRecord:
-    """The first candidate within the size limit, else the last (smallest) one."""
-    for candidate in candidates:
+    """The first candidate within the size limit, else the last (smallest) one; the smallest is kept as the
+    fallback of a larger choice."""
+    options = list(candidates)
+    smallest = options[-1]
+    for candidate in options:
         if record_size(candidate.key, candidate.value, candidate.headers) <= limit:
-            return candidate
-    return candidate
+            return candidate if candidate is smallest else dataclasses.replace(candidate, fallback=smallest)
+    return smallest
 
 
 class Publisher:
     """The worker's producer: acks="all", no idempotence (Tansu lacks InitProducerId), batches raised."""
 
     def __init__(self, settings: WorkerSettings) -> None:
+        self._retry_s = settings.publish_timeout_ms / 1000
         # max_batch_size follows the record limit so results share produce requests instead of each result
         # above the 16 KiB default travelling alone.
         self._producer = AIOKafkaProducer(
@@ -151,17 +162,29 @@ class Publisher:
         Raises PublishError after the last attempt: the caller must not mark those records done.
         """
         pending = list(records)
-        error: BaseException | None = None
-        for attempt in range(1, _SEND_ATTEMPTS + 1):
+        give_up_at = time.monotonic() + self._retry_s
+        attempt = 0
+        while True:
+            attempt += 1
             outcomes = await self._send_all(pending)
             failed = [(r, o) for r, o in zip(pending, outcomes, strict=True) if isinstance(o, BaseException)]
-            if not failed:
+            retry = [_smaller(record, error) for record, error in failed]
+            pending = [record for record in retry if record is not None]
+            if not pending:
                 return
-            pending, error = [r for r, _ in failed], failed[0][1]
-            log.warning("%d of %d sends failed (attempt %d): %r", len(failed), len(outcomes), attempt, error)
-            if attempt < _SEND_ATTEMPTS:
-                await asyncio.sleep(0.2 * 2**attempt)
-        raise PublishError(f"could not deliver {len(pending)} records to {pending[0].topic}: {error!r}")
+            error = next((o for _, o in failed if not isinstance(o, _TOO_LARGE)), None)
+            if error is None:  # only smaller forms to send: no reason to wait
+                continue
+            if attempt == 1 or attempt % 10 == 0:  # a long outage: one line now and then, not one per try
+                log.warning(
+                    "%d of %d sends failed (attempt %d): %r", len(failed), len(outcomes), attempt, error
+                )
+            if time.monotonic() >= give_up_at:
+                raise PublishError(
+                    f"could not deliver {len(pending)} records to {pending[0].topic} within "
+                    f"{self._retry_s:.0f} s (publish_timeout_ms): {error!r}"
+                )
+            await asyncio.sleep(min(_MAX_BACKOFF_S, 0.2 * 2**attempt))
 
     async def _send_all(self, records: list[OutRecord]) -> list[object]:
         """Enqueue in order (keeps per-partition order), then wait for all acks; exceptions are returned."""
@@ -176,3 +199,17 @@ class Publisher:
                 failed.set_exception(exc)
                 acks.append(failed)
         return list(await asyncio.gather(*acks, return_exceptions=True))
+
+
+def _smaller(record: OutRecord, error: BaseException) -> OutRecord | None:
+    """What to send again after `error`: the record itself, its smallest form when the broker found it too
+    large, or None when even that is refused (logged: retrying it would stop the worker on it forever)."""
+    if not isinstance(error, _TOO_LARGE):
+        return record
+    if record.fallback is not None:
+        log.warning(
+            "the broker refused a %s record as too large (%r); sending its smallest form", record.topic, error
+        )
+        return record.fallback
+    log.error("the broker refuses even the smallest %s record (%r); it is dropped", record.topic, error)
+    return None

@@ -1,7 +1,8 @@
-"""Creates the worker's topics (requests, results, dead letters) when they are missing."""
+"""The worker's topics: created when missing (requests, results, dead letters); their record limit read."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -48,3 +49,33 @@ async def ensure_topics(settings: WorkerSettings) -> list[str]:
     if created:
         log.info("created topics %s with %d partitions", ", ".join(created), settings.topic_partitions)
     return created
+
+
+async def broker_record_limit(settings: WorkerSettings) -> int | None:
+    """The smallest record limit the brokers report for the results and dead-letter topics
+    (max.message.bytes), or None when they do not say (Tansu does not answer DescribeConfigs)."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    wanted = {"max.message.bytes"}
+    resources = [
+        ConfigResource(ConfigResourceType.TOPIC, name, configs=dict.fromkeys(wanted))
+        for name in (settings.results_topic, settings.dlq_topic)
+    ]
+    admin = AIOKafkaAdminClient(**settings.kafka_client_kwargs())
+    try:
+        await admin.start()
+        async with asyncio.timeout(10):
+            responses = await admin.describe_configs(resources)
+    except Exception as exc:  # an old or partial Kafka implementation: the configured limit stands
+        log.info("the brokers did not report their record limit (%r); using max_record_bytes", exc)
+        return None
+    finally:
+        await admin.close()
+    limits = []
+    for response in responses:
+        for resource in response.resources:
+            error_code, entries = resource[0], resource[4]
+            if error_code:
+                continue
+            limits += [int(entry[1]) for entry in entries if entry[0] in wanted and entry[1] is not None]
+    return min(limits) if limits else None

@@ -124,6 +124,8 @@ class CpuVarlenKernel:
 
     calls: list[list[int]] = field(default_factory=list)  # cu_seqlens of every call, to observe batching
     fail_next: str | None = None  # an error message to raise once, to simulate a failing forward
+    # Raise on every call whose packed row holds a sequence of this length: a request that always fails.
+    fail_on_length: int | None = None
 
     def __call__(
         self,
@@ -147,6 +149,10 @@ class CpuVarlenKernel:
 
     def _record(self, cu_seq_q: torch.Tensor) -> None:
         self.calls.append(cu_seq_q.tolist())
+        bounds = self.calls[-1]
+        lengths = {end - start for start, end in itertools.pairwise(bounds)}
+        if self.fail_on_length is not None and self.fail_on_length in lengths:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
         if self.fail_next is not None:
             message, self.fail_next = self.fail_next, None
             raise RuntimeError(message)

@@ -35,6 +35,14 @@ class WrappedScorer:
     def info(self) -> ModelInfo:
         return self._scorer.info
 
+    @property
+    def num_labels(self) -> int:
+        return self._scorer.num_labels
+
+    @property
+    def hidden_size(self) -> int:
+        return self._scorer.hidden_size
+
     def prepare(self, request: ScoreRequest) -> PreparedRequest | ScoreResult:
         return self._scorer.prepare(request)
 

@@ -1,0 +1,51 @@
+"""Large requests cut into batch-sized parts and joined again: the same result as scoring them whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models import PreparedRequest, Scorer, ScorerConfig
+from models.chunks import join_results, split_request, token_runs
+from schemas import ErrorCode, HiddenDType, ResultStatus, ScoreRequest, ScoreResult, Truncation
+
+
+def test_token_runs_cut_at_the_budget_and_leave_an_oversized_entry_alone() -> None:
+    assert list(token_runs([3, 3, 3, 10, 1, 1], 6)) == [range(0, 2), range(2, 3), range(3, 4), range(4, 6)]
+    assert list(token_runs([], 6)) == []
+    assert list(token_runs([7], 6)) == [range(0, 1)]
+
+
+@pytest.mark.parametrize("truncate", [Truncation.NONE, Truncation.ITEM_RIGHT])
+def test_parts_joined_equal_the_whole_request(tiny_llama_dir: Path, truncate: Truncation) -> None:
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    request = ScoreRequest(
+        "big",
+        query="the query",
+        items=tuple(f"item {i} " + "x " * (i % 5) for i in range(40)),
+        return_pooled_hidden_states=True,
+        hidden_states_dtype=HiddenDType.FLOAT16,
+        truncate=truncate,
+        metadata={"k": 1},
+    )
+    prepared = scorer.prepare(request)
+    assert isinstance(prepared, PreparedRequest)
+    parts = split_request(prepared, 64)
+    assert len(parts) > 3 and all(p.num_tokens <= 64 for p in parts)
+    assert sum(len(p.prompts) for p in parts) == 40
+    (whole,) = scorer.score_prepared([prepared])
+    joined = join_results(scorer.score_prepared(parts))
+    assert joined.request_id == "big" and joined.metadata == {"k": 1}
+    assert joined.prompt_tokens == whole.prompt_tokens and joined.truncated_tokens == whole.truncated_tokens
+    np.testing.assert_allclose(np.array(joined.scores), np.array(whole.scores), atol=1e-5)
+    assert joined.pooled_hidden_states is not None and whole.pooled_hidden_states is not None
+    for got, want in zip(joined.pooled_hidden_states, whole.pooled_hidden_states, strict=True):
+        np.testing.assert_allclose(got.to_numpy(), want.to_numpy(), atol=2e-3)
+
+
+def test_a_failed_part_fails_the_whole_request() -> None:
+    ok = ScoreResult("r", ResultStatus.OK, scores=((1.0,),))
+    failed = ScoreResult.failure("r", ErrorCode.EXPIRED, "late")
+    assert join_results([ok, failed, ok]) is failed

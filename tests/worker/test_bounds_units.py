@@ -1,0 +1,76 @@
+"""The worker's bounds in isolation: quiet repeated logs, the watchdog's limit, publish fallbacks, threads."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
+from worker_testkit import Names, fast_settings
+
+from schemas import ErrorCode, ScoreResult, decode_result
+from worker.cli import torch_threads
+from worker.logs import RepeatFilter
+from worker.pipeline import Watchdog
+from worker.publisher import _smaller, result_record
+
+
+def _record(name: str, message: str) -> logging.LogRecord:
+    return logging.LogRecord(name, logging.ERROR, __file__, 1, message, None, None)
+
+
+def test_repeated_client_errors_are_logged_once_per_window_with_a_count() -> None:
+    now = [0.0]
+    quiet = RepeatFilter(window_s=60, clock=lambda: now[0])
+    first = _record("aiokafka.conn", "Unable connect to node with id 1")
+    assert quiet.filter(first)
+    for second in range(1, 45):  # a 45 s outage, one attempt a second
+        now[0] = second
+        assert not quiet.filter(_record("aiokafka.conn", "Unable connect to node with id 1"))
+    assert quiet.filter(_record("aiokafka.cluster", "Unable to update metadata"))  # another message
+    assert quiet.filter(_record("worker.sink", "Unable connect to node with id 1"))  # not the client's
+    now[0] = 61
+    later = _record("aiokafka.conn", "Unable connect to node with id 1")
+    assert quiet.filter(later)
+    assert "and 44 more like it in the last 61 s" in later.getMessage()
+
+
+def test_the_watchdog_allows_a_multiple_of_the_expected_time_never_less_than_its_floor() -> None:
+    watchdog = Watchdog(floor_s=2.0, multiple=10.0)
+    assert watchdog.limit_s(10_000) == 2.0  # nothing measured yet: the floor
+    watchdog.observe(1000, 0.5)  # 0.5 ms per token
+    assert watchdog.limit_s(1000) == 5.0
+    assert watchdog.limit_s(100) == 2.0
+    assert Watchdog(floor_s=0, multiple=10).limit_s(10) is None  # off
+
+
+def test_a_record_the_broker_refuses_as_too_large_is_sent_in_its_smallest_form(
+    tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    settings = fast_settings("127.0.0.1:9092", tiny_llama_dir, Names.unique("units"), max_record_bytes=8192)
+    result = ScoreResult("r1", "ok", scores=((0.5,),), metadata={"note": "n" * 3000}, model="m")
+    record = result_record(settings, b"r1", result)
+    assert record.result is result and record.fallback is not None
+    smaller = _smaller(record, MessageSizeTooLargeError())
+    assert smaller is record.fallback
+    answer = decode_result(smaller.value or b"")
+    assert answer.error is not None and answer.error.code is ErrorCode.RESULT_TOO_LARGE
+    assert _smaller(record, KafkaConnectionError()) is record  # other errors: retried as it is
+    assert _smaller(smaller, MessageSizeTooLargeError()) is None  # nothing smaller: dropped, logged
+
+
+@pytest.mark.parametrize(("device", "setting", "expected"), [("cuda", 0, 2), ("cpu", 3, 3), ("cuda", 5, 5)])
+def test_torch_threads_default_per_device(
+    device: str, setting: int, expected: int, tiny_llama_dir: Path
+) -> None:
+    names = Names.unique("threads")
+    settings = fast_settings("127.0.0.1:9092", tiny_llama_dir, names, device=device, torch_threads=setting)
+    assert torch_threads(settings) == expected
+
+
+def test_torch_threads_on_cpu_follow_the_cpus_this_process_may_use(tiny_llama_dir: Path) -> None:
+    import os
+
+    settings = fast_settings("127.0.0.1:9092", tiny_llama_dir, Names.unique("threads"))
+    assert torch_threads(settings) == len(os.sched_getaffinity(0))

@@ -1,0 +1,278 @@
+"""The pipeline: prepare fetched requests, batch them, run the model on its own thread, watch it, answer."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from models.chunks import join_results, split_request
+from schemas import ResultStatus, ScoreResult
+from worker.batcher import Batch, TokenBudgetBatcher
+from worker.config import WorkerSettings
+from worker.errors import ModelStuckError
+from worker.intake import Accepted, Intake, Outgoing, Rejected
+from worker.metrics import ResultTally, WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+Done = list[tuple[TopicPartition, int]]
+Deliver = Callable[[Outgoing, Done], Awaitable[None]]
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+
+@dataclass(eq=False)
+class _Assembly:
+    """The parts of a request too large for one batch: their results, until all are in (or one failed)."""
+
+    results: list[ScoreResult | None]
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class Unit:
+    """One entry of a model batch: a whole request, or one part of a large request."""
+
+    accepted: Accepted
+    prepared: Any
+    tokens: int
+    assembly: _Assembly | None = None
+    part: int = 0
+
+
+@dataclass
+class Watchdog:
+    """How long a model call may run: `multiple` times its expected time, never less than `floor_s`.
+
+    The expected time is the token count times seconds per token, averaged over recent calls.
+    """
+
+    floor_s: float
+    multiple: float
+    seconds_per_token: float | None = None
+    _alpha: float = field(default=0.2, repr=False)
+
+    def limit_s(self, tokens: int) -> float | None:
+        if self.floor_s <= 0:
+            return None
+        expected = (self.seconds_per_token or 0.0) * max(tokens, 1)
+        return max(self.floor_s, self.multiple * expected)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        rate = seconds / max(tokens, 1)
+        previous = self.seconds_per_token
+        self.seconds_per_token = rate if previous is None else previous + self._alpha * (rate - previous)
+
+
+class Pipeline:
+    """Owns the batcher and the model thread. `accept` takes fetched records; answers go to `deliver`.
+
+    Requests larger than one batch are cut into parts (models.chunks) that take turns with ordinary
+    batches, so small requests behind a large one wait for about one batch, not for all of it.
+    """
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        intake: Intake,
+        metrics: WorkerMetrics,
+        deliver: Deliver,
+        spawn: Spawn,
+    ) -> None:
+        self._settings = settings
+        self._intake = intake
+        self._metrics = metrics
+        self._deliver = deliver
+        self._spawn = spawn
+        self._batcher: TokenBudgetBatcher[Unit] = TokenBudgetBatcher(
+            settings.max_batch_tokens, settings.max_batch_requests, settings.max_wait_ms / 1000
+        )
+        # Closed batches waiting for the model thread, which takes one at a time: while it is busy, arriving
+        # requests keep filling the open batch instead of being cut into small batches queued behind it.
+        self._ready: deque[list[Unit]] = deque()
+        self._large: deque[Unit] = deque()  # parts of large requests, in order
+        self._large_turn = False
+        self._busy = False
+        self._closed = False
+        self.watchdog = Watchdog(settings.watchdog_ms / 1000, settings.watchdog_multiple)
+        self._tokens_since_trim = 0
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="score-model")
+        # Tokenising off the loop keeps heartbeats timely; its own thread lets it overlap a forward pass.
+        self._prepare_thread = ThreadPoolExecutor(1, thread_name_prefix="score-prepare")
+        self.progress = asyncio.Event()  # set whenever a batch finishes or records were accepted
+
+    @property
+    def model_busy(self) -> bool:
+        return self._busy
+
+    def due_in(self) -> float | None:
+        """Seconds until the open batch must close; None when nothing waits for the clock."""
+        return None if self._busy else self._batcher.due_in()
+
+    async def accept(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        """Decode and tokenise on the prepare thread; answer the rejected; queue the rest for the model."""
+        loop = asyncio.get_running_loop()
+        outcomes = await loop.run_in_executor(self._prepare_thread, self._intake.prepare_all, records)
+        rejected = [o for o in outcomes if isinstance(o, Rejected)]
+        if rejected:
+            self._spawn(self._answer_rejected(rejected))
+        for outcome in outcomes:
+            if isinstance(outcome, Accepted):
+                self._queue(outcome)
+        self._dispatch()
+        # A revocation that began while these were being prepared is waiting for them: wake it to close
+        # the batch they joined (the fetch loop cannot: getmany blocks until the rebalance is over).
+        self.progress.set()
+
+    def _queue(self, accepted: Accepted) -> None:
+        parts = split_request(accepted.prepared, self._settings.max_batch_tokens)
+        if len(parts) == 1:
+            unit = Unit(accepted, accepted.prepared, accepted.prepared.num_tokens)
+            for batch in self._batcher.add(unit, unit.tokens):
+                self._ready.append(list(batch.items))
+            return
+        assembly = _Assembly([None] * len(parts))
+        self._large.extend(Unit(accepted, p, p.num_tokens, assembly, i) for i, p in enumerate(parts))
+
+    def dispatch_due(self) -> None:
+        """Close the open batch if its wait is over and start it when the model thread is free."""
+        if not self._busy:
+            self._dispatch(self._batcher.take_due())
+
+    def flush(self) -> None:
+        """Close the open batch now (stopping, revoking) and start it when the model thread is free."""
+        if not self._busy:
+            self._dispatch(self._batcher.flush())
+
+    def close(self) -> None:
+        """No new batch starts after this; threads are released (a stuck model call is left behind)."""
+        self._closed = True
+        self._model_thread.shutdown(wait=False, cancel_futures=True)
+        self._prepare_thread.shutdown(wait=False, cancel_futures=True)
+
+    def _dispatch(self, closed: Batch[Unit] | None = None) -> None:
+        if closed is not None:
+            self._ready.append(list(closed.items))
+        if self._busy or self._closed:
+            return
+        units = self._next_batch()
+        if units:
+            self._busy = True
+            self._spawn(self._run(units))
+
+    def _next_batch(self) -> list[Unit] | None:
+        """Ordinary batches and parts of large requests take turns when both are waiting."""
+        if self._large and (not self._ready or self._large_turn):
+            self._large_turn = False
+            return [self._large.popleft()]
+        if self._ready:
+            self._large_turn = True
+            return self._ready.popleft()
+        return None
+
+    def _model_done(self) -> None:
+        """The model thread is free: what gathered while it was busy has waited a whole forward pass, so
+        the open batch closes now rather than after max_wait (keeps batches as large as arrivals allow)."""
+        self._busy = False
+        if not self._closed:
+            self._dispatch(None if self._ready else self._batcher.flush())
+
+    async def _run(self, units: list[Unit]) -> None:
+        loop = asyncio.get_running_loop()
+        tokens = sum(u.tokens for u in units)
+        started = time.monotonic()
+        self._metrics.batch_started(len(units), tokens, (started - u.accepted.ready_at for u in units))
+        future = loop.run_in_executor(self._model_thread, self._score, units)
+        limit = self.watchdog.limit_s(tokens)
+        try:
+            outgoing, done = await asyncio.wait_for(asyncio.shield(future), limit)
+        except TimeoutError:
+            # Not _model_done(): the thread is still in the call, and nothing may start behind it.
+            ran_s = time.monotonic() - started
+            raise ModelStuckError(
+                f"a model call of {len(units)} requests ({tokens} tokens) has run {ran_s:.1f} s, past its "
+                f"limit of {limit:.1f} s (watchdog_ms, watchdog_multiple); stopping without committing it"
+            ) from None
+        except BaseException:  # cancelled at exit: the model thread is free only if its call returned
+            if future.done():
+                self._model_done()
+            raise
+        self.watchdog.observe(tokens, time.monotonic() - started)
+        self._model_done()
+        if outgoing.records:
+            await self._deliver(outgoing, done)
+        self.progress.set()
+
+    def _score(self, units: list[Unit]) -> tuple[Outgoing, Done]:
+        """Runs on the model thread: expired requests answered unscored, the rest scored, parts joined."""
+        now_ms = time.time() * 1000
+        answers: list[tuple[Accepted, ScoreResult]] = []
+        live: list[Unit] = []
+        for unit in units:
+            if unit.assembly is not None and unit.assembly.finished:
+                continue  # an earlier part failed or expired: the request is answered already
+            expires = unit.accepted.expires_at_ms
+            if expires is not None and now_ms >= expires:
+                self._complete(unit, self._intake.expired(unit.accepted.request, expires), answers)
+            else:
+                live.append(unit)
+        if live:
+            results = self._intake.score([u.prepared for u in live])
+            for unit, result in zip(live, results, strict=True):
+                self._complete(unit, result, answers)
+        self._tokens_since_trim += sum(u.tokens for u in live)
+        large_done = any(u.assembly is not None and u.assembly.finished for u in units)
+        if large_done or self._tokens_since_trim >= 8 * self._settings.max_batch_tokens:
+            self._tokens_since_trim = 0
+            _trim_heap()
+        outgoing = self._intake.encode(answers)
+        return outgoing, [(a.tp, a.offset) for a, _ in answers]
+
+    @staticmethod
+    def _complete(unit: Unit, result: ScoreResult, answers: list[tuple[Accepted, ScoreResult]]) -> None:
+        assembly = unit.assembly
+        if assembly is None:
+            answers.append((unit.accepted, result))
+            return
+        assembly.results[unit.part] = result
+        if result.status is ResultStatus.ERROR:
+            assembly.finished = True
+            answers.append((unit.accepted, result))
+        elif all(r is not None for r in assembly.results):
+            assembly.finished = True
+            answers.append((unit.accepted, join_results([r for r in assembly.results if r is not None])))
+
+    async def _answer_rejected(self, rejected: Sequence[Rejected]) -> None:
+        tally = ResultTally()
+        for item in rejected:
+            tally.merge(item.tally)
+        outgoing = Outgoing([message for item in rejected for message in item.messages], tally)
+        await self._deliver(outgoing, [(item.tp, item.offset) for item in rejected])
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim if name else None  # type: ignore[assignment]
+    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
+        return None
+    return trim
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the system: glibc keeps them after large requests otherwise, and the
+    worker's resident memory would stay at its peak."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
