@@ -32,9 +32,9 @@ from schemas import (
     encode_result,
     header_request_id,
     headers_to_dict,
-    result_size_bound,
     request_headers,
     result_headers,
+    result_size_bound,
 )
 from schemas.codec import _REQUEST_FIELDS, _RESULT_FIELDS
 from schemas.request import REQUEST_FIELDS
