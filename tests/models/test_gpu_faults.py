@@ -21,7 +21,7 @@ HEADROOM_BYTES = 256 * 2**20  # what the capped allocator leaves beyond the weig
 
 
 def test_a_real_out_of_memory_fails_only_the_request_that_causes_it(tiny_llama_dir: Path) -> None:
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cuda", max_batch_tokens=10_000_000))
     small = [ScoreRequest(f"small-{i}", items=(f"a short text {i}",) * 4) for i in range(12)]
     expected = scorer.score(small)
