@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import pytest
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 from worker_testkit import Names, fast_settings
 
+from models import Scorer, ScorerConfig
 from schemas import ErrorCode, ScoreResult, decode_result
+from worker import topics
+from worker.app import ScoreWorker
 from worker.cli import torch_threads
 from worker.logs import RepeatFilter
 from worker.pipeline import Watchdog
@@ -74,3 +80,48 @@ def test_torch_threads_on_cpu_follow_the_cpus_this_process_may_use(tiny_llama_di
 
     settings = fast_settings("127.0.0.1:9092", tiny_llama_dir, Names.unique("threads"))
     assert torch_threads(settings) == len(os.sched_getaffinity(0))
+
+
+class _FakeAdmin:
+    """Answers DescribeConfigs like Kafka: per topic (error code, message, type, name, entries)."""
+
+    limits: ClassVar[dict[str, int]] = {}
+
+    def __init__(self, **kwargs: object) -> None:
+        pass
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def describe_configs(self, resources: list[Any]) -> list[Any]:
+        answers = [
+            (0, None, 2, r.name, [("max.message.bytes", str(self.limits[r.name]), False, False, False)])
+            for r in resources
+        ]
+        return [SimpleNamespace(resources=answers)]
+
+
+def test_the_brokers_record_limit_lowers_the_workers_own(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    names = Names.unique("recordlimit")
+    settings = fast_settings(
+        "127.0.0.1:9092", tiny_llama_dir, names, max_record_bytes=1_048_576, create_topics=False
+    )
+    _FakeAdmin.limits = {names.results: 500_000, names.dlq: 1_000_000}
+    monkeypatch.setattr(topics, "AIOKafkaAdminClient", _FakeAdmin)
+    assert asyncio.run(topics.broker_record_limit(settings)) == 500_000
+    worker = ScoreWorker(settings, Scorer(tiny_llama_dir, ScorerConfig(device="cpu")))
+    effective = asyncio.run(worker._effective_settings())
+    assert effective.max_record_bytes == 500_000
+
+    class _Silent(_FakeAdmin):
+        async def describe_configs(self, resources: list[Any]) -> list[Any]:
+            raise KafkaConnectionError("Connection closed")  # what Tansu does
+
+    monkeypatch.setattr(topics, "AIOKafkaAdminClient", _Silent)
+    assert asyncio.run(topics.broker_record_limit(settings)) is None
+    assert asyncio.run(worker._effective_settings()).max_record_bytes == 1_048_576
