@@ -388,3 +388,29 @@ def test_small_requests_behind_large_ones_wait_about_one_batch(
             result.pooled_hidden_states, expected.pooled_hidden_states, strict=True
         ):
             assert tensor.to_numpy() == pytest.approx(want_tensor.to_numpy(), abs=1e-4)
+
+
+def test_the_command_exits_non_zero_when_the_watchdog_fires(
+    kafka_bootstrap: str, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """A 1 ms watchdog fires on the first batch: the process exits 1, uncommitted, and /readyz says why."""
+    import subprocess
+    import sys
+
+    names = Names.unique("watchdog-cli")
+    settings = fast_settings(kafka_bootstrap, tiny_llama_dir, names, topic_partitions=1)
+    asyncio.run(ensure_topics(settings))
+    request = ScoreRequest("slow", items=tuple(f"text number {i}" for i in range(200)))
+    asyncio.run(produce(kafka_bootstrap, names.requests, [request_record(request)]))
+    command = [
+        sys.executable, "-m", "worker", "run", "--model", str(tiny_llama_dir),
+        "--bootstrap-servers", kafka_bootstrap, "--requests-topic", names.requests,
+        "--results-topic", names.results, "--dlq-topic", names.dlq, "--group-id", names.group,
+        "--device", "cpu", "--session-timeout-ms", "1500", "--heartbeat-interval-ms", "300",
+        "--metrics-port", "0", "--no-self-check", "--watchdog-ms", "1", "--watchdog-multiple", "1",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "past its limit" in done.stderr and "watchdog_ms" in done.stderr
+    committed = asyncio.run(committed_offsets(kafka_bootstrap, names.group, names.requests))
+    assert committed.get(0, 0) == 0  # the request is delivered again
