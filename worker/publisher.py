@@ -110,9 +110,10 @@ def dead_letter_record(
     why = str(code)
     candidates = [
         OutRecord(topic, key, value, headers + reason, dead_letter_reason=why),
-        OutRecord(topic, key, None, headers + reason + no_value, dead_letter_reason=why),
-        OutRecord(topic, key, None, reason + no_value + no_headers, dead_letter_reason=why),
-        OutRecord(topic, None, None, reason + no_value + no_headers, dead_letter_reason=why),
+        # An empty value, not none: a Kafka record needs a key or a value, and the source may have no key.
+        OutRecord(topic, key, b"", headers + reason + no_value, dead_letter_reason=why),
+        OutRecord(topic, key, b"", reason + no_value + no_headers, dead_letter_reason=why),
+        OutRecord(topic, None, b"", reason + no_value + no_headers, dead_letter_reason=why),
     ]
     return _first_within(settings.max_record_bytes, candidates)
 
@@ -172,7 +173,9 @@ class Publisher:
             pending = [record for record in retry if record is not None]
             if not pending:
                 return
-            error = next((o for _, o in failed if not isinstance(o, _TOO_LARGE)), None)
+            error = next(
+                (o for _, o in failed if isinstance(o, KafkaError) and not isinstance(o, _TOO_LARGE)), None
+            )
             if error is None:  # only smaller forms to send: no reason to wait
                 continue
             if attempt == 1 or attempt % 10 == 0:  # a long outage: one line now and then, not one per try
@@ -194,7 +197,7 @@ class Publisher:
                 acks.append(
                     await self._producer.send(record.topic, record.value, record.key, headers=record.headers)
                 )
-            except KafkaError as exc:
+            except Exception as exc:  # the client refusing one record must not stop the others
                 failed: asyncio.Future[object] = asyncio.get_running_loop().create_future()
                 failed.set_exception(exc)
                 acks.append(failed)
@@ -202,14 +205,13 @@ class Publisher:
 
 
 def _smaller(record: OutRecord, error: BaseException) -> OutRecord | None:
-    """What to send again after `error`: the record itself, its smallest form when the broker found it too
-    large, or None when even that is refused (logged: retrying it would stop the worker on it forever)."""
-    if not isinstance(error, _TOO_LARGE):
+    """What to send again after `error`: the record itself (the broker is away), its smallest form when the
+    broker or the client refused this one, or None when even that is refused (logged: retrying it would
+    stop the worker on it on every restart)."""
+    if isinstance(error, KafkaError) and not isinstance(error, _TOO_LARGE):
         return record
     if record.fallback is not None:
-        log.warning(
-            "the broker refused a %s record as too large (%r); sending its smallest form", record.topic, error
-        )
+        log.warning("a %s record was refused (%r); sending its smallest form", record.topic, error)
         return record.fallback
-    log.error("the broker refuses even the smallest %s record (%r); it is dropped", record.topic, error)
+    log.error("even the smallest %s record is refused (%r); it is dropped", record.topic, error)
     return None
