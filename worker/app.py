@@ -153,7 +153,13 @@ class ScoreWorker:
             due = pipeline.due_in()
             timeout_ms = _POLL_MS if due is None else min(_POLL_MS, int(due * 1000))
             # Called even while paused: polling is what keeps this consumer in the group.
-            records = await source.fetch(timeout_ms, room)
+            if source.fully_paused():
+                # Nothing can come back: wait for answers instead, so fetching resumes as soon as they
+                # bring the in-flight count down (a 200 ms getmany would cap catching up on a backlog).
+                records = await source.fetch(0, room)
+                await self._wait_progress(timeout_ms / 1000)
+            else:
+                records = await source.fetch(timeout_ms, room)
             if records:
                 self._track(records)
                 await pipeline.accept(records)
@@ -164,6 +170,12 @@ class ScoreWorker:
             if time.monotonic() >= next_sample:
                 await source.sample_state(sink.pending())
                 next_sample = time.monotonic() + _SAMPLE_S
+
+    async def _wait_progress(self, timeout_s: float) -> None:
+        assert self._pipeline is not None
+        self._pipeline.progress.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._pipeline.progress.wait(), timeout=timeout_s)
 
     def _track(self, records: list[Any]) -> None:
         assert self._sink is not None

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -74,7 +74,8 @@ def configure_logging(level: str, fmt: str = "text") -> None:
         formatter = logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
     handler.setFormatter(formatter)
     # A broker outage makes the Kafka client repeat the same error on every reconnect attempt.
-    handler.addFilter(RepeatFilter())
+    # Under sustained load the worker pauses and resumes fetching several times a second.
+    handler.addFilter(RepeatFilter(prefixes=("aiokafka", "worker.source")))
     logging.basicConfig(level=level.upper(), handlers=[handler])
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
 
@@ -125,6 +126,10 @@ def run_worker(args: argparse.Namespace) -> int:
     from models.errors import DeviceLostError
     from worker.errors import WorkerError
     from worker.service import WorkerService
+
+    unknown = unknown_variables(os.environ)
+    if unknown:  # a misspelt setting would otherwise be ignored without a word
+        log.warning("ignoring unknown variables %s: no setting has these names", ", ".join(unknown))
 
     log.info(
         "starting worker %s: group %s, %s -> %s on %s, model %s, metrics port %s",
@@ -193,6 +198,18 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
             report.seconds, report.items, report.max_score_diff, report.score_scale, report.min_hidden_cosine,
         )  # fmt: skip
     return scorer
+
+
+# SCORE_WORKER_* variables that are not settings fields but are read elsewhere (logging, dev.sh, the tests).
+_OTHER_VARIABLES = frozenset({"LOG_LEVEL", "LOG_FORMAT", "VENV", "TEST_BOOTSTRAP"})
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """SCORE_WORKER_* variables that name no setting."""
+    known = {name.upper() for name in WorkerSettings.model_fields} | _OTHER_VARIABLES
+    return sorted(
+        name for name in environ if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX) :] not in known
+    )
 
 
 def torch_threads(settings: WorkerSettings) -> int:

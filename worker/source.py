@@ -71,6 +71,11 @@ class Source:
         fetched = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
         return [record for batch in fetched.values() for record in batch]
 
+    def fully_paused(self) -> bool:
+        """Every assigned partition is paused (and there is at least one)."""
+        assignment = self.consumer.assignment()
+        return bool(assignment) and self.consumer.paused() >= assignment
+
     def pause_all(self) -> None:
         self.consumer.pause(*self.consumer.assignment())
 

@@ -125,3 +125,16 @@ def test_the_brokers_record_limit_lowers_the_workers_own(
     monkeypatch.setattr(topics, "AIOKafkaAdminClient", _Silent)
     assert asyncio.run(topics.broker_record_limit(settings)) is None
     assert asyncio.run(worker._effective_settings()).max_record_bytes == 1_048_576
+
+
+def test_misspelt_variables_are_named() -> None:
+    from worker.cli import unknown_variables
+
+    environ = {
+        "SCORE_WORKER_MAX_BATCH_TOKEN": "1",  # misspelt
+        "SCORE_WORKER_MAX_BATCH_TOKENS": "1",
+        "SCORE_WORKER_LOG_LEVEL": "DEBUG",
+        "SCORE_WORKER_SASL_PASSWORD": "x",
+        "OTHER": "1",
+    }
+    assert unknown_variables(environ) == ["SCORE_WORKER_MAX_BATCH_TOKEN"]

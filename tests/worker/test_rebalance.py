@@ -37,8 +37,9 @@ GATE = "gate"
 class CountingScorer(WrappedScorer):
     """The real Scorer, counting what it scores; preparing request GATE waits until `release` is set."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, delay_s: float = 0.0) -> None:
         super().__init__(Scorer(model_dir, ScorerConfig(device="cpu")))
+        self._delay_s = delay_s
         self.scored: Counter[str] = Counter()
         self.gate_entered = threading.Event()
         self.release = threading.Event()
@@ -53,6 +54,7 @@ class CountingScorer(WrappedScorer):
         self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
     ) -> list[ScoreResult]:
         self.scored.update(p.request.request_id for p in prepared)
+        time.sleep(self._delay_s)
         return self._scorer.score_prepared(prepared, on_batch)
 
 
@@ -83,7 +85,8 @@ def test_partitions_move_to_a_joining_worker_without_loss_or_duplicates(
         max_batch_requests=8,
         topic_partitions=4,
     )
-    scorers = [CountingScorer(tiny_llama_dir) for _ in range(2)]
+    # Paced like a larger model (20 batches of 0.1 s), so the stream outlasts the second worker's join.
+    scorers = [CountingScorer(tiny_llama_dir, delay_s=0.1) for _ in range(2)]
     requests = [
         ScoreRequest(request_id=f"rb-{i:04d}", items=(f"text number {i}", "second")) for i in range(TOTAL)
     ]
