@@ -537,3 +537,64 @@ def test_static_membership_restart_after_kill9(
     check_complete(acc, stream, reference)
     assert acc.duplicates <= duplicate_bound(1, rate)
     assert restart.first_result_s < START_BOUND_S
+
+
+def test_resident_memory_falls_back_after_the_largest_allowed_requests(
+    kafka_bootstrap: str, tiny_llama_dir: Path, spawn: Spawn
+) -> None:
+    """Two requests at the default limits (262,144 tokens each, hidden states for every item) raise the
+    worker's memory for as long as they run, and it returns near its idle level afterwards."""
+    from worker_testkit import Names, fast_settings, produce
+
+    from schemas import HiddenDType, ResultStatus, ScoreRequest, decode_result
+    from worker.topics import ensure_topics
+
+    growth_bound_mib, after_bound_mib = 150, 40  # measured: +47 MiB at the peak, +4 MiB after
+    names = Names.unique("memory")
+    largest = [
+        ScoreRequest(
+            f"largest-{n}",
+            items=tuple(tuple(3 + (i + j + n) % 90 for j in range(500)) for i in range(524)),
+            return_pooled_hidden_states=True,
+            hidden_states_dtype=HiddenDType.FLOAT32,
+        )
+        for n in range(2)
+    ]
+    assert sum(len(item) for item in largest[0].items) <= 262_144
+    warm = [ScoreRequest(f"warm-{i}", items=(f"text {i}",) * 4) for i in range(40)]
+
+    async def scenario() -> tuple[int, int, int, list[Any]]:
+        await ensure_topics(fast_settings(kafka_bootstrap, tiny_llama_dir, names, topic_partitions=1))
+        worker = spawn(
+            "worker", worker_env(kafka_bootstrap, tiny_llama_dir, names, max_record_bytes=4_000_000)
+        )
+        await worker.wait_assigned()
+        await produce(kafka_bootstrap, names.requests, [request_record(r) for r in warm])
+        await read_topic(kafka_bootstrap, names.results, len(warm), settle_s=0.5)
+        idle = RssSampler(worker).start()
+        await asyncio.sleep(1.0)
+        idle_kib = idle.stop()
+        sampler = RssSampler(worker).start()
+        await produce(kafka_bootstrap, names.requests, [request_record(r) for r in largest])
+        results = await read_topic(kafka_bootstrap, names.results, len(warm) + 2, timeout_s=120, settle_s=0)
+        peak_kib = sampler.stop()
+        await asyncio.sleep(2.0)
+        after = RssSampler(worker).start()
+        await asyncio.sleep(1.0)
+        return idle_kib, peak_kib, after.stop(), results
+
+    idle, peak, after, results = asyncio.run(scenario())
+    answers = {decode_result(r.value).request_id: decode_result(r.value) for r in results}
+    figures(
+        "memory",
+        rss_idle_mib=idle // 1024,
+        rss_peak_mib=peak // 1024,
+        rss_after_mib=after // 1024,
+        growth_bound_mib=growth_bound_mib,
+        after_bound_mib=after_bound_mib,
+    )
+    for request in largest:
+        answer = answers[request.request_id]
+        assert answer.status is ResultStatus.OK and len(answer.scores) == 524, answer.error
+    assert peak < idle + growth_bound_mib * 1024
+    assert after < idle + after_bound_mib * 1024
