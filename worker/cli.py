@@ -23,7 +23,7 @@ from worker.config import (
     flag_for,
     is_secret,
 )
-from worker.logs import RepeatFilter
+from worker.logs import PAUSING, RESUMING, RepeatFilter
 
 if TYPE_CHECKING:
     from models import Scorer
@@ -75,7 +75,7 @@ def configure_logging(level: str, fmt: str = "text") -> None:
     handler.setFormatter(formatter)
     # A broker outage makes the Kafka client repeat the same error on every reconnect attempt.
     # Under sustained load the worker pauses and resumes fetching several times a second.
-    handler.addFilter(RepeatFilter(prefixes=("aiokafka", "worker.source")))
+    handler.addFilter(RepeatFilter(prefixes=("aiokafka",), templates=frozenset({PAUSING, RESUMING})))
     logging.basicConfig(level=level.upper(), handlers=[handler])
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
 

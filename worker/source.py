@@ -13,6 +13,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker.config import WorkerSettings
 from worker.health import Readiness
+from worker.logs import PAUSING, RESUMING
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -85,12 +86,10 @@ class Source:
         paused = self.consumer.paused()
         if in_flight >= limit:
             if not paused:
-                log.info(
-                    "pausing fetches: %d requests in flight (max_inflight_requests %d)", in_flight, limit
-                )
+                log.info(PAUSING, in_flight, limit)
             self.pause_all()
         elif paused and in_flight <= limit // 2:
-            log.info("resuming fetches: %d requests in flight", in_flight)
+            log.info(RESUMING, in_flight)
             self.consumer.resume(*paused)
 
     async def sample_state(self, in_flight: int) -> None:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import random
 import re
 import signal
@@ -27,7 +26,7 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord, TopicPartition
-from worker_testkit import Names, Record, read_topic, request_record
+from worker_testkit import Names, Record, fast_values, read_topic, request_record, settings_env
 
 from models import Scorer
 from schemas import (
@@ -295,29 +294,20 @@ class Stream:
 
 def worker_env(bootstrap: str, model_dir: Path, names: Names, **settings: Any) -> dict[str, str]:
     """The environment of a worker process: SCORE_WORKER_* settings with short group timeouts."""
-    values: dict[str, Any] = {
-        "bootstrap_servers": bootstrap,
-        "model_dir": model_dir,
-        "requests_topic": names.requests,
-        "results_topic": names.results,
-        "dlq_topic": names.dlq,
-        "group_id": names.group,
-        "device": "cpu",
-        "metrics_port": 0,
+    values = fast_values(
+        bootstrap,
+        model_dir,
+        names,
+        metrics_port=0,
         # Tansu makes a joining member wait about half the session timeout.
-        "session_timeout_ms": 3000,
-        "heartbeat_interval_ms": 500,
-        "commit_interval_ms": 100,
-        "create_topics": False,
-        "self_check": False,
-        "log_format": "json",
-    }
-    values.update(settings)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SCORE_WORKER_")}
-    for name, value in values.items():
-        text = str(value).lower() if isinstance(value, bool) else str(value)
-        env[f"SCORE_WORKER_{name.upper()}"] = text
-    return env
+        session_timeout_ms=3000,
+        heartbeat_interval_ms=500,
+        commit_interval_ms=100,
+        create_topics=False,
+        self_check=False,
+        log_format="json",
+    )
+    return settings_env({**values, **settings})
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from schemas import ErrorCode, ScoreResult, decode_result
 from worker import topics
 from worker.app import ScoreWorker
 from worker.cli import torch_threads
-from worker.logs import RepeatFilter
+from worker.logs import PAUSING, RESUMING, RepeatFilter
 from worker.pipeline import Watchdog
 from worker.publisher import _smaller, result_record
 
@@ -36,10 +36,21 @@ def test_repeated_client_errors_are_logged_once_per_window_with_a_count() -> Non
         assert not quiet.filter(_record("aiokafka.conn", "Unable connect to node with id 1"))
     assert quiet.filter(_record("aiokafka.cluster", "Unable to update metadata"))  # another message
     assert quiet.filter(_record("worker.sink", "Unable connect to node with id 1"))  # not the client's
+    for _ in range(3):  # the worker's own lines pass, however often: an assignment is never a repeat
+        assert quiet.filter(_record("worker.source", "assigned partitions: %s"))
     now[0] = 61
     later = _record("aiokafka.conn", "Unable connect to node with id 1")
     assert quiet.filter(later)
     assert "and 44 more like it in the last 61 s" in later.getMessage()
+
+
+def test_pause_and_resume_lines_are_held_back_like_client_errors() -> None:
+    quiet = RepeatFilter(templates=frozenset({PAUSING, RESUMING}), clock=lambda: 0.0)
+    assert quiet.filter(_record("worker.source", PAUSING))
+    assert not quiet.filter(_record("worker.source", PAUSING))
+    assert quiet.filter(_record("worker.source", RESUMING))
+    assert quiet.filter(_record("worker.source", "revoking partitions: %s"))
+    assert quiet.filter(_record("worker.source", "revoking partitions: %s"))
 
 
 def test_the_watchdog_allows_a_multiple_of_the_expected_time_never_less_than_its_floor() -> None:

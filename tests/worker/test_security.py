@@ -13,7 +13,6 @@ import contextlib
 import itertools
 import json
 import logging
-import os
 import secrets
 import signal
 import subprocess
@@ -27,7 +26,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from secure_proxy import Pki, ProxyServer, SaslProxy, TlsProxy, make_test_pki
-from worker_testkit import Names, fast_settings
+from worker_testkit import Names, fast_settings, fast_values, settings_env
 
 from models import Scorer, ScorerConfig
 from schemas import ResultStatus, ScoreRequest, ScoreResult
@@ -312,23 +311,8 @@ def test_sasl_ssl_worker_and_every_command_keep_their_secrets(
 def _environment(
     bootstrap: str, model_dir: Path, names: Names, metrics_port: int, security: dict[str, object]
 ) -> dict[str, str]:
-    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
-    values: dict[str, object] = {
-        "bootstrap_servers": bootstrap,
-        "model_dir": model_dir,
-        "requests_topic": names.requests,
-        "results_topic": names.results,
-        "dlq_topic": names.dlq,
-        "group_id": names.group,
-        "device": "cpu",
-        "session_timeout_ms": 1500,
-        "heartbeat_interval_ms": 300,
-        "metrics_port": metrics_port,
-        "metrics_host": "127.0.0.1",
-        **security,
-    }
-    env.update({f"{ENV_PREFIX}{name.upper()}": str(value) for name, value in values.items()})
-    return env
+    values = fast_values(bootstrap, model_dir, names, metrics_port=metrics_port, metrics_host="127.0.0.1")
+    return settings_env({**values, **security})
 
 
 def _submit_and_check(tmp_path: Path, names: Names) -> None:

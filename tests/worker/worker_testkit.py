@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from models import BatchObserver, ModelInfo, PreparedRequest, Scorer
 from schemas import ScoreRequest, ScoreResult, encode_request, request_headers
 from worker.app import ScoreWorker
-from worker.config import WorkerSettings
+from worker.config import ENV_PREFIX, WorkerSettings
 
 Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, value, headers
 
@@ -69,6 +70,21 @@ class Names:
 
 def fast_settings(bootstrap: str, model_dir: Path, names: Names, **overrides: Any) -> WorkerSettings:
     """Settings with short group timeouts: Tansu makes a joining member wait half the session timeout."""
+    return WorkerSettings(**fast_values(bootstrap, model_dir, names, **overrides))
+
+
+def settings_env(values: dict[str, Any]) -> dict[str, str]:
+    """This process's environment without its SCORE_WORKER_* variables, plus `values` as those variables
+    (how a worker process started by a test gets its settings)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
+    for name, value in values.items():
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        env[f"{ENV_PREFIX}{name.upper()}"] = text
+    return env
+
+
+def fast_values(bootstrap: str, model_dir: Path, names: Names, **overrides: Any) -> dict[str, Any]:
+    """The field values of `fast_settings`."""
     values: dict[str, Any] = {
         "bootstrap_servers": bootstrap,
         "model_dir": model_dir,
@@ -84,7 +100,7 @@ def fast_settings(bootstrap: str, model_dir: Path, names: Names, **overrides: An
         "topic_partitions": 3,
     }
     values.update(overrides)
-    return WorkerSettings(**values)
+    return values
 
 
 def request_record(request: ScoreRequest, key: bytes | None = None) -> Record:
