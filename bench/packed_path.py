@@ -59,7 +59,11 @@ def make_requests(token_ids: Sequence[torch.Tensor], hidden: bool = True) -> lis
 
 
 def make_scorer(
-    model_dir: Path, max_batch_tokens: int, dtype: str = "bfloat16", deterministic: bool = False
+    model_dir: Path,
+    max_batch_tokens: int,
+    dtype: str = "bfloat16",
+    deterministic: bool = False,
+    compile: str = "auto",
 ) -> Any:
     from models import Scorer, ScorerConfig
 
@@ -69,6 +73,7 @@ def make_scorer(
         attention="varlen",
         max_batch_tokens=max_batch_tokens,
         deterministic=deterministic,
+        compile=compile,  # type: ignore[arg-type]
     )
     return Scorer(str(model_dir), config)
 

@@ -142,20 +142,26 @@ def packed_run(
     repeats: int,
     workdir: Path,
     deterministic: bool = False,
+    eager: bool = False,
 ) -> dict[str, Any]:
-    """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request.
+    """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request,
+    its decoder layers compiled (the default on CUDA).
 
     With `deterministic`, the batch-invariant setting (every item alone): its cost, one pass, no profile.
+    With `eager`, the same path with the layers left eager: what compiling them gains, in the same run.
     """
-    name = "packed_deterministic" if deterministic else "packed_varlen"
+    name = "packed_deterministic" if deterministic else "packed_eager" if eager else "packed_varlen"
     model_dir = workdir / "w1-model"
     if not (model_dir / "config.json").is_file():
         (copied, save_s) = timed(lambda: packed_path.save_model_dir(model, model_dir))
         print(f"  saved model dir in {save_s:.1f} s (tokenizer files: {copied})", flush=True)
     else:
         save_s = 0.0
+    compile = "off" if eager else "auto"
     scorer, load_s = timed(
-        lambda: packed_path.make_scorer(model_dir, max_batch_tokens, deterministic=deterministic)
+        lambda: packed_path.make_scorer(
+            model_dir, max_batch_tokens, deterministic=deterministic, compile=compile
+        )
     )
     print(f"  Scorer loaded in {load_s:.1f} s", flush=True)
     requests = packed_path.make_requests(work.token_ids)
@@ -172,8 +178,8 @@ def packed_run(
     # Results become arrays outside the timed region: that conversion is the benchmark's, not the engine's.
     result["stage_timings"] = packed_path.stage_timings(result["output"])
     result["output"] = packed_path.results_to_arrays(result["output"], hidden_size)
-    result.update(batches=len(chunks), save_seconds=save_s, load_seconds=load_s)
-    if deterministic:
+    result.update(batches=len(chunks), save_seconds=save_s, load_seconds=load_s, compiled=scorer.compiled)
+    if deterministic or eager:
         return result
     # The worker's start-up self-check on this 8B model: it must cost seconds, not minutes.
     from models.selfcheck import run_self_check
@@ -319,6 +325,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=None, help="number of requests (default 512)")
     parser.add_argument("--skip-baselines", action="store_true", help="time the packed path only")
     parser.add_argument("--no-scorer", action="store_true", help="skip the packed path (models/ not needed)")
+    parser.add_argument("--no-eager", action="store_true", help="skip the packed path with eager layers")
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
     parser.add_argument(
         "--no-deterministic", action="store_true", help="skip the pass with the deterministic setting"
@@ -340,6 +347,12 @@ def run_paths(args: argparse.Namespace, model: torch.nn.Module, work: Workload) 
         return runs
     with tempfile.TemporaryDirectory(dir="/tmp") as workdir:
         try:
+            if not args.no_eager:
+                runs["packed_eager"] = packed_run(
+                    model, work, args.max_batch_tokens, args.repeats, Path(workdir), eager=True
+                )
+                gc.collect()
+                torch.cuda.empty_cache()
             runs["packed_varlen"] = packed_run(
                 model, work, args.max_batch_tokens, args.repeats, Path(workdir)
             )

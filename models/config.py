@@ -11,6 +11,7 @@ import torch
 from models.packing import POOLINGS, Pooling
 
 AttentionChoice = Literal["auto", "varlen", "reference"]
+CompileChoice = Literal["auto", "on", "off"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -45,6 +46,10 @@ class ScorerConfig:
     deterministic: bool = False
     # Load a directory that ships its own model code (auto_map): that code runs, so only on explicit opt-in.
     trust_remote_code: bool = False
+    # Compile each decoder layer with torch.compile (dynamic token counts): fuses the norms, rotary, the
+    # activation and the residual adds that eager HF code runs as separate kernels. "auto": on for the
+    # varlen path on CUDA, off elsewhere (the float32 CPU path stays the exact reference).
+    compile: CompileChoice = "auto"
     # Load pickle weights (pytorch_model.bin) when there are no safetensors: unpickling can run code.
     allow_pickle_weights: bool = False
 
@@ -53,6 +58,8 @@ class ScorerConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.attention not in ("auto", "varlen", "reference"):
             raise ValueError(f"attention must be 'auto', 'varlen' or 'reference', got {self.attention!r}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
         if self.pooling not in ("auto", *POOLINGS):
             raise ValueError(f"pooling must be 'auto' or one of {', '.join(POOLINGS)}, got {self.pooling!r}")
         if self.max_batch_tokens < 1:
@@ -86,6 +93,12 @@ class ScorerConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    def resolve_compile(self, attention: str) -> bool:
+        """Whether to compile the decoder layers, for the attention path the engine runs."""
+        if self.compile == "auto":
+            return attention == "varlen"
+        return self.compile == "on"
 
     def resolve_attention(
         self, device: torch.device, dtype: torch.dtype | None = None, softcap: float | None = None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ from models.config import ScorerConfig
 from models.errors import DeviceLostError, ModelLoadError
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import (
+    PackedBatch,
     RowRequest,
     copy_rows_to_host,
     hidden_row_bytes,
@@ -58,6 +61,7 @@ class ModelInfo:
     hidden_size: int
     attention: str = "unknown"  # "varlen" (the packed kernel) or "reference" (exact, per item)
     pooling: str = "unknown"  # models.packing.Pooling
+    compiled: bool = False  # the decoder layers run under torch.compile
 
 
 BatchObserver = Callable[[BatchStats], None]
@@ -124,6 +128,11 @@ class Scorer:
             max_request_tokens=self.config.max_request_tokens,
         )
         self.pooling = self.config.resolve_pooling(self._loaded.default_pooling)
+        self._compiled: CompiledLayers | None = None
+        if self.config.resolve_compile(self.attention):
+            self._compiled = compile_layers(self._loaded.base)
+            if self._compiled is None:
+                log.info("%s has no decoder layer list to compile: it runs eager", Path(model_dir).name)
 
     @property
     def model_name(self) -> str:
@@ -177,6 +186,11 @@ class Scorer:
         scores: torch.Tensor = self._loaded.head(pooled.to(device=self.device, dtype=self.dtype))
         return scores.float()
 
+    @property
+    def compiled(self) -> bool:
+        """The packed path runs the decoder layers under torch.compile."""
+        return self._compiled is not None
+
     @functools.cached_property
     def num_labels(self) -> int:
         """Floats per item from the model's own head (a judge has one per label id it is asked for)."""
@@ -201,6 +215,7 @@ class Scorer:
             hidden_size=self.hidden_size,
             attention=self.attention,
             pooling=self.pooling,
+            compiled=self.compiled,
         )
 
     def device_memory(self) -> tuple[int, int] | None:
@@ -362,7 +377,13 @@ class Scorer:
         # reading them from a device tensor would stall on a device-to-host copy in every layer.
         cu_seqlens = packed.cu_seqlens if self.attention == "varlen" else packed.host_cu_seqlens
         extra = {} if packed.token_type_ids is None else {"token_type_ids": packed.token_type_ids}
-        output = self._loaded.base(
+        with self._compiled or contextlib.nullcontext():
+            output = self._packed_forward(packed, cu_seqlens, extra)
+        hidden: torch.Tensor = output.last_hidden_state[0]  # [T, H]
+        return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
+
+    def _packed_forward(self, packed: PackedBatch, cu_seqlens: torch.Tensor, extra: dict[str, Any]) -> Any:
+        return self._loaded.base(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
             **extra,
@@ -373,8 +394,6 @@ class Scorer:
             max_length_q=packed.max_length,
             max_length_k=packed.max_length,
         )
-        hidden: torch.Tensor = output.last_hidden_state[0]  # [T, H]
-        return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
 
     def _label_logits(
         self, pooled: torch.Tensor, batch: list[PreparedRequest]
@@ -478,6 +497,38 @@ class Scorer:
             metadata=request.metadata,
             timings=timings,
         )
+
+
+class CompiledLayers:
+    """The decoder layers of a base model under torch.compile, swapped in only for the packed forward.
+
+    One layer at a time rather than the whole model: the layers share one compiled graph (their weights are
+    its inputs), compiling takes seconds rather than minutes, and the packed attention kwargs, the pooling
+    and the head stay eager. Token counts are dynamic, so batches of any size reuse the graph. HF's own
+    forward (the self-check's reference, the plain padded path) keeps the eager layers: it calls them with
+    other arguments (masks, caches), each of which would cost a compilation.
+    """
+
+    def __init__(self, layers: torch.nn.ModuleList) -> None:
+        self._layers = list(layers)
+        self._compiled = [torch.compile(layer.forward, dynamic=True) for layer in self._layers]
+
+    def __enter__(self) -> CompiledLayers:
+        for layer, compiled in zip(self._layers, self._compiled, strict=True):
+            layer.forward = compiled
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for layer in self._layers:
+            del layer.forward  # the class's forward again
+
+
+def compile_layers(base: torch.nn.Module) -> CompiledLayers | None:
+    """CompiledLayers for `base`'s decoder layers (its `layers` list), or None when it has none."""
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        return None
+    return CompiledLayers(layers)
 
 
 def _stats(

@@ -185,6 +185,7 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
         deterministic=settings.deterministic,
         trust_remote_code=settings.trust_remote_code,
         allow_pickle_weights=settings.allow_pickle_weights,
+        compile=settings.compile,
         max_input_tokens=settings.max_item_tokens,
         max_request_items=settings.max_request_items,
         max_request_tokens=settings.max_request_tokens,

@@ -173,6 +173,11 @@ class WorkerSettings(KafkaSecurity):
         False,
         description="bit-identical results whatever shares a request's batch (each item runs alone: slower)",
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="run the decoder layers under torch.compile (fused kernels; seconds of compiling at "
+        "start-up); auto: on for the varlen path on CUDA",
+    )
     trust_remote_code: bool = Field(
         False, description="load a model directory that ships its own code (runs that code: opt in knowingly)"
     )

@@ -166,6 +166,7 @@ class WorkerMetrics:
                 "hidden_size": str(info.hidden_size),
                 "attention": info.attention,
                 "pooling": info.pooling,
+                "compiled": str(info.compiled).lower(),
             }
         )
         # Series without extra labels exist from the start at 0, so rates and panels have data at once.

@@ -1,0 +1,59 @@
+"""Decoder layers under torch.compile: the same scores and hidden states as eager HF, on the CPU in float32.
+
+On the GPU the compiled layers run by default with the varlen kernel (bench/gpu_check.py, bench/w1.py); here
+the same wrapping runs through inductor's CPU code generation, so its logic is exercised where CI runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models import Scorer, ScorerConfig
+from models.engine import compile_layers
+from schemas import ScoreRequest
+
+
+def _requests() -> list[ScoreRequest]:
+    return [
+        ScoreRequest(f"r{i}", query="the question", items=tuple(f"answer {i} " + "x " * j for j in range(3)),
+                     return_pooled_hidden_states=True)
+        for i in range(5)
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_compiled_layers_score_like_eager(tiny_llama_dir: Path) -> None:
+    eager = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    compiled = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", compile="on"))
+    assert compiled.compiled and not eager.compiled and compiled.info.compiled
+    requests = _requests()
+    for first, second in zip(eager.score(requests), compiled.score(requests), strict=True):
+        assert second.ok, second.error
+        np.testing.assert_allclose(np.array(second.scores), np.array(first.scores), atol=1e-5)
+        assert first.pooled_hidden_states is not None and second.pooled_hidden_states is not None
+        for a, b in zip(first.pooled_hidden_states, second.pooled_hidden_states, strict=True):
+            np.testing.assert_allclose(b.to_numpy(), a.to_numpy(), atol=1e-4)
+    # Another batch shape reuses the graph (dynamic token counts) and still agrees.
+    (alone,) = compiled.score(requests[:1])
+    np.testing.assert_allclose(
+        np.array(alone.scores), np.array(eager.score(requests[:1])[0].scores), atol=1e-5
+    )
+
+
+def test_auto_compiles_only_the_varlen_path() -> None:
+    assert ScorerConfig().resolve_compile("varlen")
+    assert not ScorerConfig().resolve_compile("reference")
+    assert not ScorerConfig().resolve_compile("plain")
+    assert ScorerConfig(compile="on").resolve_compile("reference")
+    assert not ScorerConfig(compile="off").resolve_compile("varlen")
+    with pytest.raises(ValueError, match="compile"):
+        ScorerConfig(compile="maybe")  # type: ignore[arg-type]
+
+
+def test_a_model_without_a_layer_list_stays_eager() -> None:
+    import torch
+
+    assert not compile_layers(torch.nn.Linear(2, 2))
