@@ -1,0 +1,138 @@
+"""Small-batch latency: the model step for 1 and 64 requests of 100 tokens on Qwen3-0.6B shapes.
+
+Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/latency.py
+
+Times `Scorer.score` (tokens in, results with pooled hidden states out) with eager and with compiled decoder
+layers, and HF's own bf16 forward on the same batch, all in one process; checks every path's scores and
+hidden states against a float32 HF reference and exits 1 when they are wrong. Writes $OUT/latency.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench import hf_paths, packed_path
+from bench.common import environment, out_dir
+from bench.hf_paths import PathOutput
+
+# Qwen3-0.6B's shapes (random weights): 28 layers, GQA 16/8 with head_dim 128, a 151,936-token vocabulary.
+QWEN3_06B: dict[str, Any] = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+}
+TOKENS = 100
+CASES = (1, 64)  # requests of TOKENS tokens in one batch
+
+
+def build_model(dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    config = Qwen3Config(**QWEN3_06B, num_labels=1, pad_token_id=hf_paths.PAD_ID, initializer_range=0.02)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model: torch.nn.Module = Qwen3ForSequenceClassification._from_config(  # type: ignore[no-untyped-call]
+            config, dtype=dtype, attn_implementation="sdpa"
+        )
+    return model.eval()
+
+
+def percentiles(run: Callable[[], Any], warmup: int, repeats: int) -> dict[str, float]:
+    """Milliseconds per call (synchronised), p50 and p90 over `repeats` calls after `warmup` calls."""
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1000)
+    times.sort()
+    return {"p50_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))]}
+
+
+def hf_forward(model: torch.nn.Module, rows: Sequence[torch.Tensor]) -> PathOutput:
+    with torch.inference_mode():
+        scores, hidden = hf_paths.forward_padded(model, rows)
+    return PathOutput(scores.float().cpu().numpy(), hidden.float().cpu().numpy())
+
+
+def check(name: str, got: PathOutput, ref: PathOutput, bound: float) -> dict[str, Any]:
+    score_err = float(np.max(np.abs(got.scores.reshape(-1) - ref.scores.reshape(-1))))
+    rel = np.linalg.norm(got.hidden - ref.hidden, axis=1) / np.linalg.norm(ref.hidden, axis=1)
+    ok = bool(np.isfinite(got.scores).all() and np.isfinite(got.hidden).all() and score_err <= bound)
+    print(f"  {name:<18} max|dscore| {score_err:.4f} (bound {bound:.3f})  hidden rel err max {rel.max():.2e}")
+    return {"max_abs_score_diff": score_err, "hidden_rel_err_max": float(rel.max()), "ok": ok}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=100, help="timed calls per path and case")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the latency benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {"environment": environment(), "shapes": QWEN3_06B, "tokens": TOKENS}
+    model = build_model(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randint(1, QWEN3_06B["vocab_size"], (TOKENS,), generator=gen) for _ in range(max(CASES))]
+    requests = packed_path.make_requests(rows)
+    with tempfile.TemporaryDirectory(dir="/tmp") as workdir:
+        packed_path.save_model_dir(model, Path(workdir) / "m")
+        scorers = {
+            "scorer_eager": packed_path.make_scorer(Path(workdir) / "m", 16384, compile="off"),
+            "scorer_compiled": packed_path.make_scorer(Path(workdir) / "m", 16384, compile="auto"),
+        }
+    timings: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, PathOutput] = {"hf_bf16": hf_forward(model, rows)}
+    for case in CASES:
+        timings[f"hf_bf16/{case}"] = percentiles(
+            lambda m=model, c=case: hf_forward(m, rows[:c]), 10, args.repeats
+        )
+        for name, scorer in scorers.items():
+            timings[f"{name}/{case}"] = percentiles(
+                lambda s=scorer, c=case: s.score(requests[:c]), 10, args.repeats
+            )
+    for name, scorer in scorers.items():
+        outputs[name] = packed_path.results_to_arrays(scorer.score(requests), QWEN3_06B["hidden_size"])
+    del scorers, model
+    torch.cuda.empty_cache()
+    reference = hf_forward(build_model(torch.float32), rows)
+    hf_err = float(np.max(np.abs(outputs["hf_bf16"].scores.reshape(-1) - reference.scores.reshape(-1))))
+    bound = 2 * hf_err + 0.05 * max(1.0, float(np.max(np.abs(reference.scores))))
+    print(f"\ncorrectness against float32 HF on {len(rows)} requests:")
+    checks = {name: check(name, out, reference, bound) for name, out in outputs.items()}
+    print(f"\n{'path / requests of 100 tokens':<32}{'p50 ms':>10}{'p90 ms':>10}")
+    for key, value in timings.items():
+        print(f"{key:<32}{value['p50_ms']:>10.2f}{value['p90_ms']:>10.2f}")
+    report.update(timings=timings, correctness=checks, bound=bound)
+    target = (out_dir() or Path(".")) / "latency.json"
+    target.write_text(json.dumps(report, indent=2))
+    print(f"wrote {target}")
+    failed = [name for name, c in checks.items() if not c["ok"]]
+    for name in failed:
+        print(f"LATENCY FAILED: {name} is further from float32 than the bound", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
