@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -128,6 +127,8 @@ class Scorer:
             max_request_tokens=self.config.max_request_tokens,
         )
         self.pooling = self.config.resolve_pooling(self._loaded.default_pooling)
+        # Read once here: the worker's prepare thread asks for it while the model thread runs.
+        self._num_labels = self._head_width()
         self._compiled: CompiledLayers | None = None
         if self.config.resolve_compile(self.attention):
             self._compiled = compile_layers(self._loaded.base)
@@ -191,9 +192,12 @@ class Scorer:
         """The packed path runs the decoder layers under torch.compile."""
         return self._compiled is not None
 
-    @functools.cached_property
+    @property
     def num_labels(self) -> int:
         """Floats per item from the model's own head (a judge has one per label id it is asked for)."""
+        return self._num_labels
+
+    def _head_width(self) -> int:
         head_input = torch.zeros(1, self.hidden_size, dtype=self.dtype, device=self.device)
         with torch.inference_mode():
             return int(self._loaded.head(head_input).shape[-1])

@@ -202,9 +202,9 @@ class Pipeline:
                 f"a model call of {len(units)} requests ({tokens} tokens) has run {ran_s:.1f} s, past its "
                 f"limit of {limit:.1f} s (watchdog_ms, watchdog_multiple); stopping without committing it"
             ) from None
-        except BaseException:  # cancelled at exit: the model thread is free only if its call returned
+        except BaseException:  # a fatal error, or cancelled at exit: nothing more starts on this thread
             if future.done():
-                self._model_done()
+                self._busy = False
             raise
         self.watchdog.observe(tokens, time.monotonic() - started)
         self._model_done()

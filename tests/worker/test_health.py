@@ -147,7 +147,7 @@ def test_metric_names_units_and_labels_follow_the_conventions() -> None:
         for sample in family.samples:
             labels = set(sample.labels) - {"le"}
             if family.name.endswith("_info"):  # the model's description: one series per process
-                labels -= {"architecture", "dtype", "device", "hidden_size", "attention", "pooling"}
+                labels -= {"architecture", "dtype", "device", "hidden_size", "attention", "pooling", "compiled"}
             assert labels <= BOUNDED_LABELS, (family.name, labels)
             if family.type == "counter" and not sample.name.endswith("_created"):
                 assert sample.name.endswith("_total"), sample.name
