@@ -23,6 +23,9 @@ from worker.metrics import BOUNDED_LABELS, LATENCY_BUCKETS, ResultTally, WorkerM
 from worker.publisher import OutRecord
 from worker.service import WorkerService
 
+# The model info metric's description labels: one series per process, so their values are not bounded.
+DESCRIPTION_LABELS = {"architecture", "dtype", "device", "hidden_size", "attention", "pooling", "compiled"}
+
 pytestmark = pytest.mark.slow
 
 
@@ -147,7 +150,7 @@ def test_metric_names_units_and_labels_follow_the_conventions() -> None:
         for sample in family.samples:
             labels = set(sample.labels) - {"le"}
             if family.name.endswith("_info"):  # the model's description: one series per process
-                labels -= {"architecture", "dtype", "device", "hidden_size", "attention", "pooling", "compiled"}
+                labels -= DESCRIPTION_LABELS
             assert labels <= BOUNDED_LABELS, (family.name, labels)
             if family.type == "counter" and not sample.name.endswith("_created"):
                 assert sample.name.endswith("_total"), sample.name
