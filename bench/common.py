@@ -18,6 +18,20 @@ from typing import Any
 import numpy as np
 import torch
 
+# Qwen3-0.6B shapes (the reference's W2 and the small-batch latency case); random weights from the HF
+# initialiser (normal, std 0.02).
+QWEN3_06B_SHAPES: dict[str, Any] = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": True,
+}
+
 
 @dataclass(frozen=True)
 class Workload:

@@ -23,20 +23,10 @@ import numpy as np
 import torch
 
 from bench import hf_paths, packed_path
-from bench.common import environment, out_dir
+from bench.common import QWEN3_06B_SHAPES, environment, out_dir
 from bench.hf_paths import PathOutput
 
-# Qwen3-0.6B's shapes (random weights): 28 layers, GQA 16/8 with head_dim 128, a 151,936-token vocabulary.
-QWEN3_06B: dict[str, Any] = {
-    "hidden_size": 1024,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 3072,
-    "vocab_size": 151936,
-    "max_position_embeddings": 4096,
-}
+QWEN3_06B = QWEN3_06B_SHAPES
 TOKENS = 100
 CASES = (1, 64)  # requests of TOKENS tokens in one batch
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from bench import packed_path, w2_load
-from bench.common import GpuSampler, environment, out_dir, token_budget_chunks
+from bench.common import QWEN3_06B_SHAPES, GpuSampler, environment, out_dir, token_budget_chunks
 from bench.w2_observe import RecordingScorer, Sampler, watch_loop, window_stats
 from models import Scorer, ScorerConfig
 from worker.app import ScoreWorker
@@ -41,18 +41,7 @@ from worker.publisher import result_record
 from worker.topics import ensure_topics
 
 PHASES = ("warmup", "saturation", "latency", "warmup_short_fetch", "latency_short_fetch")
-# Qwen3-0.6B shapes (the reference's W2); random weights from the HF initialiser (normal, std 0.02).
-W2_SHAPES: dict[str, Any] = {
-    "hidden_size": 1024,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 3072,
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-    "tie_word_embeddings": True,
-}
+W2_SHAPES = QWEN3_06B_SHAPES
 QUICK_SHAPES: dict[str, Any] = {
     **W2_SHAPES,
     "hidden_size": 64,
