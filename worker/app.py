@@ -172,6 +172,7 @@ class ScoreWorker:
                 next_sample = time.monotonic() + _SAMPLE_S
 
     async def _wait_progress(self, timeout_s: float) -> None:
+        """Until a batch is answered or records were accepted, at most `timeout_s`."""
         assert self._pipeline is not None
         self._pipeline.progress.clear()
         with contextlib.suppress(TimeoutError):
@@ -238,11 +239,7 @@ class ScoreWorker:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            self._pipeline.progress.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._pipeline.progress.wait(), timeout=min(remaining, _POLL_MS / 1000)
-                )
+            await self._wait_progress(min(remaining, _POLL_MS / 1000))
             if keep_polling:
                 await self._source.fetch(0, 1)
         return True

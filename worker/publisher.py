@@ -173,9 +173,7 @@ class Publisher:
             pending = [record for record in retry if record is not None]
             if not pending:
                 return
-            error = next(
-                (o for _, o in failed if isinstance(o, KafkaError) and not isinstance(o, _TOO_LARGE)), None
-            )
+            error = next((o for _, o in failed if _retriable(o)), None)
             if error is None:  # only smaller forms to send: no reason to wait
                 continue
             if attempt == 1 or attempt % 10 == 0:  # a long outage: one line now and then, not one per try
@@ -204,11 +202,17 @@ class Publisher:
         return list(await asyncio.gather(*acks, return_exceptions=True))
 
 
+def _retriable(error: BaseException) -> bool:
+    """A failure the same record may get past later (the broker away, a leader moving); a record refused as
+    too large, or by the client itself, never will."""
+    return isinstance(error, KafkaError) and not isinstance(error, _TOO_LARGE)
+
+
 def _smaller(record: OutRecord, error: BaseException) -> OutRecord | None:
     """What to send again after `error`: the record itself (the broker is away), its smallest form when the
     broker or the client refused this one, or None when even that is refused (logged: retrying it would
     stop the worker on it on every restart)."""
-    if isinstance(error, KafkaError) and not isinstance(error, _TOO_LARGE):
+    if _retriable(error):
         return record
     if record.fallback is not None:
         log.warning("a %s record was refused (%r); sending its smallest form", record.topic, error)

@@ -35,7 +35,7 @@ class Sink:
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self._commit_fn: CommitFn | None = None
         self._commit_lock = asyncio.Lock()
-        self._background: asyncio.Task[None] | None = None
+        self._background: asyncio.Task[bool] | None = None
         self._failing_since: float | None = None
         self._failures = 0
 
@@ -67,10 +67,7 @@ class Sink:
         """Commit in the background: the fetch loop never waits on a commit (a broker away for a while
         would block it for the commit timeout each time)."""
         if self._background is None or self._background.done():
-            self._background = asyncio.get_running_loop().create_task(self._commit_quietly(), name="commit")
-
-    async def _commit_quietly(self) -> None:
-        await self.commit()
+            self._background = asyncio.get_running_loop().create_task(self.commit(), name="commit")
 
     async def commit(self, partitions: set[TopicPartition] | None = None) -> bool:
         """Commit what was answered (of `partitions`, all when None); False when the commit failed."""

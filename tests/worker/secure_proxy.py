@@ -390,6 +390,17 @@ class Pki:
     client_key_password: str
     other_ca: Path  # a CA nobody trusts
 
+    def mtls(self, **changes: object) -> dict[str, object]:
+        """Settings of a client with its certificate, trusting the test CA (`changes` override them)."""
+        values: dict[str, object] = {
+            "security_protocol": "SSL",
+            "ssl_cafile": self.ca,
+            "ssl_certfile": self.client_cert,
+            "ssl_keyfile": self.client_key,
+            "ssl_key_password": self.client_key_password,
+        }
+        return values | changes
+
 
 _OPENSSL_CONFIG = """\
 [req]

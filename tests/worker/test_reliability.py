@@ -181,14 +181,18 @@ async def _produce_at(bootstrap: str, topic: str, request: ScoreRequest, timesta
         await producer.stop()
 
 
-class SlowScorer(CountingScorer):
-    """Every batch takes at least `delay_s`: requests queue behind the model."""
+class PacedScorer(CountingScorer):
+    """Each forward batch takes at least `delay_s` (a larger model's pace), and its size is recorded."""
 
-    delay_s = 0.4
+    def __init__(self, scorer: Scorer, delay_s: float) -> None:
+        super().__init__(scorer)
+        self.delay_s = delay_s
+        self.batch_tokens: list[int] = []
 
     def score_prepared(
         self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
     ) -> list[ScoreResult]:
+        self.batch_tokens.append(sum(p.num_tokens for p in prepared))
         time.sleep(self.delay_s)
         return super().score_prepared(prepared, on_batch)
 
@@ -198,7 +202,7 @@ def test_a_request_that_expires_while_queued_costs_no_model_time(
 ) -> None:
     names = Names.unique("expire")
     settings = fast_settings(kafka_bootstrap, tiny_llama_dir, names, max_batch_requests=1, max_wait_ms=0)
-    scorer = SlowScorer(Scorer(tiny_llama_dir, ScorerConfig(device="cpu")))
+    scorer = PacedScorer(Scorer(tiny_llama_dir, ScorerConfig(device="cpu")), delay_s=0.4)
     # Eight batches of 0.4 s before the last: its 1 s time-to-live runs out in the queue.
     requests = [ScoreRequest(f"slow-{i}", items=("x",)) for i in range(8)]
     requests.append(ScoreRequest("queued", items=("x",), ttl_ms=1_000))
@@ -309,23 +313,6 @@ def test_a_stop_waits_at_most_the_drain_bound(kafka_bootstrap: str, tiny_llama_d
         MarkedScorer.hang.set()
 
 
-class PacedScorer(CountingScorer):
-    """Each forward batch takes at least `delay_s` (a larger model's pace), and its size is recorded."""
-
-    delay_s = 0.08
-
-    def __init__(self, scorer: Scorer) -> None:
-        super().__init__(scorer)
-        self.batch_tokens: list[int] = []
-
-    def score_prepared(
-        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
-    ) -> list[ScoreResult]:
-        self.batch_tokens.append(sum(p.num_tokens for p in prepared))
-        time.sleep(self.delay_s)
-        return super().score_prepared(prepared, on_batch)
-
-
 def _large(request_id: str, items: int) -> ScoreRequest:
     return ScoreRequest(
         request_id,
@@ -345,7 +332,8 @@ def test_small_requests_behind_large_ones_wait_about_one_batch(
         kafka_bootstrap, tiny_llama_dir, names, max_batch_tokens=budget, max_record_bytes=4_000_000
     )
     plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
-    scorer = PacedScorer(Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_batch_tokens=budget)))
+    paced = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_batch_tokens=budget))
+    scorer = PacedScorer(paced, delay_s=0.08)
     large = [_large("large-1", 600), _large("large-2", 600)]  # about 14k tokens each: 14 batches each
     small = [ScoreRequest(f"small-{i:03d}", items=(f"short {i}",)) for i in range(60)]
 

@@ -145,18 +145,6 @@ def connect_error(bootstrap: str, security: KafkaSecurity) -> str | None:
     return None
 
 
-def mtls(pki: Pki, **changes: object) -> dict[str, object]:
-    """Settings of a client with its certificate, trusting the test CA."""
-    values: dict[str, object] = {
-        "security_protocol": "SSL",
-        "ssl_cafile": pki.ca,
-        "ssl_certfile": pki.client_cert,
-        "ssl_keyfile": pki.client_key,
-        "ssl_key_password": pki.client_key_password,
-    }
-    return values | changes
-
-
 # --- TLS ---------------------------------------------------------------------------------------------------
 
 
@@ -166,7 +154,7 @@ def test_mutual_tls_carries_the_worker_and_its_client(
     caplog.set_level(logging.DEBUG)
     tls = TlsProxy(pki.server_cert, pki.server_key, client_ca=pki.ca)
     with secured_broker(tls) as bootstrap:
-        settings = fast_settings(bootstrap, tiny_llama_dir, Names.unique("mtls"), **mtls(pki))
+        settings = fast_settings(bootstrap, tiny_llama_dir, Names.unique("mtls"), **pki.mtls())
         results, exposition = round_trip(settings, scorer)
     assert_scored(results, scorer)
     # Admin, worker consumer and producer, client consumer and producer: every connection showed the cert.
@@ -187,7 +175,7 @@ def test_tls_refuses_a_client_without_a_certificate(pki: Pki) -> None:
 def test_a_broker_certificate_from_an_untrusted_ca_fails_with_the_reason(pki: Pki) -> None:
     tls = TlsProxy(pki.server_cert, pki.server_key, client_ca=pki.ca)
     with secured_broker(tls) as bootstrap:
-        error = connect_error(bootstrap, KafkaSecurity(**mtls(pki, ssl_cafile=pki.other_ca)))  # type: ignore[arg-type]
+        error = connect_error(bootstrap, KafkaSecurity(**pki.mtls(ssl_cafile=pki.other_ca)))  # type: ignore[arg-type]
     # The exception only says "Unable to bootstrap"; the reason is in the Kafka client's error line.
     assert error is not None and "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed" in error, error
     assert not tls.client_subjects
@@ -196,9 +184,9 @@ def test_a_broker_certificate_from_an_untrusted_ca_fails_with_the_reason(pki: Pk
 def test_the_broker_host_name_is_checked_unless_turned_off(pki: Pki) -> None:
     tls = TlsProxy(pki.wrong_host_cert, pki.wrong_host_key, client_ca=pki.ca)
     with secured_broker(tls) as bootstrap:
-        checked = connect_error(bootstrap, KafkaSecurity(**mtls(pki)))  # type: ignore[arg-type]
+        checked = connect_error(bootstrap, KafkaSecurity(**pki.mtls()))  # type: ignore[arg-type]
         assert not tls.client_subjects
-        unchecked = connect_error(bootstrap, KafkaSecurity(**mtls(pki, ssl_check_hostname=False)))  # type: ignore[arg-type]
+        unchecked = connect_error(bootstrap, KafkaSecurity(**pki.mtls(ssl_check_hostname=False)))  # type: ignore[arg-type]
     assert checked is not None and "IP address mismatch" in checked, checked
     assert unchecked is None
     assert set(tls.client_subjects) == {"score-worker client"}
@@ -277,7 +265,7 @@ def test_sasl_ssl_worker_and_every_command_keep_their_secrets(
     names = Names.unique("sasl-ssl")
     metrics_port = free_port()
     with secured_broker(tls, proxy) as bootstrap:
-        security = {**mtls(pki), **sasl("PLAIN", protocol="SASL_SSL")}
+        security = {**pki.mtls(), **sasl("PLAIN", protocol="SASL_SSL")}
         env = _environment(bootstrap, tiny_llama_dir, names, metrics_port, security)
         for name, value in env.items():
             if name.startswith(ENV_PREFIX):

@@ -138,25 +138,14 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
         pytest.skip(f"no certificates for the TLS settings tests: {exc}")
 
 
-def _mtls(pki: Pki, **changes: object) -> dict[str, object]:
-    values: dict[str, object] = {
-        "security_protocol": "SSL",
-        "ssl_cafile": pki.ca,
-        "ssl_certfile": pki.client_cert,
-        "ssl_keyfile": pki.client_key,
-        "ssl_key_password": pki.client_key_password,
-    }
-    return values | changes
-
-
 def test_client_certificate_and_hostname_check_reach_the_ssl_context(tmp_path: Path, pki: Pki) -> None:
-    kwargs = WorkerSettings(bootstrap_servers="h:1", model_dir=tmp_path, **_mtls(pki)).kafka_client_kwargs()  # type: ignore[arg-type]
+    kwargs = WorkerSettings(bootstrap_servers="h:1", model_dir=tmp_path, **pki.mtls()).kafka_client_kwargs()  # type: ignore[arg-type]
     context = kwargs["ssl_context"]
     assert kwargs["security_protocol"] == "SSL" and "sasl_mechanism" not in kwargs
     assert context.check_hostname and context.verify_mode == ssl.CERT_REQUIRED
     trusted = [dict(pair for rdn in cert["subject"] for pair in rdn) for cert in context.get_ca_certs()]
     assert trusted == [{"commonName": "score-worker test ca"}]  # the CA file only, not the system's
-    relaxed = KafkaSecurity(**_mtls(pki, ssl_check_hostname=False)).kafka_security_kwargs()  # type: ignore[arg-type]
+    relaxed = KafkaSecurity(**pki.mtls(ssl_check_hostname=False)).kafka_security_kwargs()  # type: ignore[arg-type]
     # Only the name check goes: the certificate chain is still verified.
     assert not relaxed["ssl_context"].check_hostname
     assert relaxed["ssl_context"].verify_mode == ssl.CERT_REQUIRED
@@ -178,7 +167,7 @@ def test_security_settings_that_cannot_work_are_one_clear_line(
     pki: Pki, changes: dict[str, object], expected: str
 ) -> None:
     with pytest.raises(ValidationError) as info:
-        KafkaSecurity(**_mtls(pki, **changes))  # type: ignore[arg-type]
+        KafkaSecurity(**pki.mtls(**changes))  # type: ignore[arg-type]
     text = describe_validation_error(info.value)
     assert expected in text and len(text.splitlines()) == 1, text
     assert "not-the-password" not in text and pki.client_key_password not in text
@@ -186,11 +175,11 @@ def test_security_settings_that_cannot_work_are_one_clear_line(
 
 def test_a_ca_file_that_holds_no_certificate_is_named(pki: Pki) -> None:
     with pytest.raises(ValidationError, match="cannot read CA certificates from ssl_cafile"):
-        KafkaSecurity(**_mtls(pki, ssl_cafile=pki.client_key))  # type: ignore[arg-type]
+        KafkaSecurity(**pki.mtls(ssl_cafile=pki.client_key))  # type: ignore[arg-type]
 
 
 def test_secrets_never_appear_in_reprs_or_validation_errors(tmp_path: Path, pki: Pki) -> None:
-    values = {**_mtls(pki, security_protocol="SASL_SSL"), "sasl_password": "s3cret-sasl"}
+    values = {**pki.mtls(security_protocol="SASL_SSL"), "sasl_password": "s3cret-sasl"}
     settings = WorkerSettings(bootstrap_servers="h:1", model_dir=tmp_path, sasl_username="svc", **values)  # type: ignore[arg-type]
     assert "s3cret-sasl" not in repr(settings) and pki.client_key_password not in repr(settings)
     # A whole-model error used to echo the raw input, passwords included, in str(ValidationError).
