@@ -12,6 +12,7 @@ from models.packing import POOLINGS, Pooling
 
 AttentionChoice = Literal["auto", "varlen", "reference"]
 CompileChoice = Literal["auto", "on", "off"]
+GraphChoice = Literal["auto", "on", "off"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -22,6 +23,8 @@ _DTYPES: dict[str, torch.dtype] = {
 # A varlen kernel with the signature of torch.nn.attention.varlen.varlen_attn:
 # (q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, ...)
 VarlenKernel = Callable[..., Any]
+# Records a packed forward and returns what replays it (models.graphs.Recorder); CUDA graphs by default.
+GraphRecorder = Callable[[Callable[[], None]], Callable[[], None]]
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,13 @@ class ScorerConfig:
     # activation and the residual adds that eager HF code runs as separate kernels. "auto": on for the
     # varlen path on CUDA, off elsewhere (the float32 CPU path stays the exact reference).
     compile: CompileChoice = "auto"
+    # Replay the packed forward of batches of at most `graph_max_tokens` tokens from recorded CUDA graphs
+    # (models/graphs.py): one launch instead of hundreds, which sets the latency of small batches. "auto":
+    # on for the varlen path on CUDA.
+    cuda_graphs: GraphChoice = "auto"
+    graph_max_tokens: int = 8192
+    # Replaces CUDA graph recording; lets CPU tests drive the padding and buffer logic of the graphed path.
+    graph_recorder: GraphRecorder | None = None
     # Load pickle weights (pytorch_model.bin) when there are no safetensors: unpickling can run code.
     allow_pickle_weights: bool = False
 
@@ -60,6 +70,10 @@ class ScorerConfig:
             raise ValueError(f"attention must be 'auto', 'varlen' or 'reference', got {self.attention!r}")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
+        if self.graph_max_tokens < 1:
+            raise ValueError(f"graph_max_tokens must be at least 1, got {self.graph_max_tokens}")
         if self.pooling not in ("auto", *POOLINGS):
             raise ValueError(f"pooling must be 'auto' or one of {', '.join(POOLINGS)}, got {self.pooling!r}")
         if self.max_batch_tokens < 1:
@@ -99,6 +113,16 @@ class ScorerConfig:
         if self.compile == "auto":
             return attention == "varlen"
         return self.compile == "on"
+
+    def resolve_graphs(self, device: torch.device, attention: str) -> bool:
+        """Whether to replay small packed batches from CUDA graphs (the varlen path only: the exact path
+        loops over items on the host, which a graph cannot record)."""
+        if self.cuda_graphs == "off" or attention != "varlen":
+            return False
+        recordable = device.type == "cuda" or self.graph_recorder is not None
+        if self.cuda_graphs == "on" and not recordable:
+            raise ValueError("cuda_graphs='on' needs a CUDA device")
+        return recordable
 
     def resolve_attention(
         self, device: torch.device, dtype: torch.dtype | None = None, softcap: float | None = None

@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -18,9 +17,9 @@ from models.attention import register_attention
 from models.chunks import token_runs
 from models.config import ScorerConfig
 from models.errors import DeviceLostError, ModelLoadError
+from models.graphs import GraphedForward
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import (
-    PackedBatch,
     RowRequest,
     copy_rows_to_host,
     hidden_row_bytes,
@@ -61,6 +60,7 @@ class ModelInfo:
     attention: str = "unknown"  # "varlen" (the packed kernel) or "reference" (exact, per item)
     pooling: str = "unknown"  # models.packing.Pooling
     compiled: bool = False  # the decoder layers run under torch.compile
+    cuda_graphs: bool = False  # small packed batches replay recorded CUDA graphs
 
 
 BatchObserver = Callable[[BatchStats], None]
@@ -134,6 +134,21 @@ class Scorer:
             self._compiled = compile_layers(self._loaded.base)
             if self._compiled is None:
                 log.info("%s has no decoder layer list to compile: it runs eager", Path(model_dir).name)
+        self._graphs: GraphedForward | None = None
+        if self.config.resolve_graphs(self.device, self.attention):
+            self._graphs = GraphedForward(
+                self._packed_forward,
+                self.device,
+                self.config.graph_max_tokens,
+                self.hidden_size,
+                self.dtype,
+                token_types=self._loaded.token_types,
+                recorder=self.config.graph_recorder,
+            )
+        elif self.config.cuda_graphs == "on":
+            log.info(
+                "%s takes the %s path, which CUDA graphs cannot record", Path(model_dir).name, self.attention
+            )
 
     @property
     def model_name(self) -> str:
@@ -193,6 +208,11 @@ class Scorer:
         return self._compiled is not None
 
     @property
+    def graphs(self) -> GraphedForward | None:
+        """The CUDA graphs of small packed batches (None when off): counts of recordings and replays."""
+        return self._graphs
+
+    @property
     def num_labels(self) -> int:
         """Floats per item from the model's own head (a judge has one per label id it is asked for)."""
         return self._num_labels
@@ -220,6 +240,7 @@ class Scorer:
             attention=self.attention,
             pooling=self.pooling,
             compiled=self.compiled,
+            cuda_graphs=self._graphs is not None and self._graphs.enabled,
         )
 
     def device_memory(self) -> tuple[int, int] | None:
@@ -377,27 +398,44 @@ class Scorer:
             token_types=token_types,
             position_pad=self._loaded.position_pad,
         )
-        # The varlen kernel reads the bounds on the device; the exact path loops over items in Python, and
-        # reading them from a device tensor would stall on a device-to-host copy in every layer.
-        cu_seqlens = packed.cu_seqlens if self.attention == "varlen" else packed.host_cu_seqlens
-        extra = {} if packed.token_type_ids is None else {"token_type_ids": packed.token_type_ids}
         with self._compiled or contextlib.nullcontext():
-            output = self._packed_forward(packed, cu_seqlens, extra)
-        hidden: torch.Tensor = output.last_hidden_state[0]  # [T, H]
+            hidden = None if self._graphs is None else self._graphs.run(packed)
+            if hidden is None:
+                # The varlen kernel reads the bounds on the device; the exact path loops over items in
+                # Python, and reading them from a device tensor would stall on a copy in every layer.
+                cu_seqlens = packed.cu_seqlens if self.attention == "varlen" else packed.host_cu_seqlens
+                hidden = self._packed_forward(
+                    packed.input_ids,
+                    packed.position_ids,
+                    cu_seqlens,
+                    packed.max_length,
+                    packed.token_type_ids,
+                )
         return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
 
-    def _packed_forward(self, packed: PackedBatch, cu_seqlens: torch.Tensor, extra: dict[str, Any]) -> Any:
-        return self._loaded.base(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
+    def _packed_forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_length: int,
+        token_type_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The base model on one packed row [1, T]: its last hidden states [T, H]."""
+        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        output = self._loaded.base(
+            input_ids=input_ids,
+            position_ids=position_ids,
             **extra,
             use_cache=False,
             # Reach our attention function through HF's **kwargs plumbing (see models/attention.py).
             cu_seq_lens_q=cu_seqlens,
             cu_seq_lens_k=cu_seqlens,
-            max_length_q=packed.max_length,
-            max_length_k=packed.max_length,
+            max_length_q=max_length,
+            max_length_k=max_length,
         )
+        hidden: torch.Tensor = output.last_hidden_state[0]
+        return hidden
 
     def _label_logits(
         self, pooled: torch.Tensor, batch: list[PreparedRequest]

@@ -186,6 +186,8 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
         trust_remote_code=settings.trust_remote_code,
         allow_pickle_weights=settings.allow_pickle_weights,
         compile=settings.compile,
+        cuda_graphs=settings.cuda_graphs,
+        graph_max_tokens=settings.graph_max_tokens,
         max_input_tokens=settings.max_item_tokens,
         max_request_items=settings.max_request_items,
         max_request_tokens=settings.max_request_tokens,

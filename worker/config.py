@@ -178,6 +178,14 @@ class WorkerSettings(KafkaSecurity):
         description="run the decoder layers under torch.compile (fused kernels; seconds of compiling at "
         "start-up); auto: on for the varlen path on CUDA",
     )
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="replay small batches from recorded CUDA graphs (one launch instead of hundreds; each "
+        "new batch shape is recorded once); auto: on for the varlen path on CUDA",
+    )
+    graph_max_tokens: int = Field(
+        8192, ge=1, description="the largest batch (tokens) that CUDA graphs replay; larger ones run as usual"
+    )
     trust_remote_code: bool = Field(
         False, description="load a model directory that ships its own code (runs that code: opt in knowingly)"
     )

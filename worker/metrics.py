@@ -167,6 +167,7 @@ class WorkerMetrics:
                 "attention": info.attention,
                 "pooling": info.pooling,
                 "compiled": str(info.compiled).lower(),
+                "cuda_graphs": str(info.cuda_graphs).lower(),
             }
         )
         # Series without extra labels exist from the start at 0, so rates and panels have data at once.

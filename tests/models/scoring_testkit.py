@@ -69,6 +69,21 @@ def hf_reference(
     return Reference(logits=out.logits.float().numpy(), hidden=hidden.float().numpy())
 
 
+def token_requests(lengths: Sequence[tuple[int, ...]], seed: int = 7, hidden: bool = True) -> list[Any]:
+    """One request per entry, with items of those many random token ids (4..499)."""
+    from schemas import ScoreRequest
+
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        ScoreRequest(
+            request_id=f"r{i}",
+            return_pooled_hidden_states=hidden,
+            items=tuple(tuple(torch.randint(4, 500, (n,), generator=generator).tolist()) for n in item),
+        )
+        for i, item in enumerate(lengths)
+    ]
+
+
 def hidden_of(result: Any) -> np.ndarray:
     """The pooled hidden states of a result as one float32 matrix [items, H]."""
     assert result.pooled_hidden_states is not None
@@ -98,14 +113,20 @@ def _reference_varlen(
     assert cu_seq_q.dtype == torch.int32 and cu_seq_k.dtype == torch.int32, "cu_seqlens must be int32"
     assert torch.equal(cu_seq_q, cu_seq_k)
     lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
-    assert max_q == max(lengths) and max_k == max(lengths)
+    # An upper bound on the item lengths (CUDA graphs pass their bucket's); a larger one only costs time.
+    assert max_q >= max(lengths) and max_k >= max(lengths)
+    assert cu_seq_q[0] == 0 and cu_seq_q[-1] <= query.shape[0], "the sequences must lie inside the row"
     # Decoders: (left, 0). Encoders see both ways: (-1, -1), or a symmetric window (left, left).
     causal = window_size[1] == 0
     assert causal or window_size[1] == window_size[0], f"unexpected window {window_size}"
     left = None if window_size[0] < 0 else window_size[0]
-    out = torch.empty_like(query)
+    # Rows outside every sequence (a CUDA graph's padding) are left unwritten by the real kernel: NaN here,
+    # so a test sees at once if anything of them reaches an item.
+    out = torch.full_like(query, float("nan"))
     bounds = cu_seq_q.tolist()
     for start, end in itertools.pairwise(bounds):
+        if start == end:  # an empty sequence (an unused slot of a CUDA graph)
+            continue
         item = attend_causal(
             query[start:end].transpose(0, 1),
             key[start:end].transpose(0, 1),

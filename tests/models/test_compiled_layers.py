@@ -57,3 +57,32 @@ def test_a_model_without_a_layer_list_stays_eager() -> None:
     import torch
 
     assert not compile_layers(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.slow
+def test_the_graphed_path_does_not_recompile_the_layers(tiny_llama_dir: Path) -> None:
+    """The CUDA-graph buffers reach the compiled layers as the engine's own inputs do: inference tensors
+    with a packed row's strides. torch.compile guards on both, and any difference recompiled the layers
+    (seconds each, mid-serving) whenever a batch switched between the graphed and the ordinary path."""
+    import torch
+    from scoring_testkit import CpuVarlenKernelGqa
+
+    from models.graphs import Recorder
+
+    # The CPU kernel's host-side checks are not what runs compiled on the GPU: keep dynamo out of them.
+    kernel = torch._dynamo.disable(CpuVarlenKernelGqa())
+    rerun: Recorder = lambda run: run  # noqa: E731 - a recorder whose replay runs the function again
+    config = ScorerConfig(
+        device="cpu", attention="varlen", varlen_kernel=kernel, compile="on", graph_recorder=rerun
+    )
+    scorer = Scorer(tiny_llama_dir, config)
+    torch._dynamo.utils.guard_failures.clear()
+    # Each shape three times (ordinary, recorded, replayed), and shapes that alternate between the paths.
+    for count in (1, 4, 1, 2, 4):
+        for _ in range(3):
+            assert all(r.ok for r in scorer.score(_requests()[:count]))
+    graphs = scorer.graphs
+    assert graphs is not None and graphs.replays > 0
+    failures = [f for reasons in torch._dynamo.utils.guard_failures.values() for f in reasons]
+    layout = [f for f in failures if "dispatch key" in f or "stride" in f]
+    assert not layout, layout

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from scoring_testkit import CpuVarlenKernel, CpuVarlenKernelGqa, hidden_of, scores_of
+from scoring_testkit import CpuVarlenKernel, CpuVarlenKernelGqa, hidden_of, scores_of, token_requests
 
 from models import ModelLoadError, Scorer, ScorerConfig
 from models.attention import attend_causal, kernel_supports_gqa, reference_attention, varlen_attention
@@ -19,16 +19,7 @@ ATOL = 1e-5
 
 
 def _requests() -> list[ScoreRequest]:
-    generator = torch.Generator().manual_seed(7)
-    lengths = [(30,), (3, 41), (17,), (1,)]
-    return [
-        ScoreRequest(
-            request_id=f"r{i}",
-            return_pooled_hidden_states=True,
-            items=tuple(tuple(torch.randint(4, 500, (n,), generator=generator).tolist()) for n in item),
-        )
-        for i, item in enumerate(lengths)
-    ]
+    return token_requests([(30,), (3, 41), (17,), (1,)])
 
 
 @pytest.mark.parametrize("kernel_type", [CpuVarlenKernel, CpuVarlenKernelGqa])

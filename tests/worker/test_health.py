@@ -24,7 +24,16 @@ from worker.publisher import OutRecord
 from worker.service import WorkerService
 
 # The model info metric's description labels: one series per process, so their values are not bounded.
-DESCRIPTION_LABELS = {"architecture", "dtype", "device", "hidden_size", "attention", "pooling", "compiled"}
+DESCRIPTION_LABELS = {
+    "architecture",
+    "dtype",
+    "device",
+    "hidden_size",
+    "attention",
+    "pooling",
+    "compiled",
+    "cuda_graphs",
+}
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,212 @@
+"""CUDA graphs for small packed batches: the whole packed forward replayed with one launch.
+
+A small batch's GPU work takes well under a millisecond, but eager (or compiled) code launches a few hundred
+kernels from Python, each costing microseconds of host time: at low load the host, not the GPU, sets the
+latency. A CUDA graph records those launches once and replays them with one call.
+
+A graph is recorded for fixed shapes, so a batch is padded up to a bucket (`GraphKey`):
+- tokens: a multiple of 16 up to 128, then 8 steps per doubling (at most 1/8 of the bucket is padding);
+- sequences (items): the next power of two; the unused slots are empty sequences (cu_seqlens repeats the
+  total);
+- longest item: the next power of two (at least 16), at most the token bucket. The attention kernel sizes its
+  grid by it, so it is part of the key rather than always the token bucket.
+Padding tokens belong to no sequence: attention never reads them, and every other layer of a dense
+transformer works row by row, so whatever the padding rows hold never reaches an item's rows. Only the first
+`total` rows of the output are read. The padding holds whatever an earlier batch left in the buffers: valid
+token ids and positions, so no kernel can fault on them.
+
+A shape is recorded when it comes a second time (the first batch of a shape takes the ordinary forward, the
+second runs once on the buffers, which is its result, and is then recorded; later ones replay). Graphs share
+one memory pool (they never run at once), copy their output into one buffer, and the least recently used is
+dropped beyond `capacity`. A recording that fails turns graphs off
+for the process with a warning; every batch then takes the ordinary forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from models.packing import PackedBatch
+
+log = logging.getLogger(__name__)
+
+MIN_TOKENS = 16
+STEPS_PER_DOUBLING = 8
+DEFAULT_CAPACITY = 256  # graphs held; their memory is one shared pool, each adds only its kernel list
+SEEN_SHAPES = 4096  # shapes met once, remembered so that the second batch of a shape records it
+
+# (input_ids [1, T], position_ids [1, T], cu_seqlens [S + 1] int32, longest item, token_type_ids [1, T] or
+# None) -> the base model's last hidden states [T, H]
+PackedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+# Records `run` (which writes the output buffer) and returns what replays it. On CUDA: a CUDA graph. CPU
+# tests pass one that simply runs it again, to exercise the padding and buffer logic without a GPU.
+Recorder = Callable[[Callable[[], None]], Callable[[], None]]
+
+
+class GraphKey(NamedTuple):
+    """The padded shape one graph is recorded for."""
+
+    tokens: int
+    sequences: int
+    max_length: int
+
+
+def token_bucket(tokens: int) -> int:
+    """The padded token count for a batch of `tokens`: multiples of 16 to 128, then 8 steps per doubling."""
+    if tokens <= 128:
+        return max(MIN_TOKENS, -(-tokens // 16) * 16)
+    step = (1 << ((tokens - 1).bit_length() - 1)) // STEPS_PER_DOUBLING
+    return -(-tokens // step) * step
+
+
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def graph_key(total: int, items: int, longest: int) -> GraphKey:
+    """The bucket of a packed batch of `items` items, `total` tokens, the longest `longest` tokens."""
+    tokens = token_bucket(total)
+    return GraphKey(
+        tokens, next_power_of_two(items), min(tokens, max(MIN_TOKENS, next_power_of_two(longest)))
+    )
+
+
+def cuda_recorder(device: torch.device) -> Recorder:
+    """Records on `device` into one memory pool shared by every graph of this recorder.
+
+    Through the CUDAGraph calls rather than the torch.cuda.graph context, which synchronizes the device and
+    empties the allocator's cache on every recording: the next large batch would then allocate its memory
+    from the driver again, and a worker records new shapes while it serves.
+    """
+    pool = torch.cuda.graph_pool_handle()
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def record(run: Callable[[], None]) -> Callable[[], None]:
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)  # the buffers were filled on the current stream
+        with torch.cuda.stream(side):
+            # thread_local: the worker's other threads may use CUDA meanwhile (pinned host buffers).
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                run()
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+        return graph.replay
+
+    return record
+
+
+class GraphedForward:
+    """The packed forward through recorded graphs for batches of at most `max_tokens` tokens."""
+
+    def __init__(
+        self,
+        forward: PackedForward,
+        device: torch.device,
+        max_tokens: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        *,
+        token_types: bool,
+        recorder: Recorder | None = None,
+        capacity: int = DEFAULT_CAPACITY,
+    ) -> None:
+        self._forward = forward
+        self.max_tokens = max_tokens
+        self.capacity = capacity
+        self.enabled = True
+        self.recorded = 0  # graphs recorded since start (evicted ones included)
+        self.replays = 0
+        self._record = recorder or cuda_recorder(device)
+        self._graphs: OrderedDict[GraphKey, Callable[[], None]] = OrderedDict()
+        self._seen: OrderedDict[GraphKey, None] = OrderedDict()
+        rows = token_bucket(max_tokens)
+        # Buffers the graphs read and write: allocated once, outside the graphs' pool, at the largest shape.
+        # Inference tensors, as the engine's own inputs are (it runs under inference_mode): torch.compile
+        # guards on the difference, and a mix would recompile the layers (seconds) between the two paths.
+        with torch.inference_mode():
+            # One dimension, viewed as [1, T] per shape: the same strides as a packed row's, which
+            # torch.compile also guards on.
+            self._ids = torch.zeros(rows, dtype=torch.long, device=device)
+            self._positions = torch.zeros(rows, dtype=torch.long, device=device)
+            self._types = torch.zeros(rows, dtype=torch.long, device=device) if token_types else None
+            self._cu = torch.zeros(next_power_of_two(rows) + 1, dtype=torch.int32, device=device)
+            self._out = torch.empty((rows, hidden_size), dtype=dtype, device=device)
+
+    @property
+    def graphs(self) -> int:
+        """Graphs held now."""
+        return len(self._graphs)
+
+    def run(self, packed: PackedBatch) -> torch.Tensor | None:
+        """Hidden states [total, H] of `packed`, or None when it takes the ordinary forward (too many tokens,
+        or graphs turned off). A view of a shared buffer: read it before the next call."""
+        bounds = packed.host_cu_seqlens
+        total, items = int(bounds[-1]), len(bounds) - 1
+        if not self.enabled or total > self.max_tokens:
+            return None
+        key = graph_key(total, items, packed.max_length)
+        replay = self._graphs.get(key)
+        if replay is None and not self._seen_before(key):
+            return None  # a shape met once may never come back: not worth a recording yet
+        self._fill(packed, key, total, items)
+        if replay is not None:
+            self._graphs.move_to_end(key)
+            replay()
+            self.replays += 1
+            return self._out[:total]
+        hidden = self._call(key)  # this batch's result; recording below runs nothing
+        try:
+            self._graphs[key] = self._record(lambda: self._write(key))
+        except Exception as exc:  # a kernel that cannot be recorded: the ordinary forward from now on
+            self.enabled = False
+            self._graphs.clear()
+            log.warning(
+                "recording a CUDA graph failed (%s: %s): every batch takes the ordinary forward from now on",
+                type(exc).__name__, exc,
+            )  # fmt: skip
+            return hidden[:total]
+        self.recorded += 1
+        if len(self._graphs) > self.capacity:
+            self._graphs.popitem(last=False)
+        return hidden[:total]
+
+    def _seen_before(self, key: GraphKey) -> bool:
+        """Whether `key` came before (among the last SEEN_SHAPES shapes not recorded); notes it if not."""
+        if key in self._seen:
+            del self._seen[key]
+            return True
+        self._seen[key] = None
+        if len(self._seen) > SEEN_SHAPES:
+            self._seen.popitem(last=False)
+        return False
+
+    def _fill(self, packed: PackedBatch, key: GraphKey, total: int, items: int) -> None:
+        self._ids[:total].copy_(packed.input_ids[0], non_blocking=True)
+        self._positions[:total].copy_(packed.position_ids[0], non_blocking=True)
+        if self._types is not None and packed.token_type_ids is not None:
+            self._types[:total].copy_(packed.token_type_ids[0], non_blocking=True)
+        self._cu[: items + 1].copy_(packed.cu_seqlens, non_blocking=True)
+        self._cu[items + 1 : key.sequences + 1].fill_(total)  # empty sequences in the unused slots
+
+    def _call(self, key: GraphKey) -> torch.Tensor:
+        tokens = key.tokens
+        types = None if self._types is None else self._types[:tokens].unsqueeze(0)
+        return self._forward(
+            self._ids[:tokens].unsqueeze(0),
+            self._positions[:tokens].unsqueeze(0),
+            self._cu[: key.sequences + 1],
+            key.max_length,
+            types,
+        )
+
+    def _write(self, key: GraphKey) -> None:
+        self._out[: key.tokens].copy_(self._call(key))
