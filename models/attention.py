@@ -7,7 +7,8 @@ decoder architecture keeps its own layers (q/k norms, qkv biases, rotary variant
 
 Two implementations:
 - "reference": exact, per item, in float32 with SDPA (causal, optional sliding window and logit softcap).
-- "varlen": a varlen flash kernel (torch.nn.attention.varlen.varlen_attn by default, CUDA-only), with the
+- "varlen": a varlen flash kernel (torch.nn.attention.varlen.varlen_attn by default, CUDA-only; where its
+  varlen_attn has no grouped-query option, torch's flash kernel called directly, which has one), with the
   kernel injectable so CPU tests can drive the same wrapper logic with an SDPA-based kernel.
 """
 
@@ -188,10 +189,48 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def flash_varlen_gqa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """torch's flash varlen kernel called as varlen_attn calls it, for torch versions whose varlen_attn has
+    no enable_gqa (2.11). The flash kernel itself takes fewer K/V heads than query heads (each K/V head
+    serving consecutive query heads, HF's layout), so K/V need not be repeated to the query's heads."""
+    left, right = window_size
+    output = torch.ops.aten._flash_attention_forward(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        0.0,  # no dropout
+        tuple(window_size) == (-1, 0),  # causal, as varlen_attn decides it
+        return_debug_mask=False,
+        scale=scale,
+        window_size_left=left,
+        window_size_right=right,
+    )[0]
+    result: torch.Tensor = output
+    return result
+
+
 def _default_varlen_kernel() -> VarlenKernel:
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn
+    if kernel_supports_gqa(varlen_attn) or not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return varlen_attn
+    return flash_varlen_gqa
 
 
 _registered_kernels: dict[int, tuple[VarlenKernel, str]] = {}
