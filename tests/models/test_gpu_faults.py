@@ -15,7 +15,10 @@ import torch
 from models import Scorer, ScorerConfig
 from schemas import ErrorCode, ScoreRequest
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 HEADROOM_BYTES = 256 * 2**20  # what the capped allocator leaves beyond the weights and warm-up
 

@@ -1,0 +1,119 @@
+"""The fast GPU path against HuggingFace: the real varlen kernel, the compiled layers and CUDA graphs.
+
+Marked `gpu` and skipped without a CUDA device; run on the GPU machine with
+`python -m pytest -m gpu tests/gpu tests/models/test_gpu_faults.py`. The CPU suite covers the same logic
+with a CPU varlen kernel and a stand-in graph recorder (tests/models/test_cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models import Scorer, ScorerConfig
+from models.tiny import ARCHITECTURES
+from schemas import ScoreRequest, ScoreResult
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+GQA_MODEL = "llama-gqa4-d128-3labels"
+
+
+@pytest.fixture(scope="module")
+def gpu_models() -> Iterator[dict[str, Path]]:
+    from bench.gpu_check import write_models
+
+    with tempfile.TemporaryDirectory() as tmp:
+        yield write_models(Path(tmp))
+
+
+@pytest.mark.parametrize("name", [*ARCHITECTURES, GQA_MODEL])
+def test_every_architecture_matches_float32_hf(name: str, gpu_models: dict[str, Path]) -> None:
+    """bench/gpu_check.py's checks of one model in bf16 with the worker's defaults: scores and hidden states
+    within twice HF's own bf16 error, batch drift, deterministic mode, the varlen kernel, graph replays."""
+    from bench.gpu_check import check_model
+
+    outcomes = check_model(name, gpu_models[name], "cuda", (("bfloat16", "auto"), ("float16", "varlen")))
+    failures = [f"{o.dtype}/{o.attention}: {f}" for o in outcomes for f in o.failures]
+    assert not failures, failures
+
+
+def _requests(count: int, length: int, seed: int, vocab: int = 500) -> list[ScoreRequest]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        ScoreRequest(
+            request_id=f"r{i}",
+            items=(tuple(torch.randint(4, vocab, (length,), generator=generator).tolist()),),
+            return_pooled_hidden_states=True,
+        )
+        for i in range(count)
+    ]
+
+
+def _arrays(results: list[ScoreResult]) -> tuple[np.ndarray, np.ndarray]:
+    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    scores = np.array([r.scores[0] for r in results], dtype=np.float32)
+    hidden = np.stack([r.pooled_hidden_states[0].to_numpy().astype(np.float32) for r in results])  # type: ignore[index]
+    return scores, hidden
+
+
+@pytest.mark.parametrize("count", [1, 7, 64])
+def test_a_replayed_graph_scores_the_batch_it_is_given(count: int, tiny_qwen3_dir: Path) -> None:
+    """Recorded on one batch, replayed on another of the same shape: the second batch's own results, as the
+    same compiled layers give them without graphs (bf16: padding changes the matmul tiling: not bitwise)."""
+    graphed = Scorer(tiny_qwen3_dir, ScorerConfig(device="cuda", dtype="bfloat16"))
+    plain = Scorer(tiny_qwen3_dir, ScorerConfig(device="cuda", dtype="bfloat16", cuda_graphs="off"))
+    assert graphed.graphs is not None and plain.graphs is None and graphed.info.cuda_graphs
+    for seed in (1, 3):  # a shape is recorded at its second batch
+        graphed.score(_requests(count, 100, seed=seed))
+    second = _requests(count, 100, seed=2)
+    got_scores, got_hidden = _arrays(graphed.score(second))
+    assert graphed.graphs.recorded == 1 and graphed.graphs.replays == 1
+    want_scores, want_hidden = _arrays(plain.score(second))
+    scale = max(1.0, float(np.abs(want_scores).max()))
+    np.testing.assert_allclose(got_scores, want_scores, atol=2e-2 * scale, rtol=0)
+    relative = np.linalg.norm(got_hidden - want_hidden, axis=1) / np.linalg.norm(want_hidden, axis=1)
+    assert relative.max() < 1e-2
+    # And not the first batch's results: the inputs were read from the buffers at replay.
+    _, first_hidden = _arrays(plain.score(_requests(count, 100, seed=1)))
+    apart = np.linalg.norm(got_hidden - first_hidden, axis=1) / np.linalg.norm(first_hidden, axis=1)
+    assert apart.min() > 0.1
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (7, 0), (-1, -1)])
+def test_flash_kernel_takes_grouped_kv_heads_unrepeated(window: tuple[int, int]) -> None:
+    """The direct flash call (torch versions whose varlen_attn has no enable_gqa) against varlen_attn on
+    K/V repeated to the query's heads: causal, a sliding window and both ways (encoders)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from models.attention import flash_varlen_gqa
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [5, 130, 1, 64]
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device="cuda")
+    total, heads, kv_heads, dim = sum(lengths), 8, 2, 128
+    q, k, v = (
+        torch.randn(total, h, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    got = flash_varlen_gqa(q, k, v, cu, cu, max(lengths), max(lengths), window_size=window, enable_gqa=True)
+    groups = heads // kv_heads
+    want = varlen_attn(
+        q,
+        k.repeat_interleave(groups, dim=1),
+        v.repeat_interleave(groups, dim=1),
+        cu,
+        cu,
+        max(lengths),
+        max(lengths),
+        window_size=window,
+    )
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
