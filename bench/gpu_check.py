@@ -6,7 +6,9 @@ attention and head_dim 128) and each dtype, one mixed batch (single items of 1..
 with a query, item_first, text items, mixed hidden-state flags and dtypes, apply_softmax, one invalid
 request) is scored in several packs, compared with per-prompt HF float32 forwards, and with the same
 requests scored one at a time. An error is accepted when it is within twice HF's own error in that dtype plus
-a small floor. Prints PASS/FAIL lines with the numbers; writes $OUT/gpu_check.json; exits 1 on any FAIL.
+a small floor. The Scorer runs with the worker's defaults: compiled decoder layers, and CUDA graphs replaying
+the packs (a varlen check fails when none was replayed). Prints PASS/FAIL lines with the numbers; writes
+$OUT/gpu_check.json; exits 1 on any FAIL.
 """
 
 from __future__ import annotations
@@ -313,6 +315,23 @@ def check_one(case: Case, dtype: str, attention: Attention, same_model: torch.nn
     outcome.numbers["path"] = scorer.attention  # a model that cannot run packed takes the plain path
     if scorer.attention != "varlen":
         return outcome
+    # Every pack here is under graph_max_tokens; a shape is recorded at its second batch and replayed from
+    # its third, which must give the batch's own results again.
+    graphs = scorer.graphs
+    if case.device == "cuda":
+        first = flatten(scorer.score(requests[:3]), prepared[:3])
+        for _ in range(2):
+            again = flatten(scorer.score(requests[:3]), prepared[:3])
+        replay_drift = float(np.abs(again["scores"] - first["scores"]).max())
+        outcome.numbers["replay_drift"] = replay_drift
+        outcome.expect(
+            replay_drift <= FLOORS[dtype][0] * max(1.0, float(np.abs(first["scores"]).max())),
+            f"replay drift {replay_drift:.2e}",
+        )
+        outcome.numbers["graphs"] = "none" if graphs is None else f"{graphs.recorded}rec/{graphs.replays}rep"
+        outcome.expect(
+            graphs is not None and graphs.enabled and graphs.replays > 0, "no CUDA graph was replayed"
+        )
     kernels = varlen_kernel_names(scorer, requests[:3])
     outcome.numbers["attention_kernels"] = len(kernels)
     outcome.expect(

@@ -2,8 +2,9 @@
 
 Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/latency.py
 
-Times `Scorer.score` (tokens in, results with pooled hidden states out) with eager and with compiled decoder
-layers, and HF's own bf16 forward on the same batch, all in one process; checks every path's scores and
+Times `Scorer.score` (tokens in, results with pooled hidden states out) with eager layers, with compiled
+layers, and with compiled layers replayed from CUDA graphs (the default), and HF's own bf16 forward on the
+same batch, all in one process; checks every path's scores and
 hidden states against a float32 HF reference and exits 1 when they are wrong. Writes $OUT/latency.json.
 """
 
@@ -25,6 +26,7 @@ import torch
 from bench import hf_paths, packed_path
 from bench.common import QWEN3_06B_SHAPES, environment, out_dir
 from bench.hf_paths import PathOutput
+from bench.profiling import kernel_breakdown, print_breakdown
 
 QWEN3_06B = QWEN3_06B_SHAPES
 TOKENS = 100
@@ -88,9 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     requests = packed_path.make_requests(rows)
     with tempfile.TemporaryDirectory(dir="/tmp") as workdir:
         packed_path.save_model_dir(model, Path(workdir) / "m")
+        model_dir = Path(workdir) / "m"
         scorers = {
-            "scorer_eager": packed_path.make_scorer(Path(workdir) / "m", 16384, compile="off"),
-            "scorer_compiled": packed_path.make_scorer(Path(workdir) / "m", 16384, compile="auto"),
+            "scorer_eager": packed_path.make_scorer(model_dir, 16384, compile="off", cuda_graphs="off"),
+            "scorer_compiled": packed_path.make_scorer(model_dir, 16384, compile="auto", cuda_graphs="off"),
+            "scorer_graphs": packed_path.make_scorer(model_dir, 16384),  # the defaults: compiled + graphs
         }
     timings: dict[str, dict[str, Any]] = {}
     outputs: dict[str, PathOutput] = {"hf_bf16": hf_forward(model, rows)}
@@ -102,8 +106,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             timings[f"{name}/{case}"] = percentiles(
                 lambda s=scorer, c=case: s.score(requests[:c]), 10, args.repeats
             )
+        # The model step without the request checks and prompt building that score() also does.
+        graphed = scorers["scorer_graphs"]
+        prepared = [graphed.prepare(r) for r in requests[:case]]
+        timings[f"scorer_graphs_prepared/{case}"] = percentiles(
+            lambda s=graphed, p=prepared: s.score_prepared(p), 10, args.repeats
+        )
     for name, scorer in scorers.items():
         outputs[name] = packed_path.results_to_arrays(scorer.score(requests), QWEN3_06B["hidden_size"])
+    # Where the 64-request model step goes on the GPU (kernels replayed from the graph).
+    graphed = scorers["scorer_graphs"]
+    prepared = [graphed.prepare(r) for r in requests]
+    report["profile_64"] = kernel_breakdown(lambda: graphed.score_prepared(prepared), top=8)
+    print_breakdown("scorer_graphs, 64 requests", timings["scorer_graphs_prepared/64"]["p50_ms"] / 1e3,
+                    report["profile_64"])  # fmt: skip
+    counted = scorers["scorer_graphs"].graphs
+    graph_counts = {"recorded": counted.recorded, "replays": counted.replays}
     del scorers, model
     torch.cuda.empty_cache()
     reference = hf_forward(build_model(torch.float32), rows)
@@ -114,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{'path / requests of 100 tokens':<32}{'p50 ms':>10}{'p90 ms':>10}")
     for key, value in timings.items():
         print(f"{key:<32}{value['p50_ms']:>10.2f}{value['p90_ms']:>10.2f}")
-    report.update(timings=timings, correctness=checks, bound=bound)
+    report.update(timings=timings, correctness=checks, bound=bound, graphs=graph_counts)
+    print(f"CUDA graphs recorded {graph_counts['recorded']}, replayed {graph_counts['replays']}")
     target = (out_dir() or Path(".")) / "latency.json"
     target.write_text(json.dumps(report, indent=2))
     print(f"wrote {target}")

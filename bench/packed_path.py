@@ -64,6 +64,7 @@ def make_scorer(
     dtype: str = "bfloat16",
     deterministic: bool = False,
     compile: str = "auto",
+    cuda_graphs: str = "auto",
 ) -> Any:
     from models import Scorer, ScorerConfig
 
@@ -74,6 +75,7 @@ def make_scorer(
         max_batch_tokens=max_batch_tokens,
         deterministic=deterministic,
         compile=compile,  # type: ignore[arg-type]
+        cuda_graphs=cuda_graphs,  # type: ignore[arg-type]
     )
     return Scorer(str(model_dir), config)
 

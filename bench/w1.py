@@ -59,6 +59,7 @@ QUICK_SHAPES: dict[str, Any] = {
     "max_position_embeddings": 4096,
 }
 HF8 = "hf_sdpa_padded8_arrival"
+HF32S = "hf_sdpa_padded32_sorted"
 
 
 def build_model(shapes: dict[str, Any]) -> torch.nn.Module:
@@ -122,7 +123,7 @@ def measure(name: str, run: Callable[[], Any], warmup: Callable[[], Any], repeat
 def hf_runs(model: torch.nn.Module, work: Workload, repeats: int) -> list[dict[str, Any]]:
     """(b) padded batches of 8 in arrival order and (c) batches of 32 sorted by length; SDPA, bf16."""
     runs = []
-    for name, size, sort in ((HF8, 8, False), ("hf_sdpa_padded32_sorted", 32, True)):
+    for name, size, sort in ((HF8, 8, False), (HF32S, 32, True)):
         batches = hf_paths.padded_batches(work.lengths, size, sort)
 
         def run(batches: Sequence[Sequence[int]] = batches) -> PathOutput:
@@ -143,12 +144,14 @@ def packed_run(
     workdir: Path,
     deterministic: bool = False,
     eager: bool = False,
+    budgets: Sequence[int] = (),
 ) -> dict[str, Any]:
     """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request,
     its decoder layers compiled (the default on CUDA).
 
     With `deterministic`, the batch-invariant setting (every item alone): its cost, one pass, no profile.
     With `eager`, the same path with the layers left eager: what compiling them gains, in the same run.
+    `budgets`: other token budgets to time one pass each with the same Scorer (result["sweep_runs"]).
     """
     name = "packed_deterministic" if deterministic else "packed_eager" if eager else "packed_varlen"
     model_dir = workdir / "w1-model"
@@ -158,10 +161,9 @@ def packed_run(
     else:
         save_s = 0.0
     compile = "off" if eager else "auto"
+    largest = max([max_batch_tokens, *budgets])  # the Scorer must not cut the sweep's batches
     scorer, load_s = timed(
-        lambda: packed_path.make_scorer(
-            model_dir, max_batch_tokens, deterministic=deterministic, compile=compile
-        )
+        lambda: packed_path.make_scorer(model_dir, largest, deterministic=deterministic, compile=compile)
     )
     print(f"  Scorer loaded in {load_s:.1f} s", flush=True)
     requests = packed_path.make_requests(work.token_ids)
@@ -181,6 +183,18 @@ def packed_run(
     result.update(batches=len(chunks), save_seconds=save_s, load_seconds=load_s, compiled=scorer.compiled)
     if deterministic or eager:
         return result
+    result["sweep_runs"] = {}
+    for budget in budgets:
+        cut = token_budget_chunks(work.lengths, budget)
+        run = measure(
+            f"{name}@{budget}",
+            lambda cut=cut: packed_path.run_scorer(scorer, requests, cut),
+            lambda cut=cut: packed_path.run_scorer(scorer, requests, cut[:2]),
+            1,
+        )
+        run["output"] = packed_path.results_to_arrays(run["output"], hidden_size)
+        run.update(batches=len(cut), max_batch_tokens=budget)
+        result["sweep_runs"][run["name"]] = run
     # The worker's start-up self-check on this 8B model: it must cost seconds, not minutes.
     from models.selfcheck import run_self_check
 
@@ -261,6 +275,7 @@ def verdict(checks: dict[str, Any]) -> list[str]:
 def table(runs: dict[str, dict[str, Any]], tokens: int, roofline_tps: float) -> list[dict[str, Any]]:
     """Rows of path, tokens/s, % of roofline and ratio vs HF padded-8 (same process, same inputs)."""
     base = runs[HF8]["best_seconds"] if HF8 in runs else None
+    sorted32 = runs[HF32S]["best_seconds"] if HF32S in runs else None
     rows = []
     for name, run in runs.items():
         tps = tokens / run["best_seconds"]
@@ -270,6 +285,7 @@ def table(runs: dict[str, dict[str, Any]], tokens: int, roofline_tps: float) -> 
                 "tokens_per_s": tps,
                 "pct_roofline": 100.0 * tps / roofline_tps,
                 "ratio_vs_hf8": (base / run["best_seconds"]) if base else None,
+                "ratio_vs_hf32_sorted": (sorted32 / run["best_seconds"]) if sorted32 else None,
                 "passes_s": run["seconds"],
                 "peak_memory_gib": run["peak_memory_gib"],
             }
@@ -288,12 +304,14 @@ def print_summary(rows: list[dict[str, Any]], roofline: dict[str, Any], checks: 
         f"layer projections alone at M={gemms['tokens']:.0f}: {gemms['tflops']:.0f} TFLOP/s, "
         f"{gemms['tokens_per_s_gemm_only']:.0f} tokens/s if a forward were only those matmuls"
     )
-    print(f"{'path':<28}{'tokens/s':>12}{'% roofline':>12}{'vs HF pad-8':>13}{'peak GiB':>10}")
+    header = f"{'path':<28}{'tokens/s':>12}{'% roofline':>12}{'vs HF pad-8':>13}{'vs HF sorted-32':>17}"
+    print(f"{header}{'peak GiB':>10}")
     for row in rows:
         ratio = f"{row['ratio_vs_hf8']:.2f}x" if row["ratio_vs_hf8"] else "-"
+        ratio32 = f"{row['ratio_vs_hf32_sorted']:.2f}x" if row["ratio_vs_hf32_sorted"] else "-"
         print(
             f"{row['path']:<28}{row['tokens_per_s']:>12.0f}{row['pct_roofline']:>11.1f}%"
-            f"{ratio:>13}{row['peak_memory_gib']:>10.1f}"
+            f"{ratio:>13}{ratio32:>17}{row['peak_memory_gib']:>10.1f}"
         )
     print(
         f"\ncorrectness (float32 HF reference on {len(checks.get('fp32_subset', []))} requests, "
@@ -330,6 +348,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--no-deterministic", action="store_true", help="skip the pass with the deterministic setting"
     )
+    parser.add_argument(
+        "--budgets",
+        type=lambda text: [int(part) for part in text.split(",") if part],
+        default=[4096, 8192, 32768, 65536],
+        help="other token budgets timed (one pass each) with the compiled Scorer; '' for none",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per path; the best is reported")
     parser.add_argument("--fp32-requests", type=int, default=16, help="requests in the float32 reference")
     parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/w1.json)")
@@ -354,8 +378,9 @@ def run_paths(args: argparse.Namespace, model: torch.nn.Module, work: Workload) 
                 gc.collect()
                 torch.cuda.empty_cache()
             runs["packed_varlen"] = packed_run(
-                model, work, args.max_batch_tokens, args.repeats, Path(workdir)
+                model, work, args.max_batch_tokens, args.repeats, Path(workdir), budgets=args.budgets
             )
+            runs.update(runs["packed_varlen"].pop("sweep_runs", {}))
             gc.collect()
             torch.cuda.empty_cache()
             if not args.no_deterministic:

@@ -4,7 +4,8 @@ Run on the GPU machine from the repository root (needs aiokafka, pydantic-settin
     PYTHONPATH=. python3 bench/w2.py [--quick]
 Phases: saturation (all requests produced at once; items/s first send to last result), latency (produced at
 half that rate; p50/p90/p99 produce-to-result), the latency phase again with the worker's fetch wait cut to
-10 ms (a diagnostic), then the model step alone (Scorer.score_prepared on the batches the worker formed, and
+10 ms (a diagnostic), one request in flight at a time (each sent when the previous result arrived; same short
+fetch wait), then the model step alone (Scorer.score_prepared on the batches the worker formed, and
 on full token-budget batches). Writes $OUT/w2.json (or --json PATH).
 """
 
@@ -27,10 +28,18 @@ from pathlib import Path
 from queue import Empty
 from typing import Any
 
+import numpy as np
 import torch
 
-from bench import packed_path, w2_load
-from bench.common import QWEN3_06B_SHAPES, GpuSampler, environment, out_dir, token_budget_chunks
+from bench import hf_paths, packed_path, w2_load
+from bench.common import (
+    QWEN3_06B_SHAPES,
+    GpuSampler,
+    environment,
+    out_dir,
+    relative_errors,
+    token_budget_chunks,
+)
 from bench.w2_observe import RecordingScorer, Sampler, watch_loop, window_stats
 from models import Scorer, ScorerConfig
 from worker.app import ScoreWorker
@@ -40,7 +49,7 @@ from worker.metrics import WorkerMetrics
 from worker.publisher import result_record
 from worker.topics import ensure_topics
 
-PHASES = ("warmup", "saturation", "latency", "warmup_short_fetch", "latency_short_fetch")
+PHASES = ("warmup", "saturation", "latency", "warmup_short_fetch", "latency_short_fetch", "one_in_flight")
 W2_SHAPES = QWEN3_06B_SHAPES
 QUICK_SHAPES: dict[str, Any] = {
     **W2_SHAPES,
@@ -296,6 +305,7 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
         a, b = phase["t_first_send"], phase.get("t_last_result", phase["t_end"])
         phase["worker"] = window_stats(a, b, recorder.batches, loop, args.max_batch_tokens)
         phase["worker"].update(sampler.window(a, b))
+    report["correctness"] = check_sample(model_dir, device, report.pop("sample", []))
     sat = report["saturation"]
     groups = [r.prepared for r in recorder.batches if sat["t_first_send"] <= r.start <= sat["t_last_result"]]
     flat = [p for group in groups for p in group]
@@ -306,6 +316,46 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
         scorer, [[flat[i] for i in c] for c in chunks], settings, cap
     )
     return report
+
+
+def check_sample(model_dir: Path, device: str, sample: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Results that came back through the broker at saturation against HF float32, item by item. The bound
+    is twice HF's own bf16 error on the same items plus 5% of the score scale (2% for the hidden states'
+    relative error); a non-finite value or a missing sample fails too."""
+    from transformers import AutoModelForSequenceClassification
+
+    rows = [torch.tensor(item) for entry in sample for item in entry["items"]]
+    scores = np.array([row for entry in sample for row in entry["scores"]], dtype=np.float32)
+    # Items of the requests that asked for hidden states, as indices into `rows`, and their states.
+    owners = [k for k, entry in enumerate(sample) for _ in entry["items"]]
+    hidden_rows = [r for r, k in enumerate(owners) if sample[k]["hidden"] is not None]
+    hidden = np.array([h for entry in sample if entry["hidden"] is not None for h in entry["hidden"]])
+    half = torch.bfloat16 if device == "cuda" else torch.float32
+    outputs = {}
+    for dtype in (torch.float32, half):
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        outputs[dtype] = hf_paths.run_reference(model, rows)
+        del model
+    reference, hf_half = outputs[torch.float32], outputs[half]
+    scale = max(1.0, float(np.abs(reference.scores).max()))
+    hf_err = float(np.abs(hf_half.scores - reference.scores).max())
+    err = float(np.abs(scores - reference.scores).max())
+    hidden_err = float(relative_errors(hidden, reference.hidden[hidden_rows]).max()) if hidden_rows else 0.0
+    hf_hidden_err = float(relative_errors(hf_half.hidden, reference.hidden).max())
+    bound, hidden_bound = 2 * hf_err + 0.05 * scale, 2 * hf_hidden_err + 0.02
+    finite = bool(np.isfinite(scores).all() and np.isfinite(hidden).all())
+    return {
+        "requests": len(sample),
+        "items": len(rows),
+        "hidden_items": len(hidden_rows),
+        "max_abs_score_diff": err,
+        "hf_bf16_max_abs_score_diff": hf_err,
+        "score_bound": bound,
+        "hidden_rel_err_max": hidden_err,
+        "hf_bf16_hidden_rel_err_max": hf_hidden_err,
+        "hidden_bound": hidden_bound,
+        "ok": finite and len(sample) > 0 and err <= bound and hidden_err <= hidden_bound,
+    }
 
 
 def e2e_rates(sat: dict[str, Any]) -> tuple[float, float]:
@@ -354,6 +404,15 @@ def print_summary(report: dict[str, Any]) -> None:
             print_latency(report[name], items_s, label)
         else:
             print(f"{name} phase skipped: {report.get(name + '_skipped')}")
+    if "one_in_flight" in report:
+        one, ow = report["one_in_flight"], report["one_in_flight"]["worker"]
+        lt = one["latency"]
+        print(
+            f"one request in flight, fetch_max_wait_ms 10 ({one['completed']}/{one['requests']} done): "
+            f"p50 {lt.get('p50_ms', 0):.1f} ms, p90 {lt.get('p90_ms', 0):.1f}, "
+            f"p99 {lt.get('p99_ms', 0):.1f}; "
+            f"the worker's score_prepared p50 {_ms(ow['score_prepared_ms'], 'p50')} ms"
+        )
 
 
 def print_latency(lat: dict[str, Any], saturation_items_s: float, label: str) -> None:
@@ -388,6 +447,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = args.json or ((out_dir() or Path(".")) / ("w2-quick.json" if args.quick else "w2.json"))
     target.write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {target}")
+    check = report.get("correctness")
+    if check is not None:
+        print(
+            f"correctness through the broker against float32 HF ({check['items']} items of "
+            f"{check['requests']} requests): max |dscore| {check['max_abs_score_diff']:.4f} "
+            f"(bound {check['score_bound']:.4f}), hidden rel err max {check['hidden_rel_err_max']:.2e} "
+            f"(bound {check['hidden_bound']:.2e})"
+        )
+    if check is None or not check["ok"]:
+        print("W2 FAILED: the results it timed were not checked, or are wrong", file=sys.stderr)
+        return 1
     return 1 if "error" in report else 0
 
 

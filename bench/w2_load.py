@@ -42,6 +42,8 @@ class LoadConfig:
     latency_fraction: float = 0.5
     latency_seconds: float = 20.0
     latency_timeout_s: float = 30.0
+    sample: int = 24  # saturation results returned whole, for the float32 check
+    one_in_flight: int = 200  # requests sent one after another's result, after the short-fetch restart
     # Absolute time.monotonic() by which every phase must be over (results included): bounds the run.
     deadline: float = math.inf
 
@@ -107,6 +109,9 @@ class Loader:
         self._wants_hidden: dict[str, bool] = {}
         self._received: dict[str, float] = {}
         self._bad: list[str] = []
+        # Results kept whole, to be checked against float32 by the main process: id -> scores, hidden.
+        self.keep: set[str] = set()
+        self.kept: dict[str, dict[str, Any]] = {}
         self._arrived = asyncio.Event()
         self._reader: asyncio.Task[None] | None = None
 
@@ -156,6 +161,14 @@ class Loader:
             return  # another phase's id, or a redelivered duplicate: only the first arrival counts
         self._received[rid] = now
         hidden = result.pooled_hidden_states is not None
+        if rid in self.keep:
+            states = result.pooled_hidden_states
+            self.kept[rid] = {
+                "scores": [list(row) for row in result.scores],
+                "hidden": None
+                if states is None
+                else [t.to_numpy().astype(np.float32).tolist() for t in states],
+            }
         if result.status is not ResultStatus.OK or hidden != self._wants_hidden[rid]:
             self._bad.append(f"{rid}: {result.status.value} {result.error} hidden={hidden}")
 
@@ -204,6 +217,7 @@ class Loader:
             "t_first_send": self._sent[ids[0]],
             "t_last_result": last,
             "latency": latency_summary(latencies),
+            "latencies_ms": sorted(round(1000.0 * x, 3) for x in latencies),
             "bad_results": len(self._bad),
             "bad_examples": self._bad[:3],
             **extra,
@@ -256,6 +270,17 @@ class Loader:
         )
         return report
 
+    async def one_at_a_time(self, requests: Sequence[ScoreRequest], prefix: str) -> dict[str, Any]:
+        """Each request produced only after the previous one's result arrived: the latency floor."""
+        encoded = self._encode(requests, prefix)
+        cpu0 = time.process_time()
+        for rid, value, hidden in encoded:
+            await (await self._send(rid, value, hidden))
+            await self.wait_results([rid], min(time.monotonic() + 10, self._config.deadline))
+        report = self._phase_report(requests, [rid for rid, _, _ in encoded])
+        report.update(t_end=time.monotonic(), loader_cpu_s=time.process_time() - cpu0)
+        return report
+
 
 def _progress(name: str, phase: dict[str, Any]) -> None:
     # The run takes minutes: say where it is, in the log, as each phase ends.
@@ -288,9 +313,15 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
         _progress("warm-up", report["warmup"])
         # Leave the latency phases their time: produce-to-last-result is bounded by what remains before them.
         reserve = 2 * (config.latency_seconds + config.latency_timeout_s)
+        loader.keep = {f"sat-{i}" for i in range(config.sample)}
         sat_timeout = min(config.saturation_timeout_s, config.deadline - time.monotonic() - reserve)
         sat = await loader.burst(requests, "sat", max(sat_timeout, 10.0))
         report["saturation"] = sat
+        report["sample"] = [
+            {"items": [list(item) for item in requests[i].items], **loader.kept[f"sat-{i}"]}
+            for i in range(config.sample)
+            if f"sat-{i}" in loader.kept
+        ]
         _progress("saturation", sat)
         if sat["completed"] < sat["requests"]:
             # The backlog would distort the latency phase: wait for it (bounded), else skip that phase.
@@ -313,6 +344,9 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
         report["warmup_short_fetch"] = await loader.burst(warm[:16], "warm2", config.warmup_timeout_s)
         report["latency_short_fetch"] = await loader.paced(requests[:count], "lat2", rate)
         _progress("latency, worker fetch_max_wait_ms 10", report["latency_short_fetch"])
+        if config.deadline - time.monotonic() > 15:
+            report["one_in_flight"] = await loader.one_at_a_time(requests[: config.one_in_flight], "one")
+            _progress("one request in flight, worker fetch_max_wait_ms 10", report["one_in_flight"])
     finally:
         await loader.stop()
     return report

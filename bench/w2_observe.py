@@ -186,6 +186,7 @@ def window_stats(
         "copy_s": copy,
         "host_in_scorer_s": scorer_s - forward - copy,
         "forward_tokens_per_s": sum(r.tokens for r in inside) / max(forward, 1e-9),
+        "score_prepared_ms": {k: 1000.0 * v for k, v in _spread([r.end - r.start for r in inside]).items()},
         "copy_share_pct": 100.0 * copy / max(forward + copy, 1e-12),
         "hidden_rows": sum(r.hidden_rows for r in inside),
         "hidden_bytes": sum(r.hidden_bytes for r in inside),
