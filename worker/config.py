@@ -181,7 +181,7 @@ class WorkerSettings(KafkaSecurity):
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto",
         description="replay small batches from recorded CUDA graphs (one launch instead of hundreds; each "
-        "new batch shape is recorded once); auto: on for the varlen path on CUDA",
+        "batch shape is recorded at its second batch); auto: on for the varlen path on CUDA",
     )
     graph_max_tokens: int = Field(
         8192, ge=1, description="the largest batch (tokens) that CUDA graphs replay; larger ones run as usual"
