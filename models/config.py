@@ -8,6 +8,7 @@ from typing import Any, Literal, cast
 
 import torch
 
+from models.graphs import Recorder
 from models.packing import POOLINGS, Pooling
 
 AttentionChoice = Literal["auto", "varlen", "reference"]
@@ -23,8 +24,6 @@ _DTYPES: dict[str, torch.dtype] = {
 # A varlen kernel with the signature of torch.nn.attention.varlen.varlen_attn:
 # (q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, ...)
 VarlenKernel = Callable[..., Any]
-# Records a packed forward and returns what replays it (models.graphs.Recorder); CUDA graphs by default.
-GraphRecorder = Callable[[Callable[[], None]], Callable[[], None]]
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class ScorerConfig:
     cuda_graphs: GraphChoice = "auto"
     graph_max_tokens: int = 8192
     # Replaces CUDA graph recording; lets CPU tests drive the padding and buffer logic of the graphed path.
-    graph_recorder: GraphRecorder | None = None
+    graph_recorder: Recorder | None = None
     # Load pickle weights (pytorch_model.bin) when there are no safetensors: unpickling can run code.
     allow_pickle_weights: bool = False
 
