@@ -11,6 +11,7 @@ hidden states against a float32 HF reference and exits 1 when they are wrong. Wr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -89,13 +90,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [torch.randint(1, QWEN3_06B["vocab_size"], (TOKENS,), generator=gen) for _ in range(max(CASES))]
     requests = packed_path.make_requests(rows)
     with tempfile.TemporaryDirectory(dir="/tmp") as workdir:
-        packed_path.save_model_dir(model, Path(workdir) / "m")
         model_dir = Path(workdir) / "m"
+        packed_path.save_model_dir(model, model_dir)
         scorers = {
             "scorer_eager": packed_path.make_scorer(model_dir, 16384, compile="off", cuda_graphs="off"),
             "scorer_compiled": packed_path.make_scorer(model_dir, 16384, compile="auto", cuda_graphs="off"),
             "scorer_graphs": packed_path.make_scorer(model_dir, 16384),  # the defaults: compiled + graphs
         }
+    graphed = scorers["scorer_graphs"]
     timings: dict[str, dict[str, Any]] = {}
     outputs: dict[str, PathOutput] = {"hf_bf16": hf_forward(model, rows)}
     for case in CASES:
@@ -107,22 +109,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lambda s=scorer, c=case: s.score(requests[:c]), 10, args.repeats
             )
         # The model step without the request checks and prompt building that score() also does.
-        graphed = scorers["scorer_graphs"]
         prepared = [graphed.prepare(r) for r in requests[:case]]
         timings[f"scorer_graphs_prepared/{case}"] = percentiles(
             lambda s=graphed, p=prepared: s.score_prepared(p), 10, args.repeats
         )
     for name, scorer in scorers.items():
         outputs[name] = packed_path.results_to_arrays(scorer.score(requests), QWEN3_06B["hidden_size"])
-    # Where the 64-request model step goes on the GPU (kernels replayed from the graph).
-    graphed = scorers["scorer_graphs"]
-    prepared = [graphed.prepare(r) for r in requests]
-    report["profile_64"] = kernel_breakdown(lambda: graphed.score_prepared(prepared), top=8)
+    # Where the 64-request model step goes on the GPU (kernels replayed from the graph); `prepared` holds
+    # the last, largest case.
+    report["profile_64"] = kernel_breakdown(functools.partial(graphed.score_prepared, prepared), top=8)
     print_breakdown("scorer_graphs, 64 requests", timings["scorer_graphs_prepared/64"]["p50_ms"] / 1e3,
                     report["profile_64"])  # fmt: skip
-    counted = scorers["scorer_graphs"].graphs
+    counted = graphed.graphs
     graph_counts = {"recorded": counted.recorded, "replays": counted.replays}
-    del scorers, model
+    del scorers, graphed, model
     torch.cuda.empty_cache()
     reference = hf_forward(build_model(torch.float32), rows)
     hf_err = float(np.max(np.abs(outputs["hf_bf16"].scores.reshape(-1) - reference.scores.reshape(-1))))

@@ -206,7 +206,7 @@ def flash_varlen_gqa(
     no enable_gqa (2.11). The flash kernel itself takes fewer K/V heads than query heads (each K/V head
     serving consecutive query heads, HF's layout), so K/V need not be repeated to the query's heads."""
     left, right = window_size
-    output = torch.ops.aten._flash_attention_forward(
+    output: torch.Tensor = torch.ops.aten._flash_attention_forward(
         query,
         key,
         value,
@@ -221,8 +221,7 @@ def flash_varlen_gqa(
         window_size_left=left,
         window_size_right=right,
     )[0]
-    result: torch.Tensor = output
-    return result
+    return output
 
 
 def _default_varlen_kernel() -> VarlenKernel:

@@ -18,8 +18,8 @@ token ids and positions, so no kernel can fault on them.
 A shape is recorded when it comes a second time (the first batch of a shape takes the ordinary forward, the
 second runs once on the buffers, which is its result, and is then recorded; later ones replay). Graphs share
 one memory pool (they never run at once), copy their output into one buffer, and the least recently used is
-dropped beyond `capacity`. A recording that fails turns graphs off
-for the process with a warning; every batch then takes the ordinary forward.
+dropped beyond `capacity`. A recording that fails turns graphs off for the process with a warning; every
+batch then takes the ordinary forward.
 """
 
 from __future__ import annotations
