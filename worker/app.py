@@ -13,6 +13,7 @@ from aiokafka.structs import TopicPartition
 from models import ModelInfo
 from worker.config import WorkerSettings
 from worker.errors import ModelStuckError
+from worker.gc_pauses import GcPauses, freeze_startup_heap
 from worker.health import Readiness
 from worker.intake import Intake, ScorerLike, record_size
 from worker.metrics import WorkerMetrics
@@ -99,12 +100,16 @@ class ScoreWorker:
         intake = Intake(settings, self._scorer, self.metrics)
         self._pipeline = Pipeline(settings, intake, self.metrics, self._sink.deliver, self._spawn)
         self._source = Source(settings, self.metrics, self.readiness, self._on_revoked)
+        if settings.gc_freeze:
+            frozen = freeze_startup_heap()
+            log.info("%d objects alive at start (model, libraries) frozen out of garbage collection", frozen)
         try:
-            await self._sink.start(self._source.consumer.commit)
-            try:
-                await self._run_source()
-            finally:
-                await self._sink.stop()
+            with GcPauses(self.metrics.gc_paused):
+                await self._sink.start(self._source.consumer.commit)
+                try:
+                    await self._run_source()
+                finally:
+                    await self._sink.stop()
         finally:
             self._pipeline.close()
             self.readiness.update(group_joined=False)

@@ -197,6 +197,11 @@ class WorkerSettings(KafkaSecurity):
     max_batch_tokens: int = Field(8192, gt=0, description="token budget of one model batch")
     max_batch_requests: int = Field(64, gt=0, description="most requests in one model batch")
     max_wait_ms: int = Field(5, ge=0, le=60_000, description="longest wait after a batch's first request")
+    gc_freeze: bool = Field(
+        True,
+        description="at start, move the objects alive then (the model, its libraries) out of the garbage "
+        "collector's scans: each full collection otherwise pauses every thread for a tenth of a second",
+    )
     max_inflight_requests: int = Field(
         1024, gt=0, description="fetched but unpublished requests above which fetching pauses"
     )

@@ -35,7 +35,11 @@ RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # Label names a worker metric may carry: each has a small, fixed set of values (never a request id).
-BOUNDED_LABELS = frozenset({"model", "worker", "code", "status", "reason", "dtype", "topic", "partition"})
+BOUNDED_LABELS = frozenset(
+    {"model", "worker", "code", "status", "reason", "dtype", "topic", "partition", "generation"}
+)
+# Garbage-collector pauses: tens of microseconds for the youngest generation, up to seconds for a full scan.
+GC_PAUSE_BUCKETS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 OK_CODE = "none"  # the code label of results that succeeded
 
 DeviceMemory = Callable[[], tuple[int, int] | None]
@@ -147,6 +151,10 @@ class WorkerMetrics:
         self.lag = gauge(
             "consumer_lag", "records behind: high-water mark minus position", "topic", "partition"
         )
+        self.gc_pause = Histogram(
+            f"{PREFIX}_gc_pause_seconds", "garbage-collector pauses while the worker runs (all threads wait)",
+            _labels(("generation",)), buckets=GC_PAUSE_BUCKETS, registry=r,
+        )  # fmt: skip
 
     # -- set-up -----------------------------------------------------------------------------------------
 
@@ -179,6 +187,8 @@ class WorkerMetrics:
             self.inflight, self.inflight_bytes, self.paused,
         ):  # fmt: skip
             metric.labels(info.name, self.worker)
+        for generation in (0, 1, 2):
+            self.gc_pause.labels(info.name, self.worker, str(generation))
 
     def _of(self, metric: Any, *extra: str) -> Any:
         return metric.labels(self._model or "", self.worker, *extra)
@@ -195,6 +205,9 @@ class WorkerMetrics:
     def fetched(self, records: int, size_bytes: int) -> None:
         self._of(self.requests).inc(records)
         self._of(self.inflight_bytes).inc(size_bytes)
+
+    def gc_paused(self, generation: int, seconds: float) -> None:
+        self._of(self.gc_pause, str(generation)).observe(seconds)
 
     def tokenized(self, seconds: float) -> None:
         self._of(self.tokenize).observe(seconds)

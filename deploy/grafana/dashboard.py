@@ -202,6 +202,12 @@ def resources(d: Layout) -> None:
     d.panel(
         "Process CPU", [(per_worker(f"rate(process_cpu_seconds_total[{RI}])"), "{{worker}}")], "percentunit"
     )
+    d.panel("Garbage-collector pause p99 (every thread waits)", [
+        (quantile(0.99, "gc_pause_seconds", "generation"), "generation {{generation}}"),
+    ], "s", width=12)  # fmt: skip
+    d.panel("Share of time in garbage-collector pauses", [
+        (rate("gc_pause_seconds_sum", "generation"), "generation {{generation}}"),
+    ], "percentunit", width=12)  # fmt: skip
     d.panel(
         "Model",
         [

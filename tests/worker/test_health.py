@@ -148,8 +148,10 @@ def test_metric_names_units_and_labels_follow_the_conventions() -> None:
     result = ScoreResult.failure("request-id-must-not-be-a-label", "INVALID_REQUEST", "bad", model="m")
     tally.add(OutRecord("t", b"request-id-must-not-be-a-label", b"v", [], result), 0)
     metrics.published(tally, 0.002)
+    metrics.gc_paused(2, 0.2)
     exposition = metrics.exposition().decode()
     assert "request-id-must-not-be-a-label" not in exposition
+    assert 'score_worker_gc_pause_seconds_count{generation="2",model="m",worker="w-1"} 1.0' in exposition
     kinds: Counter[str] = Counter()
     for family in text_string_to_metric_families(exposition):
         if family.name.startswith("process_"):
