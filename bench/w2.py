@@ -40,7 +40,7 @@ from bench.common import (
     relative_errors,
     token_budget_chunks,
 )
-from bench.w2_observe import RecordingScorer, Sampler, watch_loop, window_stats
+from bench.w2_observe import GcLog, RecordingScorer, Sampler, slowest_batches, watch_loop, window_stats
 from models import Scorer, ScorerConfig
 from worker.app import ScoreWorker
 from worker.broker import EmbeddedBroker
@@ -49,7 +49,16 @@ from worker.metrics import WorkerMetrics
 from worker.publisher import result_record
 from worker.topics import ensure_topics
 
-PHASES = ("warmup", "saturation", "latency", "warmup_short_fetch", "latency_short_fetch", "one_in_flight")
+PHASES = (
+    "warmup",
+    "saturation",
+    "latency",
+    "warmup_short_fetch",
+    "latency_short_fetch",
+    "one_in_flight",
+    "warmup_low_latency",
+    "one_in_flight_low_latency",
+)
 W2_SHAPES = QWEN3_06B_SHAPES
 QUICK_SHAPES: dict[str, Any] = {
     **W2_SHAPES,
@@ -88,14 +97,20 @@ def build_model_dir(shapes: dict[str, Any], device: str, workdir: Path) -> Path:
     return target
 
 
-# The diagnostic phase's fetch wait: Tansu answers a fetch that finds no data only after fetch_max_wait_ms,
-# even if records arrive meanwhile, so a short wait shows how much of the latency that wait is.
-SHORT_FETCH_WAIT_MS = 10
+# The worker restarts the load process asks for, with the settings each changes. Tansu answers a fetch that
+# finds no data only after fetch_max_wait_ms, even if records arrive meanwhile, so a short wait shows how
+# much of the latency that wait is; the low-latency profile also starts a batch as soon as the model is
+# idle (max_wait_ms 0) instead of waiting for more requests.
+RESTARTS: dict[str, dict[str, int]] = {
+    "short_fetch": {"fetch_max_wait_ms": 10},
+    "low_latency": {"fetch_max_wait_ms": 2, "max_wait_ms": 0},
+}
 
 
 class NullMetrics(WorkerMetrics):
     """Records nothing: the baseline that `--no-metrics` runs against to show what metrics cost."""
 
+    def gc_paused(self, generation: int, seconds: float) -> None: ...
     def fetched(self, records: int, size_bytes: int) -> None: ...
     def tokenized(self, seconds: float) -> None: ...
     def batch_started(self, requests: int, tokens: int, waits: Any) -> None: ...
@@ -117,10 +132,8 @@ class WorkerRun:
         self._worker: ScoreWorker | None = None
         self._watcher: asyncio.Task[None] | None = None
 
-    def start(self, fetch_max_wait_ms: int | None = None) -> None:
-        settings = self._settings
-        if fetch_max_wait_ms is not None:
-            settings = settings.model_copy(update={"fetch_max_wait_ms": fetch_max_wait_ms})
+    def start(self, **changes: int) -> None:
+        settings = self._settings.model_copy(update=changes) if changes else self._settings
         metrics = NullMetrics(settings.worker_id) if self._no_metrics else None
         self._worker = ScoreWorker(settings, self._scorer, metrics)
         self.task = asyncio.create_task(self._worker.run())
@@ -144,9 +157,9 @@ async def _await_report(
         message: dict[str, Any] | None = None
         with contextlib.suppress(Empty):
             message = queue.get(timeout=0.2 if not process.is_alive() else 0.0)
-        if message is not None and message.get("restart") == "short_fetch":
+        if message is not None and message.get("restart") in RESTARTS:
             await run.stop()
-            run.start(SHORT_FETCH_WAIT_MS)
+            run.start(**RESTARTS[message["restart"]])
             control.put("go")
             continue
         if message is not None:
@@ -235,6 +248,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=None, help="requests (default 8192; quick 64)")
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
     parser.add_argument("--max-wait-ms", type=int, default=2)
+    parser.add_argument(
+        "--graph-max-tokens", type=int, default=None, help="largest batch replayed from a CUDA graph (8192)"
+    )
     parser.add_argument("--max-inflight", type=int, default=4096)
     parser.add_argument(
         "--latency-seconds", type=float, default=None, help="paced phase length (20; quick 3)"
@@ -255,6 +271,7 @@ def make_settings(args: argparse.Namespace, bootstrap: str, model_dir: Path, dev
         # The token budget, not a count, should close batches (W2 averages ~680 tokens a request).
         "max_batch_requests": 1024,
         "max_wait_ms": args.max_wait_ms,
+        **({} if args.graph_max_tokens is None else {"graph_max_tokens": args.graph_max_tokens}),
         "max_inflight_requests": args.max_inflight,
         "session_timeout_ms": 6000,  # joining a group on Tansu waits about half of it
         "heartbeat_interval_ms": 2000,
@@ -266,7 +283,10 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
     """Build the model, serve the load through the broker, then time the model step alone."""
     shapes = QUICK_SHAPES if args.quick else W2_SHAPES
     model_dir = build_model_dir(shapes, device, workdir)
-    scorer = Scorer(str(model_dir), ScorerConfig(device=device, max_batch_tokens=args.max_batch_tokens))
+    graphs = {} if args.graph_max_tokens is None else {"graph_max_tokens": args.graph_max_tokens}
+    scorer = Scorer(
+        str(model_dir), ScorerConfig(device=device, max_batch_tokens=args.max_batch_tokens, **graphs)
+    )
     load = w2_load.LoadConfig(
         bootstrap="",
         requests_topic="score.requests",
@@ -287,7 +307,7 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
         load = w2_load.LoadConfig(**{**asdict(load), "bootstrap": broker.bootstrap_servers})
         settings = make_settings(args, broker.bootstrap_servers, model_dir, device)
         report["settings"] = settings.model_dump(mode="json", exclude={"sasl_password"})
-        with Sampler(recorder.thread_ids) as sampler, GpuSampler() as gpu:
+        with Sampler(recorder.thread_ids) as sampler, GpuSampler() as gpu, GcLog() as gc_log:
             try:
                 loaded, loop = asyncio.run(
                     serve(settings, recorder, load, load.deadline - time.monotonic() + 30, args.no_metrics)
@@ -304,7 +324,8 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
     for phase in (report[name] for name in PHASES if name in report):
         a, b = phase["t_first_send"], phase.get("t_last_result", phase["t_end"])
         phase["worker"] = window_stats(a, b, recorder.batches, loop, args.max_batch_tokens)
-        phase["worker"].update(sampler.window(a, b))
+        phase["worker"].update(**sampler.window(a, b), **gc_log.window(a, b))
+        phase["worker"]["slowest_batches"] = slowest_batches(a, b, recorder.batches)
     report["correctness"] = check_sample(model_dir, device, report.pop("sample", []))
     sat = report["saturation"]
     groups = [r.prepared for r in recorder.batches if sat["t_first_send"] <= r.start <= sat["t_last_result"]]
@@ -398,20 +419,36 @@ def print_summary(report: dict[str, Any]) -> None:
         f"max {_ms(w['loop_lag_ms'], 'max')}; in flight p50 {w['in_flight'].get('p50', 0):.0f}"
     )
     cores = {k.removeprefix("cpu_cores_"): round(v, 2) for k, v in w.items() if k.startswith("cpu_cores_")}
+    print(
+        "  garbage-collector pauses: "
+        + ", ".join(
+            f"{k} {w[k]['count']} = {w[k]['total_s']:.3f} s (max {w[k]['max_ms']:.0f} ms)"
+            for k in ("gc0", "gc1", "gc2")
+        )
+        + f"; slowest batches {w['slowest_batches']}"
+    )
     print(f"  CPU cores: {cores}; load process {sat['loader_cpu_s'] / w['seconds']:.2f}")
     for name, label in (("latency", "worker as configured"), ("latency_short_fetch", "fetch_max_wait_ms 10")):
         if name in report:
             print_latency(report[name], items_s, label)
         else:
             print(f"{name} phase skipped: {report.get(name + '_skipped')}")
-    if "one_in_flight" in report:
-        one, ow = report["one_in_flight"], report["one_in_flight"]["worker"]
+    for name, label in (
+        ("one_in_flight", "fetch_max_wait_ms 10, max_wait_ms as configured"),
+        ("one_in_flight_low_latency", "fetch_max_wait_ms 2, max_wait_ms 0"),
+    ):
+        if name not in report:
+            continue
+        one, ow = report[name], report[name]["worker"]
         lt = one["latency"]
         print(
-            f"one request in flight, fetch_max_wait_ms 10 ({one['completed']}/{one['requests']} done): "
+            f"one request in flight, {label} ({one['completed']}/{one['requests']} done): "
             f"p50 {lt.get('p50_ms', 0):.1f} ms, p90 {lt.get('p90_ms', 0):.1f}, "
             f"p99 {lt.get('p99_ms', 0):.1f}; "
-            f"the worker's score_prepared p50 {_ms(ow['score_prepared_ms'], 'p50')} ms"
+            f"the worker's score_prepared p50 {_ms(ow['score_prepared_ms'], 'p50')} ms; p50 of the parts: "
+            f"producer ack {one['producer_ack'].get('p50_ms', math.nan):.1f} ms, send to result created "
+            f"{one['send_to_result_created'].get('p50_ms', math.nan):.1f}, result created to read "
+            f"{one['result_created_to_read'].get('p50_ms', math.nan):.1f}"
         )
 
 

@@ -43,7 +43,7 @@ class LoadConfig:
     latency_seconds: float = 20.0
     latency_timeout_s: float = 30.0
     sample: int = 24  # saturation results returned whole, for the float32 check
-    one_in_flight: int = 200  # requests sent one after another's result, after the short-fetch restart
+    one_in_flight: int = 200  # requests sent one after another's result, after each restart
     # Absolute time.monotonic() by which every phase must be over (results included): bounds the run.
     deadline: float = math.inf
 
@@ -102,12 +102,17 @@ class Loader:
             client_id="w2-results",
             group_id=None,
             enable_auto_commit=False,
-            fetch_max_wait_ms=10,
+            fetch_max_wait_ms=2,
             max_partition_fetch_bytes=4 * 1024 * 1024,
         )
         self._sent: dict[str, float] = {}
         self._wants_hidden: dict[str, bool] = {}
         self._received: dict[str, float] = {}
+        # Wall clock at send and at receipt, and the result record's timestamp (the worker's producer sets
+        # it when it sends the result): together they split a latency into the worker's side and the return.
+        self._sent_wall: dict[str, float] = {}
+        self._received_wall: dict[str, float] = {}
+        self._result_created: dict[str, float] = {}
         self._bad: list[str] = []
         # Results kept whole, to be checked against float32 by the main process: id -> scores, hidden.
         self.keep: set[str] = set()
@@ -143,22 +148,26 @@ class Loader:
     async def _read(self) -> None:
         while True:
             batches = await self._consumer.getmany(timeout_ms=100)
-            now = time.monotonic()
+            now, wall = time.monotonic(), time.time()
             for records in batches.values():
                 for record in records:
-                    self._handle(record.value or b"", now)
+                    rid = self._handle(record.value or b"", now)
+                    if rid is not None:
+                        self._received_wall[rid] = wall
+                        self._result_created[rid] = record.timestamp / 1000
             if batches:
                 self._arrived.set()
 
-    def _handle(self, value: bytes, now: float) -> None:
+    def _handle(self, value: bytes, now: float) -> str | None:
+        """Records a result's first arrival; returns its id, or None when it is not one to count."""
         try:
             result = decode_result(value)
         except SchemaError as exc:
             self._bad.append(f"undecodable result: {exc.message}")
-            return
+            return None
         rid = result.request_id
         if rid not in self._sent or rid in self._received:
-            return  # another phase's id, or a redelivered duplicate: only the first arrival counts
+            return None  # another phase's id, or a redelivered duplicate: only the first arrival counts
         self._received[rid] = now
         hidden = result.pooled_hidden_states is not None
         if rid in self.keep:
@@ -171,6 +180,7 @@ class Loader:
             }
         if result.status is not ResultStatus.OK or hidden != self._wants_hidden[rid]:
             self._bad.append(f"{rid}: {result.status.value} {result.error} hidden={hidden}")
+        return rid
 
     def _encode(self, requests: Sequence[ScoreRequest], prefix: str) -> list[tuple[str, bytes, bool]]:
         out = []
@@ -182,6 +192,7 @@ class Loader:
     async def _send(self, rid: str, value: bytes, hidden: bool) -> asyncio.Future[Any]:
         self._wants_hidden[rid] = hidden
         self._sent[rid] = time.monotonic()
+        self._sent_wall[rid] = time.time()
         future: asyncio.Future[Any] = await self._producer.send(
             self._config.requests_topic, value, rid.encode(), headers=request_headers(rid)
         )
@@ -271,15 +282,38 @@ class Loader:
         return report
 
     async def one_at_a_time(self, requests: Sequence[ScoreRequest], prefix: str) -> dict[str, Any]:
-        """Each request produced only after the previous one's result arrived: the latency floor."""
+        """Each request produced only after the previous one's result arrived: the latency floor, split
+        into the producer's acknowledgement, the worker's side (send to the result record's timestamp) and
+        the return (that timestamp to the result read)."""
         encoded = self._encode(requests, prefix)
         cpu0 = time.process_time()
+        acked_ms: list[float] = []
         for rid, value, hidden in encoded:
-            await (await self._send(rid, value, hidden))
+            ack = await self._send(rid, value, hidden)
+            await ack
+            acked_ms.append(1000 * (time.monotonic() - self._sent[rid]))
             await self.wait_results([rid], min(time.monotonic() + 10, self._config.deadline))
-        report = self._phase_report(requests, [rid for rid, _, _ in encoded])
-        report.update(t_end=time.monotonic(), loader_cpu_s=time.process_time() - cpu0)
+        ids = [rid for rid, _, _ in encoded]
+        report = self._phase_report(requests, ids)
+        done = [rid for rid in ids if rid in self._result_created]
+        worker_side = [1000 * (self._result_created[r] - self._sent_wall[r]) for r in done]
+        returned = [1000 * (self._received_wall[r] - self._result_created[r]) for r in done]
+        report.update(
+            producer_ack=_summary_ms(acked_ms),
+            send_to_result_created=_summary_ms(worker_side),
+            result_created_to_read=_summary_ms(returned),
+            t_end=time.monotonic(),
+            loader_cpu_s=time.process_time() - cpu0,
+        )
         return report
+
+
+def _summary_ms(values: Sequence[float]) -> dict[str, float]:
+    """p50/p90 of millisecond values (record timestamps have a resolution of 1 ms)."""
+    if not values:
+        return {}
+    p50, p90 = np.percentile(np.asarray(values, dtype=float), [50, 90])
+    return {"p50_ms": round(float(p50), 2), "p90_ms": round(float(p90), 2)}
 
 
 def _progress(name: str, phase: dict[str, Any]) -> None:
@@ -299,7 +333,8 @@ def _saturation_rate(report: dict[str, Any]) -> float:
 
 async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, Any]:
     """Warm-up, saturation, latency at `latency_fraction` of the saturation item rate, then (time allowing)
-    the same latency phase once more after the main process restarted the worker with a short fetch wait."""
+    the same latency phase and one request at a time after the main process restarted the worker with a
+    short fetch wait, and one request at a time again after a restart into the low-latency profile."""
     started = time.monotonic()
     requests = make_workload(config)
     report: dict[str, Any] = {"workload_s": time.monotonic() - started}
@@ -344,9 +379,17 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
         report["warmup_short_fetch"] = await loader.burst(warm[:16], "warm2", config.warmup_timeout_s)
         report["latency_short_fetch"] = await loader.paced(requests[:count], "lat2", rate)
         _progress("latency, worker fetch_max_wait_ms 10", report["latency_short_fetch"])
-        if config.deadline - time.monotonic() > 15:
-            report["one_in_flight"] = await loader.one_at_a_time(requests[: config.one_in_flight], "one")
-            _progress("one request in flight, worker fetch_max_wait_ms 10", report["one_in_flight"])
+        if config.deadline - time.monotonic() < 30:
+            report["one_in_flight_skipped"] = "no time left"
+            return report
+        report["one_in_flight"] = await loader.one_at_a_time(requests[: config.one_in_flight], "one")
+        _progress("one request in flight, worker fetch_max_wait_ms 10", report["one_in_flight"])
+        queue.put({"restart": "low_latency"})
+        await asyncio.to_thread(control.get, True, 90)
+        report["warmup_low_latency"] = await loader.burst(warm[:16], "warm3", config.warmup_timeout_s)
+        low = await loader.one_at_a_time(requests[: config.one_in_flight], "one-low")
+        report["one_in_flight_low_latency"] = low
+        _progress("one request in flight, worker fetch_max_wait_ms 2 and max_wait_ms 0", low)
     finally:
         await loader.stop()
     return report

@@ -18,6 +18,7 @@ import torch
 
 from models import BatchObserver, Scorer
 from worker.app import ScoreWorker
+from worker.gc_pauses import GcPauses
 
 
 @dataclass
@@ -159,6 +160,51 @@ def _spread(values: Sequence[float]) -> dict[str, float]:
         "p90": float(np.percentile(v, 90)),
         "max": v.max(),
     }
+
+
+class GcLog:
+    """Every garbage-collector pause of the process while entered: (when it ended, generation, seconds)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, int, float]] = []
+        self._watch = GcPauses(
+            lambda generation, seconds: self.pauses.append((time.monotonic(), generation, seconds))
+        )
+
+    def __enter__(self) -> GcLog:
+        self._watch.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._watch.__exit__(None, None, None)
+
+    def window(self, a: float, b: float) -> dict[str, Any]:
+        """Per generation in [a, b]: pauses, their total and the longest."""
+        out: dict[str, Any] = {}
+        for generation in (0, 1, 2):
+            inside = [s for t, g, s in self.pauses if g == generation and a <= t <= b]
+            out[f"gc{generation}"] = {
+                "count": len(inside),
+                "total_s": round(sum(inside), 4),
+                "max_ms": round(1000 * max(inside, default=0.0), 2),
+            }
+        return out
+
+
+def slowest_batches(
+    a: float, b: float, batches: Sequence[BatchRecord], count: int = 5
+) -> list[dict[str, Any]]:
+    """The longest score_prepared calls in [a, b], with their size: where a phase's outliers came from."""
+    inside = sorted((r for r in batches if a <= r.start <= b), key=lambda r: r.end - r.start, reverse=True)
+    return [
+        {
+            "ms": round(1000 * (r.end - r.start), 1),
+            "tokens": r.tokens,
+            "items": r.items,
+            "at_s": round(r.start - a, 2),
+        }
+        for r in inside[:count]
+    ]
 
 
 def window_stats(
