@@ -89,14 +89,20 @@ def run_scorer(scorer: Any, requests: Sequence[Any], chunks: Sequence[Sequence[i
     return results
 
 
-def results_to_arrays(results: Sequence[Any], hidden_size: int) -> PathOutput:
-    """Scores and pooled hidden states as float32 arrays; raises on any error result or missing row."""
+def results_to_arrays(results: Sequence[Any], hidden_size: int, asked: bool = True) -> PathOutput:
+    """Scores and pooled hidden states as float32 arrays; raises on any error result or missing row.
+    Requests that did not ask for hidden states (`asked` False) give a [n, 0] hidden array, and must have
+    none."""
     bad = [r for r in results if r is None or r.status.value != "ok"]
     if bad:
         first = bad[0]
         detail = "missing" if first is None else f"{first.error.code.value}: {first.error.message}"
         raise RuntimeError(f"{len(bad)} of {len(results)} requests failed; first: {detail}")
     scores = np.array([r.scores[0] for r in results], dtype=np.float32)
+    if not asked:
+        if any(r.pooled_hidden_states is not None for r in results):
+            raise RuntimeError("hidden states came back for requests that did not ask for them")
+        return PathOutput(scores=scores, hidden=np.zeros((len(results), 0), dtype=np.float32))
     hidden = np.zeros((len(results), hidden_size), dtype=np.float32)
     for i, result in enumerate(results):
         if result.pooled_hidden_states is None:

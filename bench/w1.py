@@ -11,6 +11,7 @@ import argparse
 import copy
 import gc
 import json
+import math
 import sys
 import tempfile
 import traceback
@@ -184,6 +185,17 @@ def packed_run(
     if deterministic or eager:
         return result
     result["sweep_runs"] = {}
+    # What asking for hidden states costs: the same batches, timed alike, with no request asking.
+    bare_requests = packed_path.make_requests(work.token_ids, hidden=False)
+    bare = measure(
+        f"{name}_no_hidden",
+        lambda: packed_path.run_scorer(scorer, bare_requests, chunks),
+        lambda: packed_path.run_scorer(scorer, bare_requests, chunks[:1]),
+        repeats,
+    )
+    bare["output"] = packed_path.results_to_arrays(bare["output"], hidden_size, asked=False)
+    bare.update(batches=len(chunks), max_batch_tokens=max_batch_tokens)
+    result["sweep_runs"][bare["name"]] = bare
     for budget in budgets:
         cut = token_budget_chunks(work.lengths, budget)
         run = measure(
@@ -227,7 +239,15 @@ def float32_reference(model: torch.nn.Module, work: Workload, count: int) -> tup
 
 
 def compare(values: PathOutput, reference: PathOutput) -> dict[str, float]:
-    """Max |score difference| and pooled-hidden relative error (max and median over requests)."""
+    """Max |score difference| and pooled-hidden relative error (max and median over requests); a run
+    whose requests asked for no hidden states (width 0) is compared on its scores alone."""
+    if values.hidden.shape[1] == 0:
+        return {
+            "max_abs_score_diff": float(np.max(np.abs(values.scores - reference.scores))),
+            "hidden_rel_err_max": math.nan,
+            "hidden_rel_err_median": math.nan,
+            "all_finite": bool(np.isfinite(values.scores).all()),
+        }
     rel = relative_errors(values.hidden, reference.hidden)
     return {
         "max_abs_score_diff": float(np.max(np.abs(values.scores - reference.scores))),
@@ -313,6 +333,10 @@ def print_summary(rows: list[dict[str, Any]], roofline: dict[str, Any], checks: 
             f"{row['path']:<28}{row['tokens_per_s']:>12.0f}{row['pct_roofline']:>11.1f}%"
             f"{ratio:>13}{ratio32:>17}{row['peak_memory_gib']:>10.1f}"
         )
+    by_path = {row["path"]: row for row in rows}
+    if "packed_varlen" in by_path and "packed_varlen_no_hidden" in by_path:
+        ratio = by_path["packed_varlen_no_hidden"]["tokens_per_s"] / by_path["packed_varlen"]["tokens_per_s"]
+        print(f"hidden states for every request cost {100 * (ratio - 1):.2f}% against asking on none")
     print(
         f"\ncorrectness (float32 HF reference on {len(checks.get('fp32_subset', []))} requests, "
         f"score scale {checks.get('fp32_score_scale', float('nan')):.3f}):"

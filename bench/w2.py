@@ -122,20 +122,30 @@ class NullMetrics(WorkerMetrics):
     def set_lag(self, lags: Any) -> None: ...
 
 
+# The worker's own stage histograms, averaged over each worker run: where a request's time went inside it.
+STAGES = (
+    "e2e_latency", "batch_wait", "tokenize", "forward", "hidden_copy", "encode", "publish",
+)  # fmt: skip
+
+
 class WorkerRun:
     """One in-process worker at a time on this loop, with the loop watcher; restartable between phases."""
 
     def __init__(self, settings: WorkerSettings, scorer: RecordingScorer, no_metrics: bool = False) -> None:
         self._settings, self._scorer, self._no_metrics = settings, scorer, no_metrics
         self.loop_samples: list[tuple[float, float, int]] = []
+        self.stages: dict[str, dict[str, dict[str, float]]] = {}  # run label -> stage -> mean ms, count
         self.task: asyncio.Task[None] | None = None
         self._worker: ScoreWorker | None = None
+        self._label = ""
+        self._baseline: dict[str, tuple[float, float]] = {}
         self._watcher: asyncio.Task[None] | None = None
 
-    def start(self, **changes: int) -> None:
+    def start(self, label: str = "as_configured", **changes: int) -> None:
         settings = self._settings.model_copy(update=changes) if changes else self._settings
         metrics = NullMetrics(settings.worker_id) if self._no_metrics else None
         self._worker = ScoreWorker(settings, self._scorer, metrics)
+        self._label = label
         self.task = asyncio.create_task(self._worker.run())
         self._watcher = asyncio.create_task(watch_loop(self._worker, self.loop_samples))
 
@@ -145,7 +155,41 @@ class WorkerRun:
         self._worker.stop()
         await asyncio.wait_for(asyncio.gather(self.task, return_exceptions=True), 60)
         self._watcher.cancel()
-        self._worker = None
+        if not self._no_metrics:
+            totals = stage_totals(self._worker.metrics)
+            self.stages[self._label] = stage_means(totals, self._baseline)
+        self._worker, self._baseline = None, {}
+
+    def mark(self) -> None:
+        """Stage figures of this worker run count only from here (after its warm-up)."""
+        if self._worker is not None and not self._no_metrics:
+            self._baseline = stage_totals(self._worker.metrics)
+
+
+def stage_totals(metrics: WorkerMetrics) -> dict[str, tuple[float, float]]:
+    """(seconds, observations) of each stage histogram in a worker's registry."""
+    totals: dict[str, tuple[float, float]] = {}
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            for stage in STAGES:
+                for part, index in (("_sum", 0), ("_count", 1)):
+                    if sample.name == f"score_worker_{stage}_seconds{part}":
+                        pair = list(totals.get(stage, (0.0, 0.0)))
+                        pair[index] += sample.value
+                        totals[stage] = (pair[0], pair[1])
+    return totals
+
+
+def stage_means(
+    totals: dict[str, tuple[float, float]], baseline: dict[str, tuple[float, float]]
+) -> dict[str, dict[str, float]]:
+    """Mean milliseconds and observation count of each stage since `baseline`."""
+    out = {}
+    for stage, (seconds, count) in totals.items():
+        seconds0, count0 = baseline.get(stage, (0.0, 0.0))
+        n = count - count0
+        out[stage] = {"mean_ms": round(1000 * (seconds - seconds0) / n, 3) if n else math.nan, "count": n}
+    return out
 
 
 async def _await_report(
@@ -157,9 +201,12 @@ async def _await_report(
         message: dict[str, Any] | None = None
         with contextlib.suppress(Empty):
             message = queue.get(timeout=0.2 if not process.is_alive() else 0.0)
+        if message is not None and "mark" in message:
+            run.mark()
+            continue
         if message is not None and message.get("restart") in RESTARTS:
             await run.stop()
-            run.start(**RESTARTS[message["restart"]])
+            run.start(message["restart"], **RESTARTS[message["restart"]])
             control.put("go")
             continue
         if message is not None:
@@ -197,6 +244,7 @@ async def serve(
             process.kill()
     if "error" in report:
         raise RuntimeError(f"load process failed:\n{report['error']}")
+    report["worker_stages"] = run.stages
     return report, run.loop_samples
 
 
@@ -425,7 +473,7 @@ def print_summary(report: dict[str, Any]) -> None:
             f"{k} {w[k]['count']} = {w[k]['total_s']:.3f} s (max {w[k]['max_ms']:.0f} ms)"
             for k in ("gc0", "gc1", "gc2")
         )
-        + f"; slowest batches {w['slowest_batches']}"
+        + f"; Triton kernels built {w['kernels_built']}; slowest batches {w['slowest_batches']}"
     )
     print(f"  CPU cores: {cores}; load process {sat['loader_cpu_s'] / w['seconds']:.2f}")
     for name, label in (("latency", "worker as configured"), ("latency_short_fetch", "fetch_max_wait_ms 10")):
@@ -450,6 +498,10 @@ def print_summary(report: dict[str, Any]) -> None:
             f"{one['send_to_result_created'].get('p50_ms', math.nan):.1f}, result created to read "
             f"{one['result_created_to_read'].get('p50_ms', math.nan):.1f}"
         )
+    low = report.get("worker_stages", {}).get("low_latency")
+    if low:  # that worker's figures from after its warm-up: one request at a time
+        means = ", ".join(f"{k} {v['mean_ms']:.2f}" for k, v in low.items())
+        print(f"  the low-latency worker's own stage means (ms): {means}")
 
 
 def print_latency(lat: dict[str, Any], saturation_items_s: float, label: str) -> None:

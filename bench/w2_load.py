@@ -387,6 +387,7 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
         queue.put({"restart": "low_latency"})
         await asyncio.to_thread(control.get, True, 90)
         report["warmup_low_latency"] = await loader.burst(warm[:16], "warm3", config.warmup_timeout_s)
+        queue.put({"mark": "warm"})  # the worker's own stage figures count from here
         low = await loader.one_at_a_time(requests[: config.one_in_flight], "one-low")
         report["one_in_flight_low_latency"] = low
         _progress("one request in flight, worker fetch_max_wait_ms 2 and max_wait_ms 0", low)

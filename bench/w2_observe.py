@@ -35,6 +35,7 @@ class BatchRecord:
     copy_s: float
     hidden_bytes: int
     prepared: list[Any] = field(repr=False)
+    kernels_built: int = 0  # Triton kernels compiled during this call (a new shape variant, say)
 
 
 class RecordingScorer:
@@ -43,6 +44,7 @@ class RecordingScorer:
     def __init__(self, scorer: Scorer) -> None:
         self.scorer = scorer
         self.batches: list[BatchRecord] = []
+        self._kernel_dir = _triton_cache_dir()
         self.thread_ids: dict[str, int] = {"loop": threading.get_native_id()}
 
     @property
@@ -55,9 +57,11 @@ class RecordingScorer:
 
     def score_prepared(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> list[Any]:
         self.thread_ids["model"] = threading.get_native_id()
+        kernels_before = _entries(self._kernel_dir)
         start = time.monotonic()
         results = self.scorer.score_prepared(prepared, on_batch)
         end = time.monotonic()
+        kernels_built = _entries(self._kernel_dir) - kernels_before
         timings = results[0].timings if results else {}
         asked = [p for p in prepared if p.request.return_pooled_hidden_states]
         self.batches.append(
@@ -72,9 +76,29 @@ class RecordingScorer:
                 copy_s=float(timings.get("copy_s", 0.0)),
                 hidden_bytes=sum(len(t.data) for r in results for t in r.pooled_hidden_states or ()),
                 prepared=list(prepared),
+                kernels_built=kernels_built,
             )
         )
         return results
+
+
+def _triton_cache_dir() -> Path | None:
+    """Where Triton writes each kernel it compiles (one folder per kernel), for inductor's kernels."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+        return Path(triton_cache_dir(torch.cuda.current_device()))
+    except Exception:  # a diagnostic only: without it, compiles are not attributed to batches
+        return None
+
+
+def _entries(folder: Path | None) -> int:
+    try:
+        return len(os.listdir(folder)) if folder is not None else 0
+    except OSError:
+        return 0
 
 
 def _thread_cpu_s(tid: int | None) -> float:
@@ -223,6 +247,7 @@ def window_stats(
     return {
         "seconds": b - a,
         "batches": len(inside),
+        "kernels_built": sum(r.kernels_built for r in inside),
         "batch_tokens": _spread([r.tokens for r in inside]),
         "batch_requests": _spread([r.requests for r in inside]),
         "full_batches_pct": 100.0 * sum(r.tokens >= 0.9 * budget for r in inside) / max(len(inside), 1),

@@ -56,3 +56,24 @@ def test_w1_fails_when_a_timed_path_is_wrong() -> None:
     alone = {"fp32_score_scale": 2.0, "vs_fp32": {"packed_varlen": errors(0.13)}}  # --skip-baselines
     assert verdict(alone) == []
     assert verdict({**alone, "vs_fp32": {"packed_varlen": errors(0.3)}}) != []
+
+
+def test_w1_checks_a_run_without_hidden_states_on_its_scores() -> None:
+    """The pass that asks for no hidden states (what asking costs) is still checked, on its scores."""
+    import math
+    import sys
+
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from bench.hf_paths import PathOutput
+    from bench.w1 import compare, verdict
+
+    reference = PathOutput(np.array([[1.0], [2.0]], np.float32), np.ones((2, 4), np.float32))
+    bare = PathOutput(np.array([[1.05], [2.0]], np.float32), np.zeros((2, 0), np.float32))
+    result = compare(bare, reference)
+    assert result["max_abs_score_diff"] == np.float32(1.05) - np.float32(1.0)
+    assert result["all_finite"] and math.isnan(result["hidden_rel_err_max"])
+    wrong = compare(PathOutput(np.array([[9.0], [2.0]], np.float32), bare.hidden), reference)
+    checks = {"fp32_score_scale": 2.0, "vs_fp32": {"packed_varlen_no_hidden": wrong}}
+    assert [f.split(":")[0] for f in verdict(checks)] == ["packed_varlen_no_hidden"]
