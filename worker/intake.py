@@ -209,7 +209,7 @@ class Intake:
         return results
 
     def encode(self, answers: Sequence[tuple[Accepted, ScoreResult]]) -> Outgoing:
-        """Results as records to publish (encoding large hidden states is not free: model thread)."""
+        """Results as records to publish (encoding large hidden states is not free: the encode thread)."""
         started = time.perf_counter()
         tally = ResultTally()
         records = []
