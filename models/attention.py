@@ -40,22 +40,25 @@ def attend_causal(
     softcap: float | None = None,
     causal: bool = True,
 ) -> torch.Tensor:
-    """Exact attention of one sequence in float32: query [H, L, D], key/value [Hkv, L, D] -> [H, L, D].
+    """Exact attention of one sequence in float32: query [H, Lq, D], key/value [Hkv, Lk, D] -> [H, Lq, D].
 
-    Causal unless `causal` is False (encoders: every token sees the whole item). `left_window` w lets a
-    query at position i see keys i-w..i (flash-attention convention), or i-w..i+w when not causal; None = all.
+    Causal unless `causal` is False (encoders: every token sees the whole item). With fewer queries than
+    keys (Lq < Lk: a suffix whose shared prefix was computed once) the queries are the last Lq positions,
+    as flash attention aligns them. `left_window` w lets a query at position i see keys i-w..i
+    (flash-attention convention), or i-w..i+w when not causal; None = all.
     """
     heads, length, head_dim = query.shape
+    keys = key.shape[1]
     q = query.float()
     # Grouped-query attention: every KV head serves heads // kv_heads consecutive query heads (HF's layout).
     k = key.float().repeat_interleave(heads // key.shape[0], dim=0)
     v = value.float().repeat_interleave(heads // value.shape[0], dim=0)
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-    if softcap is None and left_window is None:
+    if softcap is None and left_window is None and keys == length:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    rows = torch.arange(length, device=query.device).unsqueeze(1)
-    cols = torch.arange(length, device=query.device).unsqueeze(0)
-    allowed = cols <= rows if causal else torch.ones(length, length, dtype=torch.bool, device=query.device)
+    rows = torch.arange(length, device=query.device).unsqueeze(1) + (keys - length)
+    cols = torch.arange(keys, device=query.device).unsqueeze(0)
+    allowed = cols <= rows if causal else torch.ones(length, keys, dtype=torch.bool, device=query.device)
     if left_window is not None:
         allowed &= cols >= rows - left_window
         if not causal:
@@ -84,21 +87,35 @@ def reference_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    packed_key_index: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HF attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None)."""
+    """HF attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None).
+
+    Sequence i's queries are rows cu_seq_lens_q[i]:[i+1]. Its keys are the same rows, or, with
+    `packed_key_index`, the rows packed_key_index[cu_seq_lens_k[i]:[i+1]] (a shared prefix, then its own).
+    """
     if cu_seq_lens_q is None:
         raise ValueError("packed attention needs cu_seq_lens_q; call the model through models.Scorer")
     bounds = cu_seq_lens_q.tolist()
+    key_bounds = bounds if packed_key_index is None or cu_seq_lens_k is None else cu_seq_lens_k.tolist()
     out = torch.empty(
         query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device
     )  # [1, T, H, D]
     window = _left_window(sliding_window)
-    for start, end in itertools.pairwise(bounds):
+    for (start, end), (key_start, key_end) in zip(
+        itertools.pairwise(bounds), itertools.pairwise(key_bounds), strict=True
+    ):
+        if packed_key_index is None:
+            item_keys, item_values = key[0, :, start:end], value[0, :, start:end]
+        else:
+            rows = packed_key_index[key_start:key_end]
+            item_keys, item_values = key[0].index_select(1, rows), value[0].index_select(1, rows)
         item = attend_causal(
             query[0, :, start:end],
-            key[0, :, start:end],
-            value[0, :, start:end],
+            item_keys,
+            item_values,
             scale=scaling,
             left_window=window,
             softcap=softcap,
@@ -134,12 +151,16 @@ def varlen_attention(
     cu_seq_lens_k: torch.Tensor | None = None,
     max_length_q: int | None = None,
     max_length_k: int | None = None,
+    packed_key_index: torch.Tensor | None = None,
     *,
     kernel: VarlenKernel,
     kernel_gqa: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Varlen-kernel attention: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
+    """Varlen-kernel attention: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D].
+
+    With `packed_key_index`, sequence i attends to the key rows packed_key_index[cu_seq_lens_k[i]:[i+1]]:
+    gathered once per layer, the kernel then sees ordinary varlen sequences with more keys than queries."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError(
             "packed attention needs cu_seq_lens_q and max_length_q; call it through models.Scorer"
@@ -153,7 +174,13 @@ def varlen_attention(
     max_k = max_length_q if max_length_k is None else max_length_k
     # The kernel wants [T, H, D] with a unit-stride last dim; HF hands over [1, H, T, D].
     q = query[0].transpose(0, 1).contiguous()
-    k, v, extra = _kernel_kv(q.shape[1], key[0].transpose(0, 1), value[0].transpose(0, 1), kernel_gqa)
+    key_rows, value_rows = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+    if packed_key_index is not None:
+        key_rows, value_rows = (
+            key_rows.index_select(0, packed_key_index),
+            value_rows.index_select(0, packed_key_index),
+        )
+    k, v, extra = _kernel_kv(q.shape[1], key_rows, value_rows, kernel_gqa)
     window = _left_window(sliding_window)
     left = -1 if window is None else window
     out = kernel(

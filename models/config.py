@@ -61,6 +61,10 @@ class ScorerConfig:
     graph_recorder: Recorder | None = None
     # Load pickle weights (pytorch_model.bin) when there are no safetensors: unpickling can run code.
     allow_pickle_weights: bool = False
+    # Prompts of one batch that start with the same tokens (a multi-item request's query; one prompt sent
+    # with several responses) have that prefix computed once when it is at least this long; 0: never.
+    # Causal decoders on the packed path only; each suffix attends to the prefix and to itself.
+    share_prefix_min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -71,6 +75,8 @@ class ScorerConfig:
             raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
+        if self.share_prefix_min_tokens < 0:
+            raise ValueError(f"share_prefix_min_tokens must be 0 or more, got {self.share_prefix_min_tokens}")
         if self.graph_max_tokens < 1:
             raise ValueError(f"graph_max_tokens must be at least 1, got {self.graph_max_tokens}")
         if self.pooling not in ("auto", *POOLINGS):

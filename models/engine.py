@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,8 +21,11 @@ from models.errors import DeviceLostError, ModelLoadError
 from models.graphs import GraphedForward
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import (
+    KeyLayout,
     RowRequest,
+    SharedPrefix,
     copy_rows_to_host,
+    find_shared_prefixes,
     hidden_row_bytes,
     pack,
     pool,
@@ -149,6 +153,14 @@ class Scorer:
             log.info(
                 "%s takes the %s path, which CUDA graphs cannot record", Path(model_dir).name, self.attention
             )
+        if self.config.share_prefix_min_tokens and self._loaded.packable:
+            if self._shares_prefixes():
+                log.info(
+                    "prefixes of %d tokens or more that prompts of a batch share are computed once",
+                    self.config.share_prefix_min_tokens,
+                )
+            else:
+                log.info("%s is an encoder: its prompts are computed whole", Path(model_dir).name)
 
     @property
     def model_name(self) -> str:
@@ -397,21 +409,39 @@ class Scorer:
             self._loaded.pad_token_id,
             token_types=token_types,
             position_pad=self._loaded.position_pad,
+            shared=self._shared_prefixes(prompts),
         )
         with self._compiled or contextlib.nullcontext():
             hidden = None if self._graphs is None else self._graphs.run(packed)
             if hidden is None:
                 # The varlen kernel reads the bounds on the device; the exact path loops over items in
                 # Python, and reading them from a device tensor would stall on a copy in every layer.
-                cu_seqlens = packed.cu_seqlens if self.attention == "varlen" else packed.host_cu_seqlens
+                on_device = self.attention == "varlen"
+                cu_seqlens = packed.cu_seqlens if on_device else packed.host_cu_seqlens
+                keys = None
+                if packed.shared is not None:
+                    shared = packed.shared
+                    cu_k = shared.cu_seqlens_k if on_device else shared.host_cu_seqlens_k
+                    keys = KeyLayout(shared.key_index, cu_k, shared.max_length_k)
                 hidden = self._packed_forward(
                     packed.input_ids,
                     packed.position_ids,
                     cu_seqlens,
                     packed.max_length,
                     packed.token_type_ids,
+                    keys=keys,
                 )
         return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
+
+    def _shared_prefixes(self, prompts: list[Prompt]) -> list[SharedPrefix]:
+        """Prefixes to compute once: for causal decoders (an encoder's prefix sees what follows it)."""
+        if not self._shares_prefixes():
+            return []
+        return find_shared_prefixes(prompts, self.config.share_prefix_min_tokens)
+
+    def _shares_prefixes(self) -> bool:
+        loaded = self._loaded
+        return not (loaded.encoder or loaded.token_types or loaded.position_pad is not None)
 
     def _packed_forward(
         self,
@@ -420,9 +450,14 @@ class Scorer:
         cu_seqlens: torch.Tensor,
         max_length: int,
         token_type_ids: torch.Tensor | None,
+        *,
+        keys: KeyLayout | None = None,
     ) -> torch.Tensor:
-        """The base model on one packed row [1, T]: its last hidden states [T, H]."""
-        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        """The base model on one packed row [1, T]: its last hidden states [T, H]. With `keys`, attention
+        sequences find their keys through it (shared prefixes, models/packing.py)."""
+        extra: dict[str, Any] = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        if keys is not None:
+            extra["packed_key_index"] = keys.key_index
         output = self._loaded.base(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -430,9 +465,9 @@ class Scorer:
             use_cache=False,
             # Reach our attention function through HF's **kwargs plumbing (see models/attention.py).
             cu_seq_lens_q=cu_seqlens,
-            cu_seq_lens_k=cu_seqlens,
+            cu_seq_lens_k=cu_seqlens if keys is None else keys.cu_seqlens_k,
             max_length_q=max_length,
-            max_length_k=max_length,
+            max_length_k=max_length if keys is None else keys.max_length_k,
         )
         hidden: torch.Tensor = output.last_hidden_state[0]
         return hidden

@@ -9,7 +9,9 @@ A graph is recorded for fixed shapes, so a batch is padded up to a bucket (`Grap
 - sequences (items): the next power of two; the unused slots are empty sequences (cu_seqlens repeats the
   total);
 - longest item: the next power of two (at least 16), at most the token bucket. The attention kernel sizes its
-  grid by it, so it is part of the key rather than always the token bucket.
+  grid by it, so it is part of the key rather than always the token bucket;
+- with shared prefixes (models/packing.py): the key rows, bucketed like the tokens, and the longest key
+  range, like the longest item. Padding key rows point at row 0 and belong to no sequence.
 Padding tokens belong to no sequence: attention never reads them, and every other layer of a dense
 transformer works row by row, so whatever the padding rows hold never reaches an item's rows. Only the first
 `total` rows of the output are read. The padding holds whatever an earlier batch left in the buffers: valid
@@ -27,33 +29,50 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
-from models.packing import PackedBatch
+from models.packing import KeyLayout, PackedBatch
 
 log = logging.getLogger(__name__)
 
 MIN_TOKENS = 16
 STEPS_PER_DOUBLING = 8
 DEFAULT_CAPACITY = 256  # graphs held; their memory is one shared pool, each adds only its kernel list
+KEYS_PER_TOKEN = 16  # key rows the buffers hold per token of the largest batch (shared prefixes repeat)
 SEEN_SHAPES = 4096  # shapes met once, remembered so that the second batch of a shape records it
 
-# (input_ids [1, T], position_ids [1, T], cu_seqlens [S + 1] int32, longest item, token_type_ids [1, T] or
-# None) -> the base model's last hidden states [T, H]
-PackedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+
+class PackedForward(Protocol):
+    """(input_ids [1, T], position_ids [1, T], cu_seqlens [S + 1] int32, longest sequence, token_type_ids
+    [1, T] or None; the keys of shared prefixes or None) -> the base model's last hidden states [T, H]."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_length: int,
+        token_type_ids: torch.Tensor | None,
+        *,
+        keys: KeyLayout | None = None,
+    ) -> torch.Tensor: ...
+
+
 # Records `run` (which writes the output buffer) and returns what replays it. On CUDA: a CUDA graph. CPU
 # tests pass one that simply runs it again, to exercise the padding and buffer logic without a GPU.
 Recorder = Callable[[Callable[[], None]], Callable[[], None]]
 
 
 class GraphKey(NamedTuple):
-    """The padded shape one graph is recorded for."""
+    """The padded shape one graph is recorded for; `keys` and `max_keys` are 0 without shared prefixes."""
 
     tokens: int
     sequences: int
     max_length: int
+    keys: int = 0
+    max_keys: int = 0
 
 
 def token_bucket(tokens: int) -> int:
@@ -69,11 +88,20 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def graph_key(total: int, items: int, longest: int) -> GraphKey:
-    """The bucket of a packed batch of `items` items, `total` tokens, the longest `longest` tokens."""
+def graph_key(total: int, items: int, longest: int, keys: int = 0, longest_keys: int = 0) -> GraphKey:
+    """The bucket of a packed batch of `items` sequences, `total` tokens, the longest `longest` tokens; with
+    shared prefixes, `keys` key rows in all and at most `longest_keys` for one sequence."""
     tokens = token_bucket(total)
+    longest_bucket = min(tokens, max(MIN_TOKENS, next_power_of_two(longest)))
+    if not keys:
+        return GraphKey(tokens, next_power_of_two(items), longest_bucket)
+    key_rows = token_bucket(keys)
     return GraphKey(
-        tokens, next_power_of_two(items), min(tokens, max(MIN_TOKENS, next_power_of_two(longest)))
+        tokens,
+        next_power_of_two(items),
+        longest_bucket,
+        key_rows,
+        min(key_rows, max(MIN_TOKENS, next_power_of_two(longest_keys))),
     )
 
 
@@ -140,6 +168,10 @@ class GraphedForward:
             self._types = torch.zeros(rows, dtype=torch.long, device=device) if token_types else None
             self._cu = torch.zeros(next_power_of_two(rows) + 1, dtype=torch.int32, device=device)
             self._out = torch.empty((rows, hidden_size), dtype=dtype, device=device)
+            # Shared prefixes: each suffix's keys repeat its prefix's rows, so the keys outnumber the tokens.
+            self._key_rows = token_bucket(KEYS_PER_TOKEN * max_tokens)
+            self._key_index = torch.zeros(self._key_rows, dtype=torch.long, device=device)
+            self._cu_k = torch.zeros(next_power_of_two(rows) + 1, dtype=torch.int32, device=device)
 
     @property
     def graphs(self) -> int:
@@ -151,9 +183,11 @@ class GraphedForward:
         or graphs turned off). A view of a shared buffer: read it before the next call."""
         bounds = packed.host_cu_seqlens
         total, items = int(bounds[-1]), len(bounds) - 1
-        if not self.enabled or total > self.max_tokens:
+        shared = packed.shared
+        keys = 0 if shared is None else int(shared.host_cu_seqlens_k[-1])
+        if not self.enabled or total > self.max_tokens or keys > self._key_rows:
             return None
-        key = graph_key(total, items, packed.max_length)
+        key = graph_key(total, items, packed.max_length, keys, 0 if shared is None else shared.max_length_k)
         replay = self._graphs.get(key)
         if replay is None and not self._seen_before(key):
             return None  # a shape met once may never come back: not worth a recording yet
@@ -196,16 +230,28 @@ class GraphedForward:
             self._types[:total].copy_(packed.token_type_ids[0], non_blocking=True)
         self._cu[: items + 1].copy_(packed.cu_seqlens, non_blocking=True)
         self._cu[items + 1 : key.sequences + 1].fill_(total)  # empty sequences in the unused slots
+        shared = packed.shared
+        if shared is not None:
+            keys = int(shared.host_cu_seqlens_k[-1])
+            self._key_index[:keys].copy_(shared.key_index, non_blocking=True)
+            # The padding keys are gathered too (no sequence reads them): rows that exist, whatever the shape.
+            self._key_index[keys : key.keys].zero_()
+            self._cu_k[: items + 1].copy_(shared.cu_seqlens_k, non_blocking=True)
+            self._cu_k[items + 1 : key.sequences + 1].fill_(keys)
 
     def _call(self, key: GraphKey) -> torch.Tensor:
         tokens = key.tokens
         types = None if self._types is None else self._types[:tokens].unsqueeze(0)
+        keys = None
+        if key.keys:
+            keys = KeyLayout(self._key_index[: key.keys], self._cu_k[: key.sequences + 1], key.max_keys)
         return self._forward(
             self._ids[:tokens].unsqueeze(0),
             self._positions[:tokens].unsqueeze(0),
             self._cu[: key.sequences + 1],
             key.max_length,
             types,
+            keys=keys,
         )
 
     def _write(self, key: GraphKey) -> None:

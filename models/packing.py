@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -30,18 +31,137 @@ POOLINGS: tuple[Pooling, ...] = ("last", "last_token", "cls", "mean")
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Prompts of a batch (their indices) whose first `length` tokens are the same: computed once."""
+
+    members: tuple[int, ...]
+    length: int
+
+
+@dataclass(frozen=True)
+class SharedKeys:
+    """Where each attention sequence of a packed row with shared prefixes finds its keys.
+
+    Sequence i (rows cu_seqlens[i]:[i+1] of the row) attends to the rows key_index[cu_seqlens_k[i]:[i+1]]:
+    a shared prefix's sequence to itself; a suffix to its prefix, then itself; any other prompt to itself.
+    """
+
+    key_index: torch.Tensor  # [K] int64 rows of the packed row, on the device
+    cu_seqlens_k: torch.Tensor  # [S + 1] int32, on the device
+    host_cu_seqlens_k: torch.Tensor  # the same on the host
+    max_length_k: int
+
+
+class KeyLayout(NamedTuple):
+    """What a packed forward's attention needs of shared prefixes: the key rows of each sequence
+    (key_index[cu_seqlens_k[i]:[i+1]]) and the longest such range, on the device or host it reads them."""
+
+    key_index: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_length_k: int
+
+
+@dataclass(frozen=True)
 class PackedBatch:
-    """Prompts concatenated into one row; item i spans tokens cu_seqlens[i]:cu_seqlens[i+1]."""
+    """Prompts concatenated into one row. Without shared prefixes, item i spans tokens
+    cu_seqlens[i]:cu_seqlens[i+1]; with them (`shared` set), cu_seqlens bounds attention sequences instead
+    (each shared prefix once, then its members' suffixes), and pooling finds every item's rows by index."""
 
     input_ids: torch.Tensor  # [1, T] int64
-    position_ids: torch.Tensor  # [1, T] int64, restarting at 0 for every item
-    cu_seqlens: torch.Tensor  # [N + 1] int32, on the device
+    position_ids: torch.Tensor  # [1, T] int64, restarting at 0 for every item (suffixes after their prefix)
+    cu_seqlens: torch.Tensor  # [S + 1] int32, on the device
     host_cu_seqlens: torch.Tensor  # the same on the host: reading item bounds from it needs no device sync
     pooled_rows: torch.Tensor  # [N] int64: the pooled token of every item ("last", "last_token", "cls")
     token_type_ids: torch.Tensor | None  # [1, T] int64 segment ids, for encoders that embed them
-    item_of_token: torch.Tensor | None  # [T] int64 item index of every token; only for "mean"
-    lengths: torch.Tensor  # [N] int64 tokens per item, on the device
+    item_of_token: torch.Tensor | None  # [V] int64 item of every token of every prompt; only for "mean"
+    lengths: torch.Tensor  # [N] int64 tokens per item (its whole prompt), on the device
     max_length: int
+    # For "mean" with shared prefixes: the packed row of every token of every prompt (V >= T); None when
+    # each prompt is packed whole, in order (then token v is row v).
+    row_of_token: torch.Tensor | None = None
+    shared: SharedKeys | None = None
+
+
+def find_shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int) -> list[SharedPrefix]:
+    """Groups of at least two prompts sharing a prefix of at least `min_tokens` tokens, each member keeping
+    one token or more of its own (its pooled token is computed with its own suffix).
+
+    Sorting puts prompts with common prefixes next to each other. The prefix a run of neighbours shares is
+    the smallest one two adjacent ones share; splitting the run there gives two runs with longer prefixes.
+    Over the tree of such splits (a Cartesian tree of the neighbours' shared lengths), each run is kept
+    whole or split, whichever saves more tokens: many requests with one long query stay one group even
+    if a few share a shorter start with them. A prompt joins one group at most. Costs a sort and one
+    comparison per neighbour: nothing measurable when nothing is shared.
+    """
+    if min_tokens <= 0 or len(prompts) < 2:
+        return []
+    order = sorted(range(len(prompts)), key=lambda i: tuple(prompts[i]))
+    # Neighbour pair k (order[k], order[k + 1]): the prefix they could share, leaving each a token.
+    shared = [
+        min(_common_prefix(prompts[a], prompts[b]), len(prompts[a]) - 1, len(prompts[b]) - 1)
+        for a, b in itertools.pairwise(order)
+    ]
+    left, right, root = _cartesian_tree(shared)
+    # Bottom-up: the pairs under each node, and the most tokens its run saves (whole, or its two halves).
+    low, high, best, whole = (
+        list(range(len(shared))),
+        list(range(len(shared))),
+        [0] * len(shared),
+        [False] * len(shared),
+    )
+    for node in _post_order(root, left, right):
+        lo_child, hi_child = left[node], right[node]
+        low[node] = low[lo_child] if lo_child >= 0 else node
+        high[node] = high[hi_child] if hi_child >= 0 else node
+        kept = (high[node] - low[node] + 1) * shared[node] if shared[node] >= min_tokens else 0
+        split = (best[lo_child] if lo_child >= 0 else 0) + (best[hi_child] if hi_child >= 0 else 0)
+        best[node], whole[node] = max(kept, split), kept > 0 and kept >= split
+    groups: list[SharedPrefix] = []
+    pending = [root]
+    while pending:
+        node = pending.pop()
+        if node < 0:
+            continue
+        if whole[node]:
+            members = tuple(sorted(order[low[node] : high[node] + 2]))
+            groups.append(SharedPrefix(members, shared[node]))
+        else:
+            pending += [left[node], right[node]]
+    return sorted(groups, key=lambda g: g.members[0])
+
+
+def _cartesian_tree(values: Sequence[int]) -> tuple[list[int], list[int], int]:
+    """Children (-1: none) and root of the min-rooted Cartesian tree of `values` (ties: left one on top)."""
+    left, right = [-1] * len(values), [-1] * len(values)
+    stack: list[int] = []
+    for i, value in enumerate(values):
+        last = -1
+        while stack and values[stack[-1]] > value:
+            last = stack.pop()
+        left[i] = last
+        if stack:
+            right[stack[-1]] = i
+        stack.append(i)
+    return left, right, stack[0] if stack else -1
+
+
+def _post_order(root: int, left: Sequence[int], right: Sequence[int]) -> list[int]:
+    """Nodes children first, without recursion (a sorted batch can make the tree as deep as it is long)."""
+    out, stack = [], [root] if root >= 0 else []
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack += [child for child in (left[node], right[node]) if child >= 0]
+    return out[::-1]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def pooled_positions(
@@ -65,12 +185,18 @@ def pack(
     pad_id: int | None = None,
     token_types: Sequence[Sequence[int]] | None = None,
     position_pad: int | None = None,
+    shared: Sequence[SharedPrefix] = (),
 ) -> PackedBatch:
     """Pack non-empty prompts; built on the host with numpy, then moved to `device` in one go each.
 
     `token_types`: segment ids per prompt (BERT). `position_pad`: RoBERTa-style positions, which start at
     the pad id + 1 and leave pad tokens at the pad id, as HF computes them from unpacked input ids.
+    `shared`: prefixes to pack once (`find_shared_prefixes`; causal models only, without either of those).
     """
+    if shared:
+        if token_types is not None or position_pad is not None:
+            raise ValueError("shared prefixes are packed for causal decoders only")
+        return _pack_shared(prompts, shared, device, pooling, pad_id)
     lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
     ends = np.cumsum(lengths)
     starts = ends - lengths
@@ -107,6 +233,80 @@ def pack(
     )
 
 
+def _pack_shared(
+    prompts: Sequence[Sequence[int]],
+    groups: Sequence[SharedPrefix],
+    device: torch.device,
+    pooling: Pooling,
+    pad_id: int | None,
+) -> PackedBatch:
+    """Each shared prefix once, followed by its members' suffixes (positions continuing after the prefix);
+    every other prompt whole. A suffix's keys are its prefix's rows, then its own: what it would attend to
+    in its whole prompt, so its states are those of the whole prompt."""
+    group_of = {member: group for group in groups for member in group.members}
+    ids: list[np.ndarray] = []
+    positions: list[np.ndarray] = []
+    keys: list[np.ndarray] = []  # per attention sequence
+    rows_of: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(prompts)  # per prompt, its rows
+    row = 0
+
+    def emit(tokens: Sequence[int], first_position: int, prefix_rows: np.ndarray) -> np.ndarray:
+        nonlocal row
+        own = np.arange(row, row + len(tokens), dtype=np.int64)
+        ids.append(np.asarray(tokens, dtype=np.int64))
+        positions.append(np.arange(first_position, first_position + len(tokens), dtype=np.int64))
+        keys.append(np.concatenate((prefix_rows, own)))
+        row += len(tokens)
+        return keys[-1]
+
+    done: set[int] = set()
+    for index, prompt in enumerate(prompts):
+        group = group_of.get(index)
+        if group is None:
+            rows_of[index] = emit(prompt, 0, np.empty(0, dtype=np.int64))
+        elif id(group) not in done:
+            done.add(id(group))
+            prefix = emit(prompts[group.members[0]][: group.length], 0, np.empty(0, dtype=np.int64))
+            for member in group.members:
+                rows_of[member] = emit(prompts[member][group.length :], group.length, prefix)
+    q_lengths = np.fromiter((len(p) for p in positions), dtype=np.int64, count=len(positions))
+    k_lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=len(keys))
+    cu = np.concatenate(([0], np.cumsum(q_lengths))).astype(np.int32)
+    cu_k = np.concatenate(([0], np.cumsum(k_lengths))).astype(np.int32)
+    # Pooling reads each prompt as if it were packed whole ("virtual" tokens), then maps those to rows.
+    lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    virtual_ids = np.fromiter((t for prompt in prompts for t in prompt), dtype=np.int64, count=int(ends[-1]))
+    row_of_token = np.concatenate(rows_of)
+    non_blocking = device.type == "cuda"
+    mean = pooling == "mean"
+    return PackedBatch(
+        input_ids=_to_device(np.concatenate(ids), device, non_blocking).unsqueeze(0),
+        position_ids=_to_device(np.concatenate(positions), device, non_blocking).unsqueeze(0),
+        cu_seqlens=_to_device(cu, device, non_blocking),
+        host_cu_seqlens=torch.from_numpy(cu),
+        pooled_rows=_to_device(
+            row_of_token[pooled_positions(virtual_ids, starts, ends, pooling, pad_id)], device, non_blocking
+        ),
+        token_type_ids=None,
+        item_of_token=_to_device(
+            np.repeat(np.arange(len(prompts), dtype=np.int64), lengths), device, non_blocking
+        )
+        if mean
+        else None,
+        lengths=_to_device(lengths, device, non_blocking),
+        max_length=int(q_lengths.max()),
+        row_of_token=_to_device(row_of_token, device, non_blocking) if mean else None,
+        shared=SharedKeys(
+            key_index=_to_device(np.concatenate(keys), device, non_blocking),
+            cu_seqlens_k=_to_device(cu_k, device, non_blocking),
+            host_cu_seqlens_k=torch.from_numpy(cu_k),
+            max_length_k=int(k_lengths.max()),
+        ),
+    )
+
+
 def pool(hidden: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
     """Pooled hidden states [N, H] from the packed output [T, H]: selected rows, or float32 item means."""
     if packed.item_of_token is None:
@@ -115,7 +315,9 @@ def pool(hidden: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
     # whose order (and so rounding) changes from run to run; a matmul's does not.
     tokens = hidden.shape[0]
     weights = torch.zeros((packed.lengths.shape[0], tokens), dtype=torch.float32, device=hidden.device)
-    columns = torch.arange(tokens, device=hidden.device)
+    columns = (
+        torch.arange(tokens, device=hidden.device) if packed.row_of_token is None else packed.row_of_token
+    )
     weights[packed.item_of_token, columns] = 1.0 / packed.lengths.to(torch.float32)[packed.item_of_token]
     return weights @ hidden.float()
 

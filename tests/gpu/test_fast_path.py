@@ -88,6 +88,41 @@ def test_a_replayed_graph_scores_the_batch_it_is_given(count: int, tiny_qwen3_di
     assert apart.min() > 0.1
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text"])
+def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(architecture: str) -> None:
+    """A 40-token query computed once for its items, through the real varlen kernel (more keys than
+    queries per sequence), the compiled layers and a replayed CUDA graph: each item as its whole prompt in
+    HF float32, within bf16's error (twice HF's own bf16 error plus 5% of the score scale, as gpu_check)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    from scoring_testkit import hf_reference
+
+    from models.tiny import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_model(Path(tmp) / architecture, architecture, seed=5, num_labels=1)
+        query = tuple(range(40, 80))
+        items = ((5, 6, 7), tuple(range(100, 130)), (30,), (31, 32))
+        request = ScoreRequest("multi", query=query, items=items, return_pooled_hidden_states=True)
+        config = ScorerConfig(device="cuda", dtype="bfloat16", share_prefix_min_tokens=8)
+        scorer = Scorer(model_dir, config)
+        for _ in range(3):  # the ordinary forward, then a recording, then a replay: the last is checked
+            (result,) = scorer.score([request])
+            assert result.error is None, result.error
+        assert scorer.graphs is not None and scorer.graphs.replays == 1
+        prompts = [query + item for item in items]
+        reference = hf_reference(model_dir, prompts)
+        bf16 = hf_reference(model_dir, prompts, dtype=torch.bfloat16)
+    scores = np.array(result.scores, dtype=np.float32)
+    scale = max(1.0, float(np.abs(reference.logits).max()))
+    bound = 2 * float(np.abs(bf16.logits - reference.logits).max()) + 0.05 * scale
+    assert float(np.abs(scores - reference.logits).max()) <= bound
+    hidden = np.stack([t.to_numpy().astype(np.float32) for t in result.pooled_hidden_states or ()])
+    relative = np.linalg.norm(hidden - reference.hidden, axis=1) / np.linalg.norm(reference.hidden, axis=1)
+    assert relative.max() < 5e-2
+
+
 @pytest.mark.parametrize("window", [(-1, 0), (7, 0), (-1, -1)])
 def test_flash_kernel_takes_grouped_kv_heads_unrepeated(window: tuple[int, int]) -> None:
     """The direct flash call (torch versions whose varlen_attn has no enable_gqa) against varlen_attn on

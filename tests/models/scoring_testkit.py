@@ -31,10 +31,10 @@ class Reference:
 
 
 @functools.cache
-def _reference_model(model_dir: str) -> Any:
+def _reference_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
     # eager: plain matmul attention, independent of the SDPA and varlen code paths under test.
     return AutoModelForSequenceClassification.from_pretrained(
-        model_dir, attn_implementation="eager", dtype=torch.float32
+        model_dir, attn_implementation="eager", dtype=dtype
     ).eval()
 
 
@@ -49,10 +49,15 @@ def tokenize(model_dir: str | Path, text: str) -> list[int]:
 
 
 def hf_reference(
-    model_dir: str | Path, prompts: Sequence[Sequence[int]], *, left_pad: bool = False
+    model_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    *,
+    left_pad: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> Reference:
-    """Run HF's own forward on a padded batch of token-id prompts (the pad id must not occur in them)."""
-    model = _reference_model(str(model_dir))
+    """Run HF's own forward on a padded batch of token-id prompts (the pad id must not occur in them), on
+    the CPU in `dtype` (float32: the reference; bfloat16: HF's own error, to bound a bf16 path's)."""
+    model = _reference_model(str(model_dir), dtype)
     pad = model.config.pad_token_id
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -111,11 +116,15 @@ def _reference_varlen(
     assert query.dim() == 3 and key.dim() == 3 and value.dim() == 3, "varlen q/k/v are [T, H, D]"
     assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
     assert cu_seq_q.dtype == torch.int32 and cu_seq_k.dtype == torch.int32, "cu_seqlens must be int32"
-    assert torch.equal(cu_seq_q, cu_seq_k)
+    assert cu_seq_q.shape == cu_seq_k.shape, "one key range per query range"
     lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
-    # An upper bound on the item lengths (CUDA graphs pass their bucket's); a larger one only costs time.
-    assert max_q >= max(lengths) and max_k >= max(lengths)
+    key_lengths = (cu_seq_k[1:] - cu_seq_k[:-1]).tolist()
+    # Never fewer keys than queries: a shared prefix adds keys, queries are the last positions.
+    assert all(k >= q for q, k in zip(lengths, key_lengths, strict=True)), (lengths, key_lengths)
+    # An upper bound on the lengths (CUDA graphs pass their bucket's); a larger one only costs time.
+    assert max_q >= max(lengths) and max_k >= max(key_lengths)
     assert cu_seq_q[0] == 0 and cu_seq_q[-1] <= query.shape[0], "the sequences must lie inside the row"
+    assert cu_seq_k[0] == 0 and cu_seq_k[-1] <= key.shape[0], "the key ranges must lie inside the keys"
     # Decoders: (left, 0). Encoders see both ways: (-1, -1), or a symmetric window (left, left).
     causal = window_size[1] == 0
     assert causal or window_size[1] == window_size[0], f"unexpected window {window_size}"
@@ -123,14 +132,16 @@ def _reference_varlen(
     # Rows outside every sequence (a CUDA graph's padding) are left unwritten by the real kernel: NaN here,
     # so a test sees at once if anything of them reaches an item.
     out = torch.full_like(query, float("nan"))
-    bounds = cu_seq_q.tolist()
-    for start, end in itertools.pairwise(bounds):
+    bounds, key_bounds = cu_seq_q.tolist(), cu_seq_k.tolist()
+    for (start, end), (key_start, key_end) in zip(
+        itertools.pairwise(bounds), itertools.pairwise(key_bounds), strict=True
+    ):
         if start == end:  # an empty sequence (an unused slot of a CUDA graph)
             continue
         item = attend_causal(
             query[start:end].transpose(0, 1),
-            key[start:end].transpose(0, 1),
-            value[start:end].transpose(0, 1),
+            key[key_start:key_end].transpose(0, 1),
+            value[key_start:key_end].transpose(0, 1),
             scale=scale,
             left_window=left,
             causal=causal,

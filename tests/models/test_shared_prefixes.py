@@ -1,0 +1,223 @@
+"""Shared prefixes computed once (a multi-item request's query, one prompt sent with several responses):
+each item's scores and hidden states are those of its whole prompt through HuggingFace in float32."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from scoring_testkit import ATOL, RTOL, CpuVarlenKernelGqa, hf_reference, hidden_of, scores_of
+
+from models import Scorer, ScorerConfig, engine
+from models.attention import attend_causal
+from models.packing import SharedPrefix, find_shared_prefixes, pack, pool
+from models.tiny import DECODERS, write_tiny_model
+from schemas import ScoreRequest
+
+# Token ids from 4 up (0..3 are special); the query is longer than the 16-token sliding windows of the
+# tiny mistral and gemma models, so a suffix's window reaches into the shared prefix only partly.
+QUERY = tuple(range(40, 80))
+ITEMS = ((5, 6, 7), (8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25), (30,), (31, 32))
+RESPONSES = ((100, 101, 102), (100, 101, 103, 104), (200,))  # best of N: same prompt, three requests
+OTHER = (7, 8, 9, 10, 11, 12)  # shares nothing
+MIN_TOKENS = 8
+
+
+def _requests() -> list[ScoreRequest]:
+    return [
+        ScoreRequest("multi", query=QUERY, items=ITEMS, return_pooled_hidden_states=True),
+        ScoreRequest("other", items=(OTHER,), return_pooled_hidden_states=True),
+        *(
+            ScoreRequest(f"best-of-n-{i}", items=(QUERY + response,), return_pooled_hidden_states=True)
+            for i, response in enumerate(RESPONSES)
+        ),
+    ]
+
+
+def _whole_prompts() -> list[tuple[int, ...]]:
+    return [QUERY + item for item in ITEMS] + [OTHER] + [QUERY + r for r in RESPONSES]
+
+
+class PackSpy:
+    """Counts the tokens the engine packs (what the model actually runs)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.tokens: list[int] = []
+        real = engine.pack
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            packed = real(*args, **kwargs)
+            self.tokens.append(int(packed.input_ids.shape[1]))
+            return packed
+
+        monkeypatch.setattr(engine, "pack", spy)
+
+
+@pytest.mark.parametrize("attention", ["reference", "varlen"])
+@pytest.mark.parametrize("architecture", DECODERS)
+def test_each_item_scores_as_its_whole_prompt_in_hf(
+    architecture: str, attention: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if attention == "varlen" and architecture == "gemma2":
+        pytest.skip(
+            "gemma2's attention logit softcap runs on the exact path only (the varlen kernel has none)"
+        )
+    kernel = CpuVarlenKernelGqa() if attention == "varlen" else None
+    config = ScorerConfig(
+        device="cpu", attention=attention, varlen_kernel=kernel, share_prefix_min_tokens=MIN_TOKENS
+    )
+    scorer = Scorer(model_dirs[architecture], config)
+    spy = PackSpy(monkeypatch)
+    results = scorer.score(_requests())
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    reference = hf_reference(model_dirs[architecture], _whole_prompts())
+    np.testing.assert_allclose(
+        np.concatenate([scores_of(r) for r in results]), reference.logits, atol=ATOL, rtol=RTOL
+    )
+    np.testing.assert_allclose(
+        np.concatenate([hidden_of(r) for r in results]), reference.hidden, atol=ATOL, rtol=RTOL
+    )
+    # The query ran once for the four items and the three responses, not seven times.
+    whole = sum(len(p) for p in _whole_prompts())
+    assert spy.tokens == [whole - 6 * len(QUERY)], (spy.tokens, whole)
+    if kernel is not None:
+        assert kernel.calls
+
+
+@pytest.mark.parametrize("pooling", ["last", "last_token", "cls", "mean"])
+def test_every_pooling_gives_the_unshared_result(pooling: str, tiny_qwen3_dir: Path) -> None:
+    plain = Scorer(tiny_qwen3_dir, ScorerConfig(device="cpu", pooling=pooling))
+    shared = Scorer(
+        tiny_qwen3_dir, ScorerConfig(device="cpu", pooling=pooling, share_prefix_min_tokens=MIN_TOKENS)
+    )
+    for got, expected in zip(shared.score(_requests()), plain.score(_requests()), strict=True):
+        np.testing.assert_allclose(scores_of(got), scores_of(expected), atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(hidden_of(got), hidden_of(expected), atol=ATOL, rtol=RTOL)
+
+
+def test_an_item_never_sees_its_siblings(tiny_llama_dir: Path) -> None:
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", share_prefix_min_tokens=MIN_TOKENS))
+    before = scorer.score([ScoreRequest("r", query=QUERY, items=ITEMS, return_pooled_hidden_states=True)])[0]
+    changed = (ITEMS[0], (90, 91, 92, 93, 94, 95), *ITEMS[2:])
+    after = scorer.score([ScoreRequest("r", query=QUERY, items=changed, return_pooled_hidden_states=True)])[0]
+    assert before.pooled_hidden_states is not None and after.pooled_hidden_states is not None
+    for index in (0, 2, 3):
+        assert before.scores[index] == after.scores[index]
+        np.testing.assert_array_equal(
+            before.pooled_hidden_states[index].to_numpy(), after.pooled_hidden_states[index].to_numpy()
+        )
+    assert before.scores[1] != after.scores[1]
+
+
+def test_short_prefixes_are_packed_whole() -> None:
+    """Below the configured length (or with sharing off) every prompt is packed whole, as before."""
+    prompts = [(*QUERY[:5], 6), (*QUERY[:5], 7)]
+    assert find_shared_prefixes(prompts, 8) == []
+    assert find_shared_prefixes(prompts, 0) == []
+    assert find_shared_prefixes(prompts, 5) == [SharedPrefix((0, 1), 5)]
+
+
+def test_an_encoder_never_shares(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encoder's query tokens see the item after them: nothing of them can be computed once."""
+    model_dir = write_tiny_model(tmp_path / "bert", "bert", seed=8, num_labels=2)
+    shared = Scorer(model_dir, ScorerConfig(device="cpu", share_prefix_min_tokens=1))
+    plain = Scorer(model_dir, ScorerConfig(device="cpu"))
+    request = ScoreRequest("e", query="the same question here", items=("one answer", "another answer"))
+    spy = PackSpy(monkeypatch)
+    for got, expected in zip(shared.score([request]), plain.score([request]), strict=True):
+        np.testing.assert_array_equal(scores_of(got), scores_of(expected))
+    assert spy.tokens[0] == spy.tokens[1]
+
+
+def test_groups_keep_a_token_of_their_own_and_the_longest_saving() -> None:
+    # Identical prompts share all but their last token (which each needs for its own pooled state).
+    assert find_shared_prefixes([(1, 2, 3, 4)] * 3, 2) == [SharedPrefix((0, 1, 2), 3)]
+    # Five prompts with a 40-token query and one sharing only its first 35 tokens: one group of six over
+    # 35 tokens saves 5 x 35 = 175, more than 4 x 40 = 160 for the five alone.
+    query = tuple(range(100, 140))
+    prompts = [(*query, i) for i in range(5)] + [(*query[:35], 0, 0)]
+    assert find_shared_prefixes(prompts, 32) == [SharedPrefix((0, 1, 2, 3, 4, 5), 35)]
+    # Two prompts sharing 33 tokens with those five and 60 with each other: two groups save
+    # 4 x 40 + 1 x 60 = 220, more than 6 x 33 = 198 for one group of seven.
+    other = (*query[:33], *range(500, 527))
+    prompts = [(*query, i) for i in range(5)] + [(*other, 0), (*other, 1)]
+    groups = find_shared_prefixes(prompts, 32)
+    assert groups == [SharedPrefix((0, 1, 2, 3, 4), 40), SharedPrefix((5, 6), 60)]
+    # Random prompts share nothing.
+    generator = np.random.default_rng(0)
+    random_prompts = [tuple(generator.integers(4, 1000, 50).tolist()) for _ in range(200)]
+    assert find_shared_prefixes(random_prompts, 8) == []
+
+
+def test_packing_lays_out_the_prefix_once_and_each_suffix_after_it() -> None:
+    prompts = [(9,), (1, 2, 3, 4, 5), (1, 2, 3, 6)]
+    packed = pack(prompts, torch.device("cpu"), "last_token", shared=[SharedPrefix((1, 2), 3)])
+    assert packed.input_ids.tolist() == [[9, 1, 2, 3, 4, 5, 6]]
+    assert packed.position_ids.tolist() == [[0, 0, 1, 2, 3, 4, 3]]
+    assert packed.host_cu_seqlens.tolist() == [0, 1, 4, 6, 7]
+    assert packed.shared is not None
+    assert packed.shared.key_index.tolist() == [0, 1, 2, 3, 1, 2, 3, 4, 5, 1, 2, 3, 6]
+    assert packed.shared.host_cu_seqlens_k.tolist() == [0, 1, 4, 9, 13]
+    assert packed.pooled_rows.tolist() == [0, 5, 6]
+    mean = pack(prompts, torch.device("cpu"), "mean", shared=[SharedPrefix((1, 2), 3)])
+    hidden = torch.arange(7, dtype=torch.float32).unsqueeze(1)  # row r holds r
+    expected = [[0.0], [(1 + 2 + 3 + 4 + 5) / 5], [(1 + 2 + 3 + 6) / 4]]
+    torch.testing.assert_close(pool(hidden, mean), torch.tensor(expected))
+
+
+def test_fewer_queries_than_keys_are_the_last_positions() -> None:
+    """The exact kernel with a shared prefix: queries 4..5 of a 6-key sequence, causal and windowed."""
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(h, n, 4, generator=generator) for h, n in ((4, 6), (2, 6), (2, 6)))
+    for window in (None, 2):
+        whole = attend_causal(q, k, v, scale=0.5, left_window=window)
+        tail = attend_causal(q[:, 4:], k, v, scale=0.5, left_window=window)
+        torch.testing.assert_close(tail, whole[:, 4:], atol=1e-6, rtol=1e-6)
+        assert not math.isnan(float(tail.sum()))
+
+
+def test_cuda_graphs_replay_batches_with_shared_prefixes(tiny_llama_dir: Path) -> None:
+    """A batch with a shared prefix is recorded and replayed like any other (its key rows and their bounds
+    are buffers of the graph too), and each replay scores the batch it is given."""
+    from models.graphs import Recorder
+
+    rerun: Recorder = lambda run: run  # noqa: E731 - a recorder whose replay runs the function again
+    config = ScorerConfig(
+        device="cpu",
+        attention="varlen",
+        varlen_kernel=CpuVarlenKernelGqa(),
+        graph_recorder=rerun,
+        share_prefix_min_tokens=MIN_TOKENS,
+    )
+    scorer = Scorer(tiny_llama_dir, config)
+    graphs = scorer.graphs
+    assert graphs is not None
+    plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    for round_ in range(3):  # a shape is recorded at its second batch and replayed from the third
+        items = tuple((5 + round_, 6, 7 + round_) for _ in range(4))  # same shape, other tokens each time
+        multi = [ScoreRequest("m", query=QUERY, items=items, return_pooled_hidden_states=True)]
+        for got, expected in zip(scorer.score(multi), plain.score(multi), strict=True):
+            np.testing.assert_allclose(scores_of(got), scores_of(expected), atol=ATOL, rtol=RTOL)
+            np.testing.assert_allclose(hidden_of(got), hidden_of(expected), atol=ATOL, rtol=RTOL)
+    assert graphs.recorded == 1 and graphs.replays == 1
+    # A shape without sharing after it: its own graph, with no stale key rows in the way.
+    for _ in range(3):
+        (got,) = scorer.score([ScoreRequest("a", items=(OTHER,), return_pooled_hidden_states=True)])
+        (expected,) = plain.score([ScoreRequest("a", items=(OTHER,), return_pooled_hidden_states=True)])
+        np.testing.assert_allclose(hidden_of(got), hidden_of(expected), atol=ATOL, rtol=RTOL)
+    assert graphs.recorded == 2 and graphs.replays == 2
+
+
+def test_the_deterministic_setting_is_unchanged_by_sharing(tiny_qwen3_dir: Path) -> None:
+    """`deterministic` runs every item alone, so nothing is shared: results stay bit-identical to it."""
+    alone = Scorer(tiny_qwen3_dir, ScorerConfig(device="cpu", deterministic=True))
+    shared = Scorer(
+        tiny_qwen3_dir, ScorerConfig(device="cpu", deterministic=True, share_prefix_min_tokens=MIN_TOKENS)
+    )
+    for got, expected in zip(shared.score(_requests()), alone.score(_requests()), strict=True):
+        np.testing.assert_array_equal(scores_of(got), scores_of(expected))
+        np.testing.assert_array_equal(hidden_of(got), hidden_of(expected))
