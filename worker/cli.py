@@ -188,6 +188,7 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
         compile=settings.compile,
         cuda_graphs=settings.cuda_graphs,
         graph_max_tokens=settings.graph_max_tokens,
+        share_prefix_min_tokens=settings.share_prefix_min_tokens,
         max_input_tokens=settings.max_item_tokens,
         max_request_items=settings.max_request_items,
         max_request_tokens=settings.max_request_tokens,

@@ -186,6 +186,12 @@ class WorkerSettings(KafkaSecurity):
     graph_max_tokens: int = Field(
         8192, ge=1, description="the largest batch (tokens) that CUDA graphs replay; larger ones run as usual"
     )
+    share_prefix_min_tokens: int = Field(
+        0,
+        ge=0,
+        description="compute a token prefix that prompts of one batch share (a multi-item request's query, "
+        "one prompt sent with several responses) once when it is at least this long; 0: never",
+    )
     trust_remote_code: bool = Field(
         False, description="load a model directory that ships its own code (runs that code: opt in knowingly)"
     )
