@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -184,6 +186,17 @@ def relative_errors(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
     """Per-row ||v - r|| / ||r|| in float64."""
     diff = np.linalg.norm(values.astype(np.float64) - reference.astype(np.float64), axis=-1)
     return np.asarray(diff / np.maximum(np.linalg.norm(reference.astype(np.float64), axis=-1), 1e-30))
+
+
+def write_verdict(report: dict[str, Any], failures: list[str], target: Path, what: str) -> int:
+    """Write the report with its verdict; the exit status: 1 when a check of the timed results failed (a
+    figure whose results were wrong is no figure)."""
+    report["verdict"] = failures or "ok"
+    target.write_text(json.dumps(report, indent=2))
+    print(f"wrote {target}")
+    for failure in failures:
+        print(f"{what} FAILED: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def out_dir() -> Path | None:

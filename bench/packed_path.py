@@ -48,6 +48,20 @@ def save_model_dir(model: torch.nn.Module, model_dir: Path) -> list[str]:
     return attach_tokenizer(model_dir)
 
 
+def random_model_dir(model_class: Any, config: Any, device: str, target: Path) -> Path:
+    """A model of `model_class` with random weights (seed 0, bf16 on CUDA, float32 on the CPU), built on
+    `device` and saved with a tokenizer at `target`; the in-memory copy is freed."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = model_class._from_config(config, dtype=dtype)
+    save_model_dir(model.eval(), target)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return target
+
+
 def make_requests(token_ids: Sequence[torch.Tensor], hidden: bool = True) -> list[Any]:
     """One single-item token-id request per row, each asking for its pooled hidden state."""
     from schemas import ScoreRequest
@@ -65,6 +79,7 @@ def make_scorer(
     deterministic: bool = False,
     compile: str = "auto",
     cuda_graphs: str = "auto",
+    share_prefix_min_tokens: int = 0,
 ) -> Any:
     from models import Scorer, ScorerConfig
 
@@ -76,6 +91,7 @@ def make_scorer(
         deterministic=deterministic,
         compile=compile,  # type: ignore[arg-type]
         cuda_graphs=cuda_graphs,  # type: ignore[arg-type]
+        share_prefix_min_tokens=share_prefix_min_tokens,
     )
     return Scorer(str(model_dir), config)
 

@@ -36,6 +36,7 @@ from bench.common import (
     relative_errors,
     timed,
     token_budget_chunks,
+    write_verdict,
 )
 from bench.hf_paths import PathOutput
 from bench.profiling import kernel_breakdown, print_breakdown
@@ -146,6 +147,7 @@ def packed_run(
     deterministic: bool = False,
     eager: bool = False,
     budgets: Sequence[int] = (),
+    share_min: int = 0,
 ) -> dict[str, Any]:
     """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request,
     its decoder layers compiled (the default on CUDA).
@@ -153,6 +155,7 @@ def packed_run(
     With `deterministic`, the batch-invariant setting (every item alone): its cost, one pass, no profile.
     With `eager`, the same path with the layers left eager: what compiling them gains, in the same run.
     `budgets`: other token budgets to time one pass each with the same Scorer (result["sweep_runs"]).
+    `share_min`: also time a Scorer looking for shared prefixes of that many tokens (W1 has none).
     """
     name = "packed_deterministic" if deterministic else "packed_eager" if eager else "packed_varlen"
     model_dir = workdir / "w1-model"
@@ -196,6 +199,19 @@ def packed_run(
     bare["output"] = packed_path.results_to_arrays(bare["output"], hidden_size, asked=False)
     bare.update(batches=len(chunks), max_batch_tokens=max_batch_tokens)
     result["sweep_runs"][bare["name"]] = bare
+    if share_min:
+        # W1 shares nothing: what looking for shared prefixes costs a batch that has none.
+        sharing = packed_path.make_scorer(model_dir, largest, share_prefix_min_tokens=share_min)
+        looked = measure(
+            f"{name}_share{share_min}",
+            lambda: packed_path.run_scorer(sharing, requests, chunks),
+            lambda: packed_path.run_scorer(sharing, requests, chunks[:1]),
+            repeats,
+        )
+        looked["output"] = packed_path.results_to_arrays(looked["output"], hidden_size)
+        looked.update(batches=len(chunks), max_batch_tokens=max_batch_tokens)
+        result["sweep_runs"][looked["name"]] = looked
+        del sharing
     for budget in budgets:
         cut = token_budget_chunks(work.lengths, budget)
         run = measure(
@@ -337,6 +353,11 @@ def print_summary(rows: list[dict[str, Any]], roofline: dict[str, Any], checks: 
     if "packed_varlen" in by_path and "packed_varlen_no_hidden" in by_path:
         ratio = by_path["packed_varlen_no_hidden"]["tokens_per_s"] / by_path["packed_varlen"]["tokens_per_s"]
         print(f"hidden states for every request cost {100 * (ratio - 1):.2f}% against asking on none")
+    for path, row in by_path.items():
+        if path.startswith("packed_varlen_share") and "packed_varlen" in by_path:
+            ratio = by_path["packed_varlen"]["tokens_per_s"] / row["tokens_per_s"]
+            cost = 100 * (ratio - 1)
+            print(f"looking for shared prefixes ({path}) costs {cost:.2f}% on W1 (nothing shared)")
     print(
         f"\ncorrectness (float32 HF reference on {len(checks.get('fp32_subset', []))} requests, "
         f"score scale {checks.get('fp32_score_scale', float('nan')):.3f}):"
@@ -379,6 +400,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="other token budgets timed (one pass each) with the compiled Scorer; '' for none",
     )
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per path; the best is reported")
+    parser.add_argument(
+        "--share-prefix-min-tokens",
+        type=int,
+        default=32,
+        help="also time the default path looking for shared prefixes this long (0: not)",
+    )
     parser.add_argument("--fp32-requests", type=int, default=16, help="requests in the float32 reference")
     parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/w1.json)")
     return parser.parse_args(argv)
@@ -402,7 +429,13 @@ def run_paths(args: argparse.Namespace, model: torch.nn.Module, work: Workload) 
                 gc.collect()
                 torch.cuda.empty_cache()
             runs["packed_varlen"] = packed_run(
-                model, work, args.max_batch_tokens, args.repeats, Path(workdir), budgets=args.budgets
+                model,
+                work,
+                args.max_batch_tokens,
+                args.repeats,
+                Path(workdir),
+                budgets=args.budgets,
+                share_min=args.share_prefix_min_tokens,
             )
             runs.update(runs["packed_varlen"].pop("sweep_runs", {}))
             gc.collect()
@@ -456,13 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     target = args.json or ((out_dir() or Path(".")) / ("w1-quick.json" if args.quick else "w1.json"))
-    failures = verdict(checks)
-    report["verdict"] = failures or "ok"
-    target.write_text(json.dumps(report, indent=2))
-    print(f"wrote {target}")
-    for failure in failures:
-        print(f"W1 FAILED: {failure}", file=sys.stderr)
-    return 1 if failures else 0
+    return write_verdict(report, verdict(checks), target, "W1")
 
 
 if __name__ == "__main__":

@@ -84,17 +84,9 @@ def build_model_dir(shapes: dict[str, Any], device: str, workdir: Path) -> Path:
         "pad_token_id": 0,
         "initializer_range": 0.02,
     }
-    config = Qwen3Config(**settings)
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    with torch.device(device):
-        model = Qwen3ForSequenceClassification._from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
     target = workdir / "w2-qwen3-0.6b-shapes"
-    packed_path.save_model_dir(model.eval(), target)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return target
+    config = Qwen3Config(**settings)
+    return packed_path.random_model_dir(Qwen3ForSequenceClassification, config, device, target)
 
 
 # The worker restarts the load process asks for, with the settings each changes. Tansu answers a fetch that

@@ -14,17 +14,17 @@ from models.tiny import ARCHITECTURES
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--cpu-smoke"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+def _run_script(args: list[str], out: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """A bench script run from the repository root, as on the GPU machine, its $OUT at `out`."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(out), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, *args]
+    return subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
     )
+
+
+def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
+    proc = _run_script(["bench/gpu_check.py", "--cpu-smoke"], tmp_path, 300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # Every tiny architecture plus the GQA llama is checked; a run that checks nothing must not pass.
     expected = len(ARCHITECTURES) + 1
@@ -77,3 +77,16 @@ def test_w1_checks_a_run_without_hidden_states_on_its_scores() -> None:
     wrong = compare(PathOutput(np.array([[9.0], [2.0]], np.float32), bare.hidden), reference)
     checks = {"fp32_score_scale": 2.0, "vs_fp32": {"packed_varlen_no_hidden": wrong}}
     assert [f.split(":")[0] for f in verdict(checks)] == ["packed_varlen_no_hidden"]
+
+
+def test_shared_prefix_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) -> None:
+    """bench/shared.py on tiny models on the CPU: both workloads timed, checked against float32 and the
+    unshared path, the report written; a run whose checks did not pass would exit 1."""
+    proc = _run_script(["bench/shared.py", "--quick", "--repeats", "1"], tmp_path, 600)
+    target = tmp_path / "shared-quick.json"
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(target.read_text())
+    assert report["verdict"] == "ok"
+    for case in ("w3", "w4"):
+        assert report[case]["vs_fp32"]["ok"] and report[case]["agreement"]["ok"]
+        assert report[case]["distinct_tokens"] < report[case]["whole_prompt_tokens"]

@@ -1,0 +1,268 @@
+"""W3 (one query, many items) and W4 (best of N) with shared prefixes computed once, against today's path
+(every prompt packed whole) and against scoring only the distinct tokens, all in one process.
+
+Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/shared.py
+`--quick` runs tiny models on the CPU (a smoke test of the script, not a measurement).
+
+- W3: W2's model (Qwen3-0.6B shapes); 64 requests of 16 items, a 512-token query and 64-token items, half
+  asking for pooled hidden states. "Distinct tokens": each request's query and items as one prompt, the
+  work a perfect sharing would leave.
+- W4: W1's model (8B Llama shapes); 256 prompts of 300-1,000 tokens with 8 responses of 50-300 tokens each,
+  sent as 2,048 single-item requests, a prompt's 8 one after another, the prompts in random order.
+Batches are cut as the worker cuts them: arrival order, at most `--max-batch-tokens` prompt tokens.
+The shared path's results are checked against HF float32 on a sample (twice HF's own bf16 error plus 5% of
+the score scale) and against today's path on every item; the script exits 1 when either check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from bench import packed_path
+from bench.common import environment, out_dir, token_budget_chunks, write_verdict
+from bench.w1 import W1_SHAPES
+from bench.w2 import QUICK_SHAPES as W2_QUICK
+from bench.w2 import W2_SHAPES, build_model_dir, check_sample
+from models import Scorer, ScorerConfig
+from schemas import ScoreRequest, ScoreResult
+
+VOCAB_LOW = 4  # ids 0..3 are special tokens in the tiny tokenizers
+W4_SHAPES = W1_SHAPES
+# W1's model at W2's tiny quick sizes (the same head width: 64 / 4 = 16).
+TINY_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+W4_QUICK: dict[str, Any] = {
+    **W4_SHAPES,
+    **{k: W2_QUICK[k] for k in (*TINY_KEYS, "intermediate_size", "vocab_size")},
+}
+
+
+Workload = tuple[list[ScoreRequest], list[ScoreRequest]]  # the requests, and their distinct tokens
+
+
+def w3_requests(
+    rng: np.random.Generator, vocab: int, requests: int, items: int, query: int, item: int
+) -> Workload:
+    """Multi-item requests; their distinct tokens: each request's query and items as one prompt."""
+    out, bare = [], []
+    for i in range(requests):
+        q = tuple(rng.integers(VOCAB_LOW, vocab, query).tolist())
+        its = tuple(tuple(rng.integers(VOCAB_LOW, vocab, item).tolist()) for _ in range(items))
+        out.append(ScoreRequest(f"w3-{i}", query=q, items=its, return_pooled_hidden_states=i % 2 == 0))
+        bare.append(ScoreRequest(f"w3-{i}", items=(q + tuple(t for it in its for t in it),)))
+    return out, bare
+
+
+def w4_requests(
+    rng: np.random.Generator,
+    vocab: int,
+    prompts: int,
+    n: int,
+    prompt_len: tuple[int, int],
+    response_len: tuple[int, int],
+) -> Workload:
+    """A prompt's n responses as n single-item requests in a row, the prompts in random order; their
+    distinct tokens: each prompt once with all its responses."""
+    out, bare = [], []
+    for p in rng.permutation(prompts).tolist():
+        prompt = tuple(rng.integers(VOCAB_LOW, vocab, int(rng.integers(*prompt_len, endpoint=True))).tolist())
+        responses = [
+            tuple(rng.integers(VOCAB_LOW, vocab, int(rng.integers(*response_len, endpoint=True))).tolist())
+            for _ in range(n)
+        ]
+        out += [
+            ScoreRequest(f"w4-{p}-{r}", items=(prompt + response,), return_pooled_hidden_states=r == 0)
+            for r, response in enumerate(responses)
+        ]
+        bare.append(ScoreRequest(f"w4-{p}", items=(prompt + tuple(t for r in responses for t in r),)))
+    return out, bare
+
+
+def whole_prompts(request: ScoreRequest) -> list[tuple[int, ...]]:
+    """The token-id prompts of a request of token ids: query + item for each item."""
+    query = tuple(cast(Sequence[int], request.query or ()))
+    return [query + tuple(cast(Sequence[int], item)) for item in request.items]
+
+
+def chunks(requests: Sequence[ScoreRequest], budget: int) -> list[list[int]]:
+    sizes = [sum(len(p) for p in whole_prompts(r)) for r in requests]
+    return token_budget_chunks(sizes, budget)
+
+
+def time_path(
+    scorer: Scorer, requests: Sequence[ScoreRequest], cut: list[list[int]], repeats: int
+) -> tuple[list[ScoreResult], float]:
+    """Best wall time of `repeats` passes after one warm-up pass; the last pass's results."""
+    sync: Callable[[], None] = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    packed_path.run_scorer(scorer, requests, cut)
+    best, results = float("inf"), []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        results = packed_path.run_scorer(scorer, requests, cut)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return results, best
+
+
+def agree(shared: Sequence[ScoreResult], whole: Sequence[ScoreResult]) -> dict[str, Any]:
+    """Every item of the shared path against today's path: the same model, bf16 on both."""
+    a = np.array([row for r in shared for row in r.scores], dtype=np.float32)
+    b = np.array([row for r in whole for row in r.scores], dtype=np.float32)
+    scale = max(1.0, float(np.abs(b).max()))
+    diff = float(np.abs(a - b).max())
+    ok = all(r.ok for r in shared) and bool(np.isfinite(a).all()) and diff <= 0.05 * scale
+    return {"max_abs_score_diff": diff, "bound": 0.05 * scale, "ok": ok}
+
+
+def sample(
+    requests: Sequence[ScoreRequest], results: Sequence[ScoreResult], count: int
+) -> list[dict[str, Any]]:
+    picks = np.linspace(0, len(requests) - 1, count).round().astype(int).tolist()
+    return [
+        {
+            "items": [list(p) for p in whole_prompts(requests[i])],
+            "scores": [list(row) for row in results[i].scores],
+            "hidden": None
+            if results[i].pooled_hidden_states is None
+            else [t.to_numpy().astype(np.float32).tolist() for t in results[i].pooled_hidden_states or ()],
+        }
+        for i in sorted(set(picks))
+    ]
+
+
+def run_case(
+    name: str, model_dir: Path, work: Workload, args: argparse.Namespace, device: str
+) -> dict[str, Any]:
+    requests, bare = work
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    base = {"device": device, "dtype": dtype, "max_batch_tokens": args.max_batch_tokens}
+    today = Scorer(model_dir, ScorerConfig(**base))
+    shared = Scorer(model_dir, ScorerConfig(**base, share_prefix_min_tokens=args.min_tokens))
+    cut = chunks(requests, args.max_batch_tokens)
+    items = sum(len(r.items) for r in requests)
+    whole_tokens = sum(len(p) for r in requests for p in whole_prompts(r))
+    whole_results, whole_s = time_path(today, requests, cut, args.repeats)
+    shared_results, shared_s = time_path(shared, requests, cut, args.repeats)
+    distinct_tokens = sum(len(r.items[0]) for r in bare)
+    _, distinct_s = time_path(
+        today,
+        bare,
+        token_budget_chunks([len(r.items[0]) for r in bare], args.max_batch_tokens),
+        args.repeats,
+    )
+    del today
+    report: dict[str, Any] = {
+        "requests": len(requests),
+        "items": items,
+        "whole_prompt_tokens": whole_tokens,
+        "distinct_tokens": distinct_tokens,
+        "batches": len(cut),
+        "today_items_per_s": items / whole_s,
+        "shared_items_per_s": items / shared_s,
+        "distinct_items_per_s": items / distinct_s,
+        "speedup": whole_s / shared_s,
+        "share_of_distinct": distinct_s / shared_s,
+        "agreement": agree(shared_results, whole_results),
+        "vs_fp32": check_sample(model_dir, device, sample(requests, shared_results, args.sample)),
+    }
+    del shared
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    print(
+        f"{name}: {len(requests)} requests, {items} items, {whole_tokens} prompt tokens, "
+        f"{distinct_tokens} distinct; "
+        f"items/s today {report['today_items_per_s']:.1f}, shared {report['shared_items_per_s']:.1f} "
+        f"({report['speedup']:.2f}x), distinct tokens only {report['distinct_items_per_s']:.1f} "
+        f"(shared reaches {100 * report['share_of_distinct']:.0f}% of it); agreement {report['agreement']}, "
+        f"vs float32 {'ok' if report['vs_fp32']['ok'] else 'FAILED'} "
+        f"(max |dscore| {report['vs_fp32']['max_abs_score_diff']:.3g}, "
+        f"bound {report['vs_fp32']['score_bound']:.3g})",
+        flush=True,
+    )
+    return report
+
+
+def build_llama_dir(shapes: dict[str, Any], device: str, workdir: Path) -> Path:
+    """LlamaForSequenceClassification with random weights (W1's model), saved with a tokenizer."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from bench import hf_paths
+
+    settings = {
+        **shapes,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "rms_norm_eps": 1e-5,
+        "num_labels": 1,
+        "pad_token_id": hf_paths.PAD_ID,
+        "initializer_range": 0.02,
+    }
+    target = workdir / "w4-llama"
+    config = LlamaConfig(**settings)
+    return packed_path.random_model_dir(LlamaForSequenceClassification, config, device, target)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="tiny models and workloads, CPU if no GPU")
+    parser.add_argument("--cases", default="w3,w4", help="which of w3, w4 to run")
+    parser.add_argument(
+        "--min-tokens", type=int, default=32, help="share_prefix_min_tokens of the shared path"
+    )
+    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=2, help="timed passes per path; the best is reported")
+    parser.add_argument("--sample", type=int, default=6, help="requests checked against HF float32 per case")
+    parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/shared.json)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.quick:
+        print("the shared-prefix benchmark needs a CUDA GPU (or --quick)", file=sys.stderr)
+        return 2
+    print(json.dumps(environment()), flush=True)
+    rng = np.random.default_rng(0)
+    report: dict[str, Any] = {
+        "environment": environment(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    cases = set(args.cases.split(","))
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        if "w3" in cases:
+            shapes = W2_QUICK if args.quick else W2_SHAPES
+            model_dir = build_model_dir(shapes, device, Path(tmp))
+            sizes = (4, 4, 40, 8) if args.quick else (64, 16, 512, 64)
+            report["w3"] = run_case(
+                "W3", model_dir, w3_requests(rng, shapes["vocab_size"], *sizes), args, device
+            )
+        if "w4" in cases:
+            shapes = W4_QUICK if args.quick else W4_SHAPES
+            model_dir = build_llama_dir(shapes, device, Path(tmp))
+            spec = (6, 3, (30, 60), (5, 20)) if args.quick else (256, 8, (300, 1000), (50, 300))
+            report["w4"] = run_case(
+                "W4", model_dir, w4_requests(rng, shapes["vocab_size"], *spec), args, device
+            )
+    failures = [
+        f"{name}: {check}"
+        for name in ("w3", "w4")
+        if name in report
+        for check in ("agreement", "vs_fp32")
+        if not report[name][check]["ok"]
+    ]
+    target = args.json or ((out_dir() or Path(".")) / ("shared-quick.json" if args.quick else "shared.json"))
+    return write_verdict(report, failures, target, "the shared-prefix benchmark")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
