@@ -138,6 +138,10 @@ class EmbeddedBroker:
             return self
         binary = resolve_tansu_binary()
         log_dir = self._log_dir or Path(tempfile.mkdtemp(prefix="score-worker-tansu-"))
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise BrokerError(f"cannot create the broker's log directory {str(log_dir)!r}: {error}") from None
         self.log_path = log_dir / "tansu.log"
         # A free port can be taken between probing and binding (parallel test runs): try a few.
         attempts = 1 if self._requested_port else 3

@@ -31,6 +31,16 @@ def test_starts_answers_metadata_and_stops(tmp_path: Path) -> None:
     broker.stop()  # idempotent
 
 
+def test_a_log_directory_that_does_not_exist_yet_is_created(tmp_path: Path) -> None:
+    with EmbeddedBroker(log_dir=tmp_path / "logs" / "tansu") as broker:
+        assert broker.log_path is not None and broker.log_path.parent == tmp_path / "logs" / "tansu"
+    assert (tmp_path / "logs" / "tansu" / "tansu.log").is_file()
+    occupied = tmp_path / "a-file"
+    occupied.write_text("")
+    with pytest.raises(BrokerError, match="cannot create the broker's log directory"):
+        EmbeddedBroker(log_dir=occupied / "logs").start()
+
+
 def test_missing_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     not_executable = tmp_path / "tansu"
     not_executable.write_text("")
