@@ -7,7 +7,7 @@ from typing import Any, NoReturn, TypeVar
 
 import msgpack
 
-from schemas._checks import describe, invalid, is_valid_request_id
+from schemas._checks import check_metadata, describe, invalid, is_valid_request_id
 from schemas.errors import ErrorCode, SchemaError
 from schemas.request import ScoreRequest, Truncation, check_version
 from schemas.result import ErrorInfo, ResultStatus, ScoreResult, check_error_code
@@ -117,13 +117,15 @@ def _read_version(message: dict[Any, Any]) -> int:
 def _guarded(decode: Callable[[dict[Any, Any]], _T], data: object) -> _T:
     """Run a decoder so that only SchemaError leaves, tagged with the request id whenever one is readable."""
     request_id: str | None = None
+    metadata: object = None
     try:
         message = _unpack(data)
         candidate = message.get("request_id")
         request_id = candidate if is_valid_request_id(candidate) else None
+        metadata = _readable_metadata(message.get("metadata"))
         return decode(message)
     except SchemaError as error:
-        raise error.with_request_id(request_id) from None
+        raise error.with_request_id(request_id, metadata) from None
     except Exception as exc:
         # A defect of ours met by a strange message must still surface as the contract's error type.
         raise SchemaError(
@@ -132,6 +134,15 @@ def _guarded(decode: Callable[[dict[Any, Any]], _T], data: object) -> _T:
             f"keep the dead-lettered copy.",
             request_id,
         ) from exc
+
+
+def _readable_metadata(value: object) -> object:
+    """The metadata of a message whose map could be read, if it is valid metadata itself (else None)."""
+    try:
+        check_metadata(value)
+    except SchemaError:
+        return None
+    return value
 
 
 def _request_from_map(message: dict[Any, Any]) -> ScoreRequest:

@@ -29,11 +29,16 @@ class ErrorCode(StrEnum):
 class SchemaError(Exception):
     """A message or value that breaks the wire contract; carries a stable code and a corrective sentence."""
 
-    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
+    def __init__(
+        self, code: ErrorCode, message: str, request_id: str | None = None, metadata: object = None
+    ) -> None:
         super().__init__(code, message, request_id)
         self.code = code
         self.message = message
         self.request_id = request_id
+        # The message's metadata when its map could be read and the metadata itself is valid: an error
+        # result echoes it like any other result (None: nil, or nothing readable).
+        self.metadata = metadata
 
     def __str__(self) -> str:
         return self.message
@@ -43,8 +48,11 @@ class SchemaError(Exception):
             f"SchemaError(code={self.code.value}, message={self.message!r}, request_id={self.request_id!r})"
         )
 
-    def with_request_id(self, request_id: str | None) -> SchemaError:
-        """The same error, tagged with the request id recovered from the message (kept if already set)."""
-        if self.request_id is not None or request_id is None:
+    def with_request_id(self, request_id: str | None, metadata: object = None) -> SchemaError:
+        """The same error, tagged with the request id (and metadata) recovered from the message; what is
+        already set is kept."""
+        request_id = self.request_id if self.request_id is not None else request_id
+        metadata = self.metadata if self.metadata is not None else metadata
+        if request_id == self.request_id and metadata is self.metadata:
             return self
-        return SchemaError(self.code, self.message, request_id)
+        return SchemaError(self.code, self.message, request_id, metadata)

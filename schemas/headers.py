@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from schemas._checks import is_valid_request_id
 from schemas.version import SCHEMA_VERSION
 
 Headers = list[tuple[str, bytes]]  # aiokafka's form
@@ -42,11 +43,13 @@ def headers_to_dict(headers: Iterable[tuple[str, bytes | None]] | None) -> dict[
 
 
 def header_request_id(headers: Iterable[tuple[str, bytes | None]] | None) -> str | None:
-    """The first x-request-id header (name in any case) as text; None when absent, empty or not UTF-8."""
+    """The first x-request-id header (name in any case) as text; None when absent, not UTF-8 or no usable
+    request id (1 to 256 characters), as an id in the map would have to be."""
     for name, value in headers or ():
         if name.lower() == HEADER_REQUEST_ID and value:
             try:
-                return value.decode("utf-8")
+                text = value.decode("utf-8")
             except UnicodeDecodeError:
                 return None
+            return text if is_valid_request_id(text) else None
     return None

@@ -98,7 +98,7 @@ class Intake:
         try:
             request = decode_request(record.value if record.value is not None else b"")
         except SchemaError as error:
-            return self._reject_record(record, error.code, error.message, error.request_id)
+            return self._reject_record(record, error.code, error.message, error.request_id, error.metadata)
         except Exception as exc:  # decode_request promises SchemaError only; never lose a record to a bug
             log.exception("decoding offset %d of %s failed unexpectedly", record.offset, tp)
             return self._reject_record(record, ErrorCode.INTERNAL_ERROR, f"decoding failed: {exc!r}", None)
@@ -159,9 +159,16 @@ class Intake:
         return self.failure(request, ErrorCode.EXPIRED, message)
 
     def _reject_record(
-        self, record: ConsumerRecord[bytes, bytes], code: ErrorCode, message: str, request_id: str | None
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        code: ErrorCode,
+        message: str,
+        request_id: str | None,
+        metadata: object = None,
     ) -> Rejected:
-        """A record that breaks the wire contract: error result if its id is known, always a DLQ copy."""
+        """A record that breaks the wire contract: always a DLQ copy, and an error result addressed by the
+        map's request id or else the x-request-id header's, whichever is a usable id (none: no result, the
+        dead-letter copy is the trace). The result echoes the metadata when the map's was readable."""
         tp = TopicPartition(record.topic, record.partition)
         request_id = request_id or header_request_id(record.headers)
         log.warning(
@@ -169,14 +176,18 @@ class Intake:
             record.offset, tp.topic, tp.partition, request_id or "unknown", code, message,
         )  # fmt: skip
         messages = [dead_letter_record(self._settings, record, code, message)]
-        if request_id:
-            try:
-                failure = ScoreResult.failure(request_id, code, message, model=self._scorer.model_name)
-            except SchemaError:
-                # The header's id is no valid request id (too long, ...): the dead-letter copy is the trace.
-                log.warning("offset %d of %s: header request id is not usable", record.offset, tp)
-            else:
-                messages.insert(0, result_record(self._settings, record.key, failure))
+        if request_id is None:
+            log.warning("offset %d of %s: no usable request id in the map or the headers", record.offset, tp)
+            return self._answered(record, messages)
+        model = self._scorer.model_name
+        failure = ScoreResult.failure(request_id, code, message, model=model, metadata=metadata)
+        answer = result_record(self._settings, record.key, failure)
+        sent = answer.result.error if answer.result is not None else None
+        if sent is not None and sent.code is not code:
+            # The echoed metadata alone would break the record limit: the error itself matters more.
+            bare = ScoreResult.failure(request_id, code, message, model=model)
+            answer = result_record(self._settings, record.key, bare)
+        messages.insert(0, answer)
         return self._answered(record, messages)
 
     @staticmethod

@@ -485,3 +485,37 @@ def test_bad_truncated_tokens(changes: dict[str, Any], fragment: str) -> None:
     error = result_error(result_map(**changes))
     assert (error.code, error.request_id) == (ErrorCode.INVALID_REQUEST, "res-7")
     assert_sentence(error, fragment)
+
+
+@pytest.mark.parametrize(
+    ("changes", "code"),
+    [
+        ({"version": 2}, ErrorCode.UNSUPPORTED_SCHEMA_VERSION),
+        ({"items": "not a list"}, ErrorCode.INVALID_REQUEST),
+        ({"requires": ["pooling"]}, ErrorCode.INVALID_REQUEST),
+        ({"request_id": "r" * 300}, ErrorCode.INVALID_REQUEST),
+    ],
+)
+def test_a_refused_request_carries_its_metadata_for_the_error_result(
+    changes: dict[str, Any], code: ErrorCode
+) -> None:
+    """Whenever the map could be read, the error result echoes its metadata, as any result does."""
+    metadata = {"trace": "abc", "attempt": 2, b"binary-key": [1.5, None]}
+    raw = msgpack.packb(request_map(metadata=metadata, **changes), use_bin_type=True)
+    with pytest.raises(SchemaError) as caught:
+        decode_request(raw)
+    assert caught.value.code is code
+    assert caught.value.metadata == metadata
+    assert caught.value.request_id == (None if "request_id" in changes else "req-7")
+
+
+def test_metadata_that_is_itself_invalid_or_unreadable_is_not_carried() -> None:
+    deep: Any = None
+    for _ in range(100):
+        deep = [deep]
+    with pytest.raises(SchemaError) as caught:
+        decode_request(msgpack.packb(request_map(metadata=deep), use_bin_type=True))
+    assert caught.value.code is ErrorCode.INVALID_REQUEST and caught.value.metadata is None
+    with pytest.raises(SchemaError) as caught:
+        decode_request(b"\xc1 not msgpack")
+    assert caught.value.metadata is None

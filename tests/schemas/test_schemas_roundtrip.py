@@ -478,6 +478,8 @@ def test_header_request_id_is_read_whatever_the_name_case() -> None:
     assert header_request_id([("x-request-id", b"")]) is None
     assert header_request_id([("x-request-id", None)]) is None
     assert header_request_id([("x-request-id", b"\xff\xfe")]) is None  # not UTF-8: no usable id
+    assert header_request_id([("x-request-id", "é".encode() * 256)]) == "é" * 256  # 256 characters
+    assert header_request_id([("x-request-id", b"x" * 257)]) is None  # as long as no map id may be
     assert header_request_id(None) is None
 
 

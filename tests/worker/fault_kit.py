@@ -647,6 +647,7 @@ class Poison:
     ok: bool = False  # a valid request in odd clothes: an OK result and no dead letter
     code: ErrorCode | None = None  # the error code the contract fixes, where it fixes one
     dead_letter: bool = True
+    echo: Any = None  # the metadata its error result must echo (the map was readable); None: not checked
 
 
 def _pack(value: Any) -> bytes:
@@ -678,8 +679,10 @@ class PoisonCorpus:
     def refused(self, label: str, fields: dict[str, Any], code: ErrorCode) -> None:
         """A map the decoder refuses: an error result to its id and a dead-letter copy."""
         rid = self.new_id()
-        value = _pack({"version": 1, "request_id": rid, "items": ["x"], **fields})
-        self.items.append(Poison(label, (rid.encode(), value, request_headers(rid)), rid, code=code))
+        echo = None if "metadata" in fields else {"poison": label, "n": [1, 2.5, None]}
+        value = _pack({"version": 1, "request_id": rid, "items": ["x"], "metadata": echo, **fields})
+        record = (rid.encode(), value, request_headers(rid))
+        self.items.append(Poison(label, record, rid, code=code, echo=echo))
 
     def unreadable(
         self,

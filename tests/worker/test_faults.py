@@ -411,6 +411,8 @@ def _poison_fault(acc: Accounting, letter: Any, poison: Poison) -> str | None:
         return "expected an error result, got OK"
     if poison.code and error.code != poison.code:
         return f"code {error.code}, expected {poison.code}: {error.message[:200]}"
+    if poison.echo is not None and results[0].metadata != poison.echo:
+        return f"metadata {results[0].metadata!r} instead of the request's {poison.echo!r}"
     return None
 
 
