@@ -5,14 +5,17 @@ from schemas.codec import decode_request, decode_result, encode_request, encode_
 from schemas.errors import ErrorCode, SchemaError
 from schemas.headers import (
     HEADER_CONTENT_TYPE,
+    HEADER_CORRELATION_ID,
     HEADER_ERROR_CODE,
     HEADER_ERROR_MESSAGE,
+    HEADER_REPLY_TOPIC,
     HEADER_REQUEST_ID,
     HEADER_SCHEMA_VERSION,
     REQUEST_CONTENT_TYPE,
     RESULT_CONTENT_TYPE,
     Headers,
     header_request_id,
+    header_value,
     headers_to_dict,
     request_headers,
     result_headers,
@@ -24,8 +27,10 @@ from schemas.version import SCHEMA_VERSION
 
 __all__ = [
     "HEADER_CONTENT_TYPE",
+    "HEADER_CORRELATION_ID",
     "HEADER_ERROR_CODE",
     "HEADER_ERROR_MESSAGE",
+    "HEADER_REPLY_TOPIC",
     "HEADER_REQUEST_ID",
     "HEADER_SCHEMA_VERSION",
     "REQUEST_CONTENT_TYPE",
@@ -48,6 +53,7 @@ __all__ = [
     "encode_request",
     "encode_result",
     "header_request_id",
+    "header_value",
     "headers_to_dict",
     "request_headers",
     "result_headers",

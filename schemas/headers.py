@@ -14,6 +14,10 @@ HEADER_CONTENT_TYPE = "content-type"
 HEADER_SCHEMA_VERSION = "x-schema-version"
 HEADER_ERROR_CODE = "x-error-code"
 HEADER_ERROR_MESSAGE = "x-error-message"
+# Request-reply, as Spring Kafka's ReplyingKafkaTemplate writes them (KafkaHeaders.REPLY_TOPIC and
+# CORRELATION_ID): the topic the result should go to, and a correlation value copied onto the result.
+HEADER_REPLY_TOPIC = "kafka_replyTopic"
+HEADER_CORRELATION_ID = "kafka_correlationId"
 
 REQUEST_CONTENT_TYPE = f"application/vnd.score-worker.request.v{SCHEMA_VERSION}+msgpack"
 RESULT_CONTENT_TYPE = f"application/vnd.score-worker.result.v{SCHEMA_VERSION}+msgpack"
@@ -35,6 +39,15 @@ def request_headers(request_id: str) -> Headers:
 def result_headers(request_id: str) -> Headers:
     """Headers the worker puts on a result record."""
     return _headers(request_id, RESULT_CONTENT_TYPE)
+
+
+def header_value(headers: Iterable[tuple[str, bytes | None]] | None, name: str) -> bytes | None:
+    """The value of the first header called `name` (in any case); None when absent or null."""
+    wanted = name.lower()
+    for key, value in headers or ():
+        if key.lower() == wanted:
+            return value
+    return None
 
 
 def headers_to_dict(headers: Iterable[tuple[str, bytes | None]] | None) -> dict[str, bytes]:

@@ -157,6 +157,11 @@ class WorkerSettings(KafkaSecurity):
     requests_topic: str = Field("score.requests", description="topic the requests are read from")
     results_topic: str = Field("score.results", description="topic the results are written to")
     dlq_topic: str = Field("score.requests.dlq", description="dead-letter topic for undecodable requests")
+    reply_topic_pattern: str = Field(
+        r"score\.results\..+",
+        description="reply topics a request may name in its kafka_replyTopic header (a regular expression "
+        "the whole name must match); others get REPLY_TOPIC_NOT_ALLOWED on the results topic; '' allows none",
+    )
     group_id: str = Field("score-worker", min_length=1, description="consumer group of the workers")
     client_id: str = Field("score-worker", min_length=1, description="Kafka client id (shows in broker logs)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
@@ -322,6 +327,15 @@ class WorkerSettings(KafkaSecurity):
     def _check_topic(cls, value: str) -> str:
         if not _TOPIC_NAME.match(value) or value in {".", ".."}:
             raise ValueError(f"{value!r} is not a valid Kafka topic name (letters, digits, '.', '_', '-')")
+        return value
+
+    @field_validator("reply_topic_pattern")
+    @classmethod
+    def _check_reply_pattern(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as error:
+            raise ValueError(f"{value!r} is not a regular expression: {error}") from None
         return value
 
     @field_validator("device")

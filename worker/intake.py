@@ -26,6 +26,7 @@ from worker.config import WorkerSettings
 from worker.metrics import ResultTally, WorkerMetrics
 from worker.publisher import OutRecord, dead_letter_record, result_record
 from worker.publisher import record_size as out_record_size
+from worker.replies import DEFAULT_ROUTE, ReplyPolicy, Route
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class Accepted:
     size: int  # bytes of the request record
     ready_at: float  # monotonic time it was tokenised: where its wait for a batch starts
     expires_at_ms: int | None = None  # Unix milliseconds after which it gets EXPIRED instead of a score
+    route: Route = DEFAULT_ROUTE  # where its result goes (a reply topic it named), and echoed headers
 
 
 @dataclass(eq=False)
@@ -87,6 +89,7 @@ class Intake:
         self._settings = settings
         self._scorer = scorer
         self._metrics = metrics
+        self._replies = ReplyPolicy(settings)
 
     def prepare_all(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Accepted | Rejected]:
         """Runs on the tokeniser thread."""
@@ -95,27 +98,33 @@ class Intake:
     def _prepare_one(self, record: ConsumerRecord[bytes, bytes]) -> Accepted | Rejected:
         started = time.perf_counter()
         tp = TopicPartition(record.topic, record.partition)
+        route = self._replies.route(record.headers)
         try:
             request = decode_request(record.value if record.value is not None else b"")
         except SchemaError as error:
-            return self._reject_record(record, error.code, error.message, error.request_id, error.metadata)
+            return self._reject_record(
+                record, error.code, error.message, error.request_id, error.metadata, route
+            )
         except Exception as exc:  # decode_request promises SchemaError only; never lose a record to a bug
             log.exception("decoding offset %d of %s failed unexpectedly", record.offset, tp)
-            return self._reject_record(record, ErrorCode.INTERNAL_ERROR, f"decoding failed: {exc!r}", None)
+            message = f"decoding failed: {exc!r}"
+            return self._reject_record(record, ErrorCode.INTERNAL_ERROR, message, None, None, route)
         expires_at_ms = request.expires_at_ms(record.timestamp, self._settings.default_ttl_ms)
         answer: ScoreResult | None = None
         prepared: Any = None
-        if expires_at_ms is not None and time.time() * 1000 >= expires_at_ms:
+        if route.refusal is not None:  # before any model work: the result could not go where it was asked
+            answer = self.failure(request, ErrorCode.REPLY_TOPIC_NOT_ALLOWED, route.refusal)
+        elif expires_at_ms is not None and time.time() * 1000 >= expires_at_ms:
             answer = self.expired(request, expires_at_ms)  # before tokenizing: it costs nothing more
         else:
             answer, prepared = self._prepare(request, record.key)
         self._metrics.tokenized(time.perf_counter() - started)
         if answer is not None:
             # Well-formed but unscorable (empty input, too long, expired...): the result says why.
-            return self._answered(record, [result_record(self._settings, record.key, answer)])
+            return self._answered(record, [result_record(self._settings, record.key, answer, route)])
         return Accepted(
             tp, record.offset, record.key, request, prepared, record.timestamp, record_size(record),
-            time.monotonic(), expires_at_ms,
+            time.monotonic(), expires_at_ms, route,
         )  # fmt: skip
 
     def _prepare(self, request: ScoreRequest, key: bytes | None) -> tuple[ScoreResult | None, Any]:
@@ -165,6 +174,7 @@ class Intake:
         message: str,
         request_id: str | None,
         metadata: object = None,
+        route: Route = DEFAULT_ROUTE,
     ) -> Rejected:
         """A record that breaks the wire contract: always a DLQ copy, and an error result addressed by the
         map's request id or else the x-request-id header's, whichever is a usable id (none: no result, the
@@ -181,12 +191,12 @@ class Intake:
             return self._answered(record, messages)
         model = self._scorer.model_name
         failure = ScoreResult.failure(request_id, code, message, model=model, metadata=metadata)
-        answer = result_record(self._settings, record.key, failure)
+        answer = result_record(self._settings, record.key, failure, route)
         sent = answer.result.error if answer.result is not None else None
         if sent is not None and sent.code is not code:
             # The echoed metadata alone would break the record limit: the error itself matters more.
             bare = ScoreResult.failure(request_id, code, message, model=model)
-            answer = result_record(self._settings, record.key, bare)
+            answer = result_record(self._settings, record.key, bare, route)
         messages.insert(0, answer)
         return self._answered(record, messages)
 
@@ -225,7 +235,7 @@ class Intake:
         tally = ResultTally()
         records = []
         for item, result in answers:
-            record = result_record(self._settings, item.key, result)
+            record = result_record(self._settings, item.key, result, item.route)
             tally.add(record, item.timestamp_ms)
             tally.request_bytes += item.size
             records.append(record)

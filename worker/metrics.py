@@ -62,6 +62,18 @@ class ResultTally:
         self.dead_letters.update(other.dead_letters)
         self.request_bytes += other.request_bytes
 
+    def swap(self, sent: OutRecord, instead_of: OutRecord) -> None:
+        """`sent` went out in place of `instead_of` (counted by `add`): count what was sent instead."""
+        for record, sign in ((instead_of, -1), (sent, 1)):
+            result = record.result
+            if result is None:
+                continue
+            code = OK_CODE if result.error is None else result.error.code.value
+            self.outcomes[(result.status.value, code)] += sign
+            states = result.pooled_hidden_states
+            if states:
+                self.hidden_bytes[states[0].dtype] += sign * len(states) * len(states[0].data)
+
     def add(self, record: OutRecord, timestamp_ms: int) -> None:
         """Count one outgoing record: the result it carries (timed from `timestamp_ms`) or a dead letter."""
         if record.dead_letter_reason is not None:

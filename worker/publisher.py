@@ -17,6 +17,7 @@ from aiokafka.structs import ConsumerRecord
 from schemas import (
     HEADER_ERROR_CODE,
     HEADER_ERROR_MESSAGE,
+    HEADER_REPLY_TOPIC,
     ErrorCode,
     ScoreResult,
     encode_result,
@@ -24,6 +25,7 @@ from schemas import (
 )
 from worker.config import WorkerSettings
 from worker.errors import PublishError
+from worker.replies import DEFAULT_ROUTE, Route
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,11 @@ _MAX_BACKOFF_S = 5.0
 _TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError)
 # DLQ headers are for people reading the topic; a traceback-sized message does not belong there (bytes).
 _MAX_HEADER_MESSAGE = 1000
+# Whether a reply topic exists: asked of the brokers at most this often per topic (a topic that exists
+# is re-checked rarely; a missing one soon, as a client may be creating it).
+_TOPIC_KNOWN_S = 300.0
+_TOPIC_MISSING_S = 10.0
+_TOPIC_CHECK_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,9 @@ class OutRecord:
     # The smallest form of the same answer (error result without metadata, dead letter without value), sent
     # instead when the broker refuses this one as too large.
     fallback: OutRecord | None = None
+    # For a result bound for a reply topic: what is sent instead when that topic does not exist (an error
+    # result on the results topic).
+    if_topic_missing: OutRecord | None = None
 
 
 def record_size(key: bytes | None, value: bytes | None, headers: Headers) -> int:
@@ -58,16 +68,36 @@ def record_size(key: bytes | None, value: bytes | None, headers: Headers) -> int
     return int(DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, headers))
 
 
-def result_record(settings: WorkerSettings, key: bytes | None, result: ScoreResult) -> OutRecord:
-    """The result as a record keyed like its request; above the record limit, a RESULT_TOO_LARGE error."""
-    headers = result_headers(result.request_id)
-    return _first_within(settings.max_record_bytes, _result_candidates(settings, key, result, headers))
+def result_record(
+    settings: WorkerSettings, key: bytes | None, result: ScoreResult, route: Route = DEFAULT_ROUTE
+) -> OutRecord:
+    """The result as a record keyed like its request, on the topic its route names; above the record limit,
+    a RESULT_TOO_LARGE error."""
+    headers = result_headers(result.request_id) + route.headers
+    topic = route.topic or settings.results_topic
+    record = _first_within(
+        settings.max_record_bytes, _result_candidates(settings, key, result, headers, topic)
+    )
+    if route.topic is None:
+        return record
+    message = (
+        f"the reply topic {route.topic!r} does not exist on the brokers; create it before sending requests "
+        f"that name it (the worker never creates it), or leave {HEADER_REPLY_TOPIC} out"
+    )
+    failure = ScoreResult.failure(
+        result.request_id,
+        ErrorCode.REPLY_TOPIC_NOT_ALLOWED,
+        message,
+        model=result.model,
+        metadata=result.metadata,
+    )
+    missing = result_record(settings, key, failure, dataclasses.replace(route, topic=None))
+    return dataclasses.replace(record, if_topic_missing=missing)
 
 
 def _result_candidates(
-    settings: WorkerSettings, key: bytes | None, result: ScoreResult, headers: Headers
+    settings: WorkerSettings, key: bytes | None, result: ScoreResult, headers: Headers, topic: str
 ) -> Iterator[OutRecord]:
-    topic = settings.results_topic
     value = encode_result(result)
     yield OutRecord(topic, key, value, headers, result)
     size, limit = record_size(key, value, headers), settings.max_record_bytes
@@ -149,6 +179,7 @@ class Publisher:
             max_request_size=settings.max_record_bytes,
             enable_idempotence=False,
         )
+        self._topics: dict[str, tuple[bool, float]] = {}  # reply topic -> (exists, until when that holds)
 
     async def start(self) -> None:
         await self._producer.start()
@@ -157,12 +188,20 @@ class Publisher:
         """Flush what is buffered, then close."""
         await self._producer.stop()
 
-    async def deliver(self, records: Sequence[OutRecord]) -> None:
+    async def deliver(self, records: Sequence[OutRecord]) -> list[tuple[OutRecord, OutRecord]]:
         """Send and wait for the broker's acknowledgement of every record, retrying the failed ones.
 
+        A result bound for a reply topic that does not exist goes to the results topic as an error result
+        instead; those swaps are returned (as sent, instead of), for the caller's counts.
         Raises PublishError after the last attempt: the caller must not mark those records done.
         """
-        pending = list(records)
+        pending: list[OutRecord] = []
+        swapped: list[tuple[OutRecord, OutRecord]] = []
+        for record in records:
+            if record.if_topic_missing is not None and not await self._topic_exists(record.topic):
+                swapped.append((record.if_topic_missing, record))
+                record = record.if_topic_missing
+            pending.append(record)
         give_up_at = time.monotonic() + self._retry_s
         attempt = 0
         while True:
@@ -172,7 +211,7 @@ class Publisher:
             retry = [_smaller(record, error) for record, error in failed]
             pending = [record for record in retry if record is not None]
             if not pending:
-                return
+                return swapped
             error = next((o for _, o in failed if _retriable(o)), None)
             if error is None:  # only smaller forms to send: no reason to wait
                 continue
@@ -186,6 +225,26 @@ class Publisher:
                     f"{self._retry_s:.0f} s (publish_timeout_ms): {error!r}"
                 )
             await asyncio.sleep(min(_MAX_BACKOFF_S, 0.2 * 2**attempt))
+
+    async def _topic_exists(self, topic: str) -> bool:
+        """Whether the brokers know `topic` (cached). Metadata that cannot be read (the brokers away) counts
+        as yes: the send then waits and retries like any other, instead of answering an error."""
+        now = time.monotonic()
+        known = self._topics.get(topic)
+        if known is not None and now < known[1]:
+            return known[0]
+        try:
+            cluster = await asyncio.wait_for(
+                self._producer.client.fetch_all_metadata(), _TOPIC_CHECK_TIMEOUT_S
+            )
+        except (KafkaError, TimeoutError) as error:
+            log.warning("could not read the brokers' topics to check reply topic %r: %r", topic, error)
+            return True
+        exists = topic in cluster.topics()
+        self._topics[topic] = (exists, now + (_TOPIC_KNOWN_S if exists else _TOPIC_MISSING_S))
+        if not exists:
+            log.warning("reply topic %r does not exist: its results go to the results topic as errors", topic)
+        return exists
 
     async def _send_all(self, records: list[OutRecord]) -> list[object]:
         """Enqueue in order (keeps per-partition order), then wait for all acks; exceptions are returned."""

@@ -58,7 +58,9 @@ class Sink:
         """Publish the records (raises PublishError when the broker does not take them), then mark the
         requests they answer done."""
         started = time.monotonic()
-        await self._publisher.deliver(outgoing.records)
+        swapped = await self._publisher.deliver(outgoing.records)
+        for sent, instead_of in swapped:
+            outgoing.tally.swap(sent, instead_of)
         self._metrics.published(outgoing.tally, time.monotonic() - started)
         for tp, offset in done:
             self._tracker.done(tp, offset)
