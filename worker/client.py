@@ -15,6 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
 from schemas import (
+    HEADER_REPLY_TOPIC,
     SchemaError,
     ScoreRequest,
     ScoreResult,
@@ -24,6 +25,7 @@ from schemas import (
     request_headers,
 )
 from worker.errors import WorkerError
+from worker.topics import create_missing_topics
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,11 @@ class ScoreClient:
     Results are read by manual assignment of every partition of the results topic (no consumer group, so
     no join delay and no committed offsets), positioned at the log end before the first request is sent:
     no result of ours can be missed, and results that were already there are never replayed.
+
+    With `reply_topic`, every request names that topic for its result (the `kafka_replyTopic` header) and
+    the client reads it instead of the shared results topic: it then sees its own results only. The topic
+    is created (with `reply_topic_partitions` partitions) when missing, and must match the workers'
+    `reply_topic_pattern` (by default a name under the results topic's, e.g. `score.results.my-app`).
     """
 
     def __init__(
@@ -90,10 +97,14 @@ class ScoreClient:
         start_timeout: float = 30.0,
         remembered_ids: int = 100_000,
         kafka_options: Mapping[str, Any] | None = None,
+        reply_topic: str | None = None,
+        reply_topic_partitions: int = 1,
     ) -> None:
-        """`kafka_options` go to both aiokafka clients (e.g. security_protocol, ssl_context, sasl_*)."""
+        """`kafka_options` go to every aiokafka client (e.g. security_protocol, ssl_context, sasl_*)."""
         self.requests_topic = requests_topic
         self.results_topic = results_topic
+        self.reply_topic = reply_topic
+        self._reply_partitions = reply_topic_partitions
         self.stats = ClientStats()
         self._bootstrap = bootstrap_servers
         self._client_id = client_id
@@ -247,15 +258,33 @@ class ScoreClient:
             missing = [request.request_id for request in batch]
             raise ResultsTimeoutError(missing, len(batch), budget_s or 0.0) from None
 
+    @property
+    def read_topic(self) -> str:
+        """Where this client's results come: its reply topic, else the shared results topic."""
+        return self.reply_topic or self.results_topic
+
     async def _connect(self) -> None:
         assert self._consumer is not None and self._producer is not None
+        if self.reply_topic is not None:
+            await self._create_reply_topic()
         await self._consumer.start()
         await self._position_at_end(self._consumer)
         await self._producer.start()
 
+    async def _create_reply_topic(self) -> None:
+        """The reply topic, created when missing (a client owns its reply topic; workers never create it)."""
+        assert self.reply_topic is not None
+        options = {"bootstrap_servers": self._bootstrap, "client_id": f"{self._client_id}-admin"}
+        try:
+            await create_missing_topics(
+                {**options, **self._kafka_options}, [self.reply_topic], self._reply_partitions, 1
+            )
+        except WorkerError as error:
+            raise ScoreClientError(f"reply topic {self.reply_topic!r}: {error}") from error
+
     async def _position_at_end(self, consumer: AIOKafkaConsumer) -> None:
         partitions = await self._results_partitions(consumer)
-        tps = [TopicPartition(self.results_topic, p) for p in sorted(partitions)]
+        tps = [TopicPartition(self.read_topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
         # ListOffsets "latest" is only a lower bound on some brokers (Tansu answers the base offset of the
         # last batch plus one), so seek_to_end alone could replay old results. The high watermark in a
@@ -271,12 +300,12 @@ class ScoreClient:
     async def _results_partitions(self, consumer: AIOKafkaConsumer) -> set[int]:
         for _ in range(20):
             await consumer.topics()  # refreshes cluster metadata
-            partitions: set[int] | None = consumer.partitions_for_topic(self.results_topic)
+            partitions: set[int] | None = consumer.partitions_for_topic(self.read_topic)
             if partitions:
                 return partitions
             await asyncio.sleep(0.1)
         raise ScoreClientError(
-            f"results topic {self.results_topic!r} does not exist on {self._bootstrap}; "
+            f"results topic {self.read_topic!r} does not exist on {self._bootstrap}; "
             "start a worker first (it creates missing topics) or create the topics yourself"
         )
 
@@ -299,11 +328,14 @@ class ScoreClient:
 
     async def _send(self, request: ScoreRequest) -> asyncio.Future[Any]:
         assert self._producer is not None
+        headers = request_headers(request.request_id)
+        if self.reply_topic is not None:
+            headers.append((HEADER_REPLY_TOPIC, self.reply_topic.encode()))
         delivery: asyncio.Future[Any] = await self._producer.send(
             self.requests_topic,
             value=encode_request(request),
             key=request.request_id.encode(),
-            headers=request_headers(request.request_id),
+            headers=headers,
         )
         self.stats.sent += 1
         return delivery

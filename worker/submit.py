@@ -94,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOPIC",
         help="topic results are read from (default: $SCORE_WORKER_RESULTS_TOPIC or score.results)",
     )
+    parser.add_argument(
+        "--reply-topic",
+        default=None,
+        metavar="TOPIC",
+        help="have the results sent to this topic of your own (created if missing; the workers' "
+        "reply_topic_pattern must allow it, by default score.results.<anything>) and read only it",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,6 +200,7 @@ async def _score_to(
         args.bootstrap_servers,
         requests_topic=args.requests_topic,
         results_topic=args.results_topic,
+        reply_topic=args.reply_topic,
         max_message_bytes=args.max_record_bytes,
         kafka_options=security,
     ) as client:

@@ -126,3 +126,50 @@ def test_each_client_reads_exactly_its_own_results(kafka_bootstrap: str, tiny_ll
     assert all(default[f"c-{i}"][1].ok for i in range(6))
     # Every request was committed: the reply topic changes where results go, not the offset rules.
     assert sum(outcome.committed.values()) == len(plan) + len(refused)
+
+
+def test_clients_with_reply_topics_see_only_their_own_results(
+    kafka_bootstrap: str, tiny_llama_dir: Path
+) -> None:
+    """ScoreClient with a reply topic of its own: created when missing, positioned before the first send,
+    and it reads nothing but its own results while other clients score at the same time."""
+    from worker.client import ScoreClient
+
+    names = Names.unique("reply-clients")
+    pattern = rf"{names.results.replace('.', chr(92) + '.')}\..+"
+    settings = fast_settings(kafka_bootstrap, tiny_llama_dir, names, reply_topic_pattern=pattern)
+
+    async def scenario() -> Any:
+        await ensure_topics(settings)
+        worker = ScoreWorker(settings, Scorer(tiny_llama_dir, ScorerConfig(device="cpu")))
+        task = asyncio.create_task(worker.run())
+        topics = {"a": f"{names.results}.a", "b": f"{names.results}.b", "shared": None}
+        clients = {
+            name: ScoreClient(
+                kafka_bootstrap, requests_topic=names.requests, results_topic=names.results, reply_topic=topic
+            )
+            for name, topic in topics.items()
+        }
+        try:
+            for client in clients.values():
+                await client.start()
+            batches = {
+                name: [ScoreRequest(f"{name}-{i}", items=((5, 6, 7 + i),)) for i in range(8)]
+                for name in clients
+            }
+            results = await asyncio.gather(*(clients[n].score(batches[n], timeout=120) for n in clients))
+            stats = {name: client.stats for name, client in clients.items()}
+        finally:
+            for client in clients.values():
+                await client.stop()
+            worker.stop()
+            await asyncio.wait_for(task, 60)
+        return dict(zip(clients, results, strict=True)), stats
+
+    results, stats = asyncio.run(scenario())
+    for name, got in results.items():
+        assert [r.request_id for r in got] == [f"{name}-{i}" for i in range(8)]
+        assert all(r.ok for r in got)
+        # Nothing of the others' arrived: each reply topic holds one client's results only, and the shared
+        # topic only those of the client without one.
+        assert stats[name].unknown == 0 and stats[name].received == 8, (name, stats[name])
