@@ -21,7 +21,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY schemas ./schemas
 COPY models ./models
 COPY worker ./worker
-RUN pip install .
+RUN pip install ".[worker]"
 
 # An unprivileged user. /models/generated belongs to it so that a named volume mounted there is writable
 # (Docker copies the directory's ownership into a new volume); /models/real is where a host directory with

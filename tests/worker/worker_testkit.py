@@ -208,3 +208,12 @@ async def finish(
     sources = await read_topic(bootstrap, settings.requests_topic, requests, settle_s=0.2)
     committed = await committed_offsets(bootstrap, settings.group_id, settings.requests_topic)
     return Outcome(got, sources, committed)
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    """A ScoreWorker serving `names` on its own thread, and a Scorer on the same model for expected values."""
+
+    bootstrap: str
+    names: Names
+    scorer: Scorer

@@ -1,0 +1,108 @@
+"""The JavaScript example of schemas/README.md, executed: kafkajs and @msgpack/msgpack from npm send
+requests built by the example's makeRequest to a real worker and read the results with its readResult."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from worker_testkit import LiveWorker
+
+from schemas import HiddenDType, ScoreRequest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("kafkajs@2", "@msgpack/msgpack@3")
+
+# Sends the requests through the README's makeRequest, reads every result with its readResult. The group
+# joins before anything is sent, and reads the (fresh) results topic from its start.
+DRIVER = """
+import { Kafka, logLevel } from "kafkajs";
+import { makeRequest, readResult } from "./example.mjs";
+
+const [bootstrap, requestsTopic, resultsTopic, inputs] = process.argv.slice(2);
+const kafka = new Kafka({ clientId: "readme-example", brokers: [bootstrap], logLevel: logLevel.ERROR });
+const wanted = JSON.parse(inputs);
+const consumer = kafka.consumer({
+  groupId: `readme-${Date.now()}`, sessionTimeout: 6000, heartbeatInterval: 1000,
+});
+await consumer.connect();
+await consumer.subscribe({ topic: resultsTopic, fromBeginning: true });
+const results = new Map();
+let done;
+const finished = new Promise((resolve) => { done = resolve; });
+await consumer.run({ eachMessage: async ({ message }) => {
+  const result = readResult(message.value);
+  if (ids.has(result.id)) {
+    results.set(result.id, { ...result, states: result.states?.map((s) => Array.from(s)) });
+  }
+  if (results.size === ids.size) done();
+} });
+const producer = kafka.producer();
+await producer.connect();
+const messages = wanted.map(({ query, items }) => makeRequest(query, items));
+const ids = new Map(messages.map((m, i) => [m.key, i]));
+await producer.send({ topic: requestsTopic, messages });
+const timer = setTimeout(() => {
+  console.error(`timed out with ${results.size} of ${ids.size}`);
+  process.exit(3);
+}, 120000);
+await finished;
+clearTimeout(timer);
+console.log(JSON.stringify([...results.values()].map((r) => ({ ...r, index: ids.get(r.id) }))));
+await producer.disconnect();
+await consumer.disconnect();
+"""
+
+
+def readme_javascript() -> str:
+    text = (ROOT / "schemas" / "README.md").read_text()
+    match = re.search(r"JavaScript, with `@msgpack/msgpack`.*?```js\n(.*?)```", text, re.S)
+    assert match, "schemas/README.md has no JavaScript example"
+    return match.group(1)
+
+
+def test_the_readme_javascript_example_scores_through_a_worker(
+    live_worker: LiveWorker, tmp_path: Path
+) -> None:
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip(
+            "Node.js (node and npm) is not installed here: the README's JavaScript example is not run"
+        )
+    (tmp_path / "package.json").write_text(json.dumps({"type": "module", "private": True}))
+    install = subprocess.run(
+        ["npm", "install", "--no-audit", "--no-fund", "--silent", *PACKAGES],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr[-3000:]
+    (tmp_path / "example.mjs").write_text(readme_javascript())
+    (tmp_path / "driver.mjs").write_text(DRIVER)
+    inputs = [{"query": [12, 40], "items": [[5, 17, 42, 99], [7, 8]]}, {"query": [], "items": [[9, 10, 11]]}]
+    names = live_worker.names
+    proc = subprocess.run(
+        ["node", "driver.mjs", live_worker.bootstrap, names.requests, names.results, json.dumps(inputs)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = sorted(json.loads(proc.stdout.strip().splitlines()[-1]), key=lambda r: r["index"])
+    assert len(got) == len(inputs)
+    for result, sent in zip(got, inputs, strict=True):
+        items = tuple(tuple(i) for i in sent["items"])
+        request = ScoreRequest(
+            result["id"], items=items, query=tuple(sent["query"]), return_pooled_hidden_states=True,
+            hidden_states_dtype=HiddenDType.BFLOAT16,
+        )  # fmt: skip
+        (expected,) = live_worker.scorer.score([request])
+        np.testing.assert_allclose(np.array(result["scores"]), np.array(expected.scores), atol=1e-4)
+        assert expected.pooled_hidden_states is not None and result["truncated"] is None
+        for state, want in zip(result["states"], expected.pooled_hidden_states, strict=True):
+            # bfloat16 on both sides, widened by the README's tensorToFloat32 and by numpy: bit for bit.
+            np.testing.assert_array_equal(
+                np.array(state, dtype=np.float32), want.to_numpy().astype(np.float32)
+            )
