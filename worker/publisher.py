@@ -208,7 +208,17 @@ class Publisher:
             attempt += 1
             outcomes = await self._send_all(pending)
             failed = [(r, o) for r, o in zip(pending, outcomes, strict=True) if isinstance(o, BaseException)]
-            retry = [_smaller(record, error) for record, error in failed]
+            retry: list[OutRecord | None] = []
+            for record, outcome in failed:
+                # A reply topic deleted since it was checked: its results go to the results topic, instead
+                # of being retried until publish_timeout_ms stops the worker.
+                if record.if_topic_missing is not None and _retriable(outcome):
+                    self._topics.pop(record.topic, None)
+                    if not await self._topic_exists(record.topic):
+                        swapped.append((record.if_topic_missing, record))
+                        retry.append(record.if_topic_missing)
+                        continue
+                retry.append(_smaller(record, outcome))
             pending = [record for record in retry if record is not None]
             if not pending:
                 return swapped

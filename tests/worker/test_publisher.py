@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+from aiokafka.errors import UnknownTopicOrPartitionError
 from aiokafka.structs import ConsumerRecord
 
-from schemas import ErrorCode, ScoreResult, decode_result
+from schemas import ErrorCode, ResultStatus, ScoreResult, decode_result
 from worker.config import WorkerSettings
-from worker.publisher import dead_letter_record, record_size, result_record
+from worker.publisher import OutRecord, Publisher, dead_letter_record, record_size, result_record
+from worker.replies import Route
 
 FLOOR = WorkerSettings.model_fields["max_record_bytes"].metadata[0].ge
 # Error messages may quote what the request sent; four-byte characters make the most bytes of a length.
@@ -67,3 +72,66 @@ def test_a_small_copy_stays_whole(tmp_path: Path) -> None:
     assert (record.key, record.value) == (b"key", b"\xc1 junk")
     assert record.headers[0] == ("trace", b"abc")
     assert dict(record.headers)["x-source-topic"] == b"src"
+
+
+class StandInProducer:
+    """What Publisher uses of aiokafka's producer: send (refusing topics the 'brokers' lack) and metadata."""
+
+    def __init__(self, topics: set[str]) -> None:
+        self.topics = topics
+        self.sent: list[str] = []
+        self.metadata_reads = 0
+        self.client = self
+
+    async def fetch_all_metadata(self) -> Any:
+        self.metadata_reads += 1
+        return SimpleNamespace(topics=lambda: set(self.topics))
+
+    async def send(self, topic: str, value: Any, key: Any, headers: Any) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if topic in self.topics:
+            self.sent.append(topic)
+            future.set_result(None)
+        else:
+            future.set_exception(UnknownTopicOrPartitionError())
+        return future
+
+
+def _reply(settings: WorkerSettings, rid: str, topic: str) -> OutRecord:
+    result = ScoreResult(rid, ResultStatus.OK, scores=((0.5,),), prompt_tokens=3, model="m")
+    return result_record(settings, rid.encode(), result, Route(topic=topic))
+
+
+def test_a_result_for_a_reply_topic_the_brokers_lack_becomes_an_error_on_the_results_topic(
+    tmp_path: Path,
+) -> None:
+    settings = WorkerSettings(bootstrap_servers="127.0.0.1:9092", model_dir=tmp_path)
+    producer = StandInProducer({settings.results_topic, "score.results.a"})
+
+    async def scenario() -> Any:
+        publisher = Publisher(settings)  # aiokafka's producer is built inside a running loop
+        publisher._producer = producer  # type: ignore[assignment]
+        first = await publisher.deliver(
+            [_reply(settings, "r1", "score.results.a"), _reply(settings, "r2", "score.results.b")]
+        )
+        reads = producer.metadata_reads
+        again = await publisher.deliver([_reply(settings, "r3", "score.results.a")])  # known: not asked again
+        assert producer.metadata_reads == reads
+        # Deleted after it was checked: the failed send re-checks and answers on the results topic.
+        producer.topics.discard("score.results.a")
+        late = await publisher.deliver([_reply(settings, "r4", "score.results.a")])
+        return first, again, late
+
+    first, again, late = asyncio.run(scenario())
+    assert producer.sent == [
+        "score.results.a",
+        settings.results_topic,
+        "score.results.a",
+        settings.results_topic,
+    ]
+    assert again == [] and len(first) == 1 and len(late) == 1
+    for sent, instead_of in (*first, *late):
+        assert sent.topic == settings.results_topic and instead_of.topic.startswith("score.results.")
+        result = decode_result(sent.value or b"")
+        assert result.error is not None and result.error.code is ErrorCode.REPLY_TOPIC_NOT_ALLOWED
+        assert "does not exist" in result.error.message
