@@ -117,14 +117,15 @@ def _read_version(message: dict[Any, Any]) -> int:
 def _guarded(decode: Callable[[dict[Any, Any]], _T], data: object) -> _T:
     """Run a decoder so that only SchemaError leaves, tagged with the request id whenever one is readable."""
     request_id: str | None = None
-    metadata: object = None
+    message: dict[Any, Any] | None = None
     try:
         message = _unpack(data)
         candidate = message.get("request_id")
         request_id = candidate if is_valid_request_id(candidate) else None
-        metadata = _readable_metadata(message.get("metadata"))
         return decode(message)
     except SchemaError as error:
+        # Only a refused message needs its metadata read apart: a valid one's is checked by the decoder.
+        metadata = None if message is None else _readable_metadata(message.get("metadata"))
         raise error.with_request_id(request_id, metadata) from None
     except Exception as exc:
         # A defect of ours met by a strange message must still surface as the contract's error type.

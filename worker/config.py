@@ -14,7 +14,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 ENV_PREFIX = "SCORE_WORKER_"
 
 # Kafka's own rule for topic names (a longer name or another character is refused by the broker).
-_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def is_topic_name(name: str) -> bool:
+    """Whether Kafka takes `name` as a topic: 1 to 249 letters, digits, '.', '_' or '-', not . or .."""
+    return _TOPIC_NAME.fullmatch(name) is not None and name not in {".", ".."}
+
+
 _HOST_PORT = re.compile(r"^[^\s,:]+:\d{1,5}$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
@@ -325,7 +332,7 @@ class WorkerSettings(KafkaSecurity):
     @field_validator("requests_topic", "results_topic", "dlq_topic")
     @classmethod
     def _check_topic(cls, value: str) -> str:
-        if not _TOPIC_NAME.match(value) or value in {".", ".."}:
+        if not is_topic_name(value):
             raise ValueError(f"{value!r} is not a valid Kafka topic name (letters, digits, '.', '_', '-')")
         return value
 

@@ -64,29 +64,27 @@ class ResultTally:
 
     def swap(self, sent: OutRecord, instead_of: OutRecord) -> None:
         """`sent` went out in place of `instead_of` (counted by `add`): count what was sent instead."""
-        for record, sign in ((instead_of, -1), (sent, 1)):
-            result = record.result
-            if result is None:
-                continue
-            code = OK_CODE if result.error is None else result.error.code.value
-            self.outcomes[(result.status.value, code)] += sign
-            states = result.pooled_hidden_states
-            if states:
-                self.hidden_bytes[states[0].dtype] += sign * len(states) * len(states[0].data)
+        self._count_result(instead_of, -1)
+        self._count_result(sent, 1)
 
     def add(self, record: OutRecord, timestamp_ms: int) -> None:
         """Count one outgoing record: the result it carries (timed from `timestamp_ms`) or a dead letter."""
         if record.dead_letter_reason is not None:
             self.dead_letters[record.dead_letter_reason] += 1
+        if self._count_result(record, 1):
+            self.timestamps_ms.append(timestamp_ms)
+
+    def _count_result(self, record: OutRecord, sign: int) -> bool:
+        """Add (or, with sign -1, take back) the result a record carries; False when it carries none."""
         result = record.result
         if result is None:
-            return
+            return False
         code = OK_CODE if result.error is None else result.error.code.value
-        self.outcomes[(result.status.value, code)] += 1
-        self.timestamps_ms.append(timestamp_ms)
+        self.outcomes[(result.status.value, code)] += sign
         states = result.pooled_hidden_states
         if states:  # every vector of a result has one dtype and one length
-            self.hidden_bytes[states[0].dtype] += len(states) * len(states[0].data)
+            self.hidden_bytes[states[0].dtype] += sign * len(states) * len(states[0].data)
+        return True
 
 
 def _labels(names: Iterable[str]) -> tuple[str, ...]:

@@ -13,9 +13,8 @@ import re
 from dataclasses import dataclass, field
 
 from schemas import HEADER_CORRELATION_ID, HEADER_REPLY_TOPIC, Headers, header_value
-from worker.config import WorkerSettings
+from worker.config import WorkerSettings, is_topic_name
 
-_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _MAX_CORRELATION_BYTES = 1024  # copied onto every result: a correlation id, not a payload
 
 
@@ -59,7 +58,7 @@ class ReplyPolicy:
             topic = raw.decode("ascii")
         except UnicodeDecodeError:
             topic = ""
-        if not _TOPIC_NAME.fullmatch(topic) or topic in {".", ".."}:
+        if not is_topic_name(topic):
             shown = raw[:64].decode("utf-8", errors="replace")
             return (
                 f"the {HEADER_REPLY_TOPIC} header {shown!r} is not a Kafka topic name (1 to 249 letters, "
