@@ -168,12 +168,18 @@ def test_sigterm_under_load_exits_0_promptly_and_a_successor_finishes_without_du
 
     async def scenario() -> tuple[Accounting, int, float, WorkerProcess, Stream]:
         stream = await Stream.open(kafka_bootstrap, "sigterm", 2000, 200.0)  # 10 s of traffic
-        env = worker_env(kafka_bootstrap, tiny_llama_dir, stream.names, max_wait_ms=100)
+        # Batches held open up to a second (about 200 requests) keep requests in flight nearly all the time;
+        # SIGTERM waits for a backlog the broker has acknowledged, so that it lands while one is open.
+        env = worker_env(
+            kafka_bootstrap, tiny_llama_dir, stream.names, max_wait_ms=1000, max_batch_requests=256
+        )
         try:
             first = spawn("first", env)
             await first.wait_assigned()
             await stream.produce()
             await wait_until(lambda: len(stream.watcher.first) >= 400, 60, "400 answers")
+            backlog = 30
+            await wait_until(lambda: not stream.caught_up(backlog), 10, f"{backlog} unanswered requests")
             code, seconds = await first.terminate()
             assert stream.producer.finished_at is None, "the stream ended before SIGTERM"
             successor = spawn("successor", env)
