@@ -267,6 +267,12 @@ class WorkerSettings(KafkaSecurity):
         description="how long a result that the broker does not acknowledge is retried before the worker "
         "stops (uncommitted, so it is redelivered)",
     )
+    # A batch's results are handed to the producer in one go, so lingering for more only delays them
+    # (by the whole linger at one request in flight); Kafka's Java producer lingers 5 ms to batch callers
+    # that send one record at a time.
+    publish_linger_ms: int = Field(
+        0, ge=0, le=1000, description="how long the producer holds results to send more of them together"
+    )
     group_instance_id: str | None = Field(
         None,
         min_length=1,

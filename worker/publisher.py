@@ -174,7 +174,7 @@ class Publisher:
         self._producer = AIOKafkaProducer(
             **settings.kafka_client_kwargs(),
             acks="all",
-            linger_ms=2,
+            linger_ms=settings.publish_linger_ms,
             max_batch_size=settings.max_record_bytes,
             max_request_size=settings.max_record_bytes,
             enable_idempotence=False,

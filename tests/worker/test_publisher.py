@@ -9,11 +9,13 @@ from typing import Any
 
 from aiokafka.errors import UnknownTopicOrPartitionError
 from aiokafka.structs import ConsumerRecord
+from worker_testkit import Names, fast_settings, read_topic
 
 from schemas import ErrorCode, ResultStatus, ScoreResult, decode_result
 from worker.config import WorkerSettings
 from worker.publisher import OutRecord, Publisher, dead_letter_record, record_size, result_record
 from worker.replies import Route
+from worker.topics import ensure_topics
 
 FLOOR = WorkerSettings.model_fields["max_record_bytes"].metadata[0].ge
 # Error messages may quote what the request sent; four-byte characters make the most bytes of a length.
@@ -135,3 +137,39 @@ def test_a_result_for_a_reply_topic_the_brokers_lack_becomes_an_error_on_the_res
         result = decode_result(sent.value or b"")
         assert result.error is not None and result.error.code is ErrorCode.REPLY_TOPIC_NOT_ALLOWED
         assert "does not exist" in result.error.message
+
+
+def test_a_batch_of_results_shares_one_produce_request_without_lingering(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """The producer does not linger by default: a batch's results are handed over in one go, so they still
+    travel together, and a lone result is not held back."""
+    names = Names.unique("publish")
+    settings = fast_settings(kafka_bootstrap, tmp_path, names, topic_partitions=1)
+    assert settings.publish_linger_ms == 0
+    records = [_reply(settings, f"r{i}", settings.results_topic) for i in range(50)]
+
+    async def scenario() -> int:
+        await ensure_topics(settings)
+        publisher = Publisher(settings)
+        assert publisher._producer._message_accumulator._linger_time == 0  # the setting reaches aiokafka
+        await publisher.start()
+        client = publisher._producer.client
+        produce_requests = 0
+        send = client.send
+
+        async def counting(node_id: int, request: Any, **kwargs: Any) -> Any:
+            nonlocal produce_requests
+            produce_requests += type(request).__name__.startswith("ProduceRequest")
+            return await send(node_id, request, **kwargs)
+
+        client.send = counting  # type: ignore[method-assign]
+        try:
+            assert await publisher.deliver(records) == []
+        finally:
+            await publisher.stop()
+        return produce_requests
+
+    assert asyncio.run(scenario()) == 1
+    read = asyncio.run(read_topic(kafka_bootstrap, settings.results_topic, len(records), settle_s=0.2))
+    assert sorted(decode_result(r.value).request_id for r in read) == sorted(f"r{i}" for i in range(50))
