@@ -14,6 +14,7 @@ from models.packing import POOLINGS, Pooling
 AttentionChoice = Literal["auto", "varlen", "reference"]
 CompileChoice = Literal["auto", "on", "off"]
 GraphChoice = Literal["auto", "on", "off"]
+Quantization = Literal["none", "fp8"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -65,6 +66,10 @@ class ScorerConfig:
     # with several responses) have that prefix computed once when it is at least this long; 0: never.
     # Causal decoders on the packed path only; each suffix attends to the prefix and to itself.
     share_prefix_min_tokens: int = 0
+    # "fp8": the transformer layers' projections run in FP8 e4m3 (models/fp8.py): weights scaled per output
+    # channel, activations per token. Hopper/Ada GPUs in bfloat16, or the CPU; results deviate from the
+    # model's dtype by what docs/benchmarks.md reports.
+    quantization: Quantization = "none"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -75,6 +80,8 @@ class ScorerConfig:
             raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
+        if self.quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization must be 'none' or 'fp8', got {self.quantization!r}")
         if self.share_prefix_min_tokens < 0:
             raise ValueError(f"share_prefix_min_tokens must be 0 or more, got {self.share_prefix_min_tokens}")
         if self.graph_max_tokens < 1:

@@ -18,6 +18,7 @@ from models.attention import register_attention
 from models.chunks import token_runs
 from models.config import ScorerConfig
 from models.errors import DeviceLostError, ModelLoadError
+from models.fp8 import fp8_supported, quantize_layers
 from models.graphs import GraphedForward
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import (
@@ -65,6 +66,7 @@ class ModelInfo:
     pooling: str = "unknown"  # models.packing.Pooling
     compiled: bool = False  # the decoder layers run under torch.compile
     cuda_graphs: bool = False  # small packed batches replay recorded CUDA graphs
+    quantization: str = "none"  # "fp8": the transformer layers' projections run in FP8 (models/fp8.py)
 
 
 BatchObserver = Callable[[BatchStats], None]
@@ -133,6 +135,8 @@ class Scorer:
         self.pooling = self.config.resolve_pooling(self._loaded.default_pooling)
         # Read once here: the worker's prepare thread asks for it while the model thread runs.
         self._num_labels = self._head_width()
+        if self.config.quantization == "fp8":
+            self._quantize_fp8(Path(model_dir).name)
         self._compiled: CompiledLayers | None = None
         if self.config.resolve_compile(self.attention):
             self._compiled = compile_layers(self._loaded.base)
@@ -161,6 +165,24 @@ class Scorer:
                 )
             else:
                 log.info("%s is an encoder: its prompts are computed whole", Path(model_dir).name)
+
+    def _quantize_fp8(self, name: str) -> None:
+        """Swap the layers' projections for FP8 ones, or refuse to load (ModelLoadError)."""
+        reason = fp8_supported(self.device)
+        if reason is None and self.device.type == "cuda" and self.dtype != torch.bfloat16:
+            reason = f"FP8 projections on CUDA produce bfloat16 (row-wise scales), not {self.dtype}"
+        layers = transformer_layers(self._loaded.base)
+        if reason is None and layers is None:
+            reason = f"{name} has no layer list whose projections could run in FP8"
+        if reason is not None or layers is None:
+            raise ModelLoadError(f"quantization='fp8': {reason}")
+        replaced, kept = quantize_layers(layers)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the bfloat16 weights just dropped
+        log.info(
+            "%s: %d projections of its %d layers run in FP8 e4m3 (%d of other shapes do not)",
+            name, replaced, len(layers), kept,
+        )  # fmt: skip
 
     @property
     def model_name(self) -> str:
@@ -253,6 +275,7 @@ class Scorer:
             pooling=self.pooling,
             compiled=self.compiled,
             cuda_graphs=self._graphs is not None and self._graphs.enabled,
+            quantization=self.config.quantization,
         )
 
     def device_memory(self) -> tuple[int, int] | None:
@@ -600,12 +623,27 @@ class CompiledLayers:
             del layer.forward  # the class's forward again
 
 
-def compile_layers(base: torch.nn.Module) -> CompiledLayers | None:
-    """CompiledLayers for `base`'s decoder layers (its `layers` list), or None when it has none."""
+def decoder_layers(base: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """`base`'s decoder layers (its `layers` list), or None when it has none (encoders)."""
     layers = getattr(base, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
         return None
-    return CompiledLayers(layers)
+    return layers
+
+
+def transformer_layers(base: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The layer stack of a decoder (`layers`) or of a BERT-style encoder (`encoder.layer`), or None."""
+    layers = decoder_layers(base)
+    if layers is not None:
+        return layers
+    stack = getattr(getattr(base, "encoder", None), "layer", None)
+    return stack if isinstance(stack, torch.nn.ModuleList) and len(stack) > 0 else None
+
+
+def compile_layers(base: torch.nn.Module) -> CompiledLayers | None:
+    """CompiledLayers for `base`'s decoder layers, or None when it has none."""
+    layers = decoder_layers(base)
+    return None if layers is None else CompiledLayers(layers)
 
 
 def _stats(

@@ -189,6 +189,7 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
         cuda_graphs=settings.cuda_graphs,
         graph_max_tokens=settings.graph_max_tokens,
         share_prefix_min_tokens=settings.share_prefix_min_tokens,
+        quantization=settings.quantization,
         max_input_tokens=settings.max_item_tokens,
         max_request_items=settings.max_request_items,
         max_request_tokens=settings.max_request_tokens,

@@ -204,6 +204,11 @@ class WorkerSettings(KafkaSecurity):
         description="compute a token prefix that prompts of one batch share (a multi-item request's query, "
         "one prompt sent with several responses) once when it is at least this long; 0: never",
     )
+    quantization: Literal["none", "fp8"] = Field(
+        "none",
+        description="fp8: the transformer layers' projections run in FP8 e4m3 (weights per output channel, "
+        "activations per token); Hopper/Ada GPUs in bfloat16, or the CPU",
+    )
     trust_remote_code: bool = Field(
         False, description="load a model directory that ships its own code (runs that code: opt in knowingly)"
     )

@@ -186,6 +186,7 @@ class WorkerMetrics:
                 "pooling": info.pooling,
                 "compiled": str(info.compiled).lower(),
                 "cuda_graphs": str(info.cuda_graphs).lower(),
+                "quantization": info.quantization,
             }
         )
         # Series without extra labels exist from the start at 0, so rates and panels have data at once.

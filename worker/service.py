@@ -59,8 +59,10 @@ class WorkerService:
             scorer = await asyncio.get_running_loop().run_in_executor(None, self._load_scorer)
             info = model_info(scorer)
             log.info(
-                "loaded model %s (%s, %s on %s, hidden size %d, %s attention, %s, %s)",
-                info.name, info.architecture, info.dtype, info.device, info.hidden_size, info.attention,
+                "loaded model %s (%s, %s%s on %s, hidden size %d, %s attention, %s, %s)",
+                info.name, info.architecture, info.dtype,
+                " with FP8 projections" if info.quantization == "fp8" else "", info.device, info.hidden_size,
+                info.attention,
                 "compiled layers" if info.compiled else "eager layers",
                 "CUDA graphs for small batches" if info.cuda_graphs else "no CUDA graphs",
             )  # fmt: skip

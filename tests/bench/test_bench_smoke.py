@@ -90,3 +90,44 @@ def test_shared_prefix_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) 
     for case in ("w3", "w4"):
         assert report[case]["vs_fp32"]["ok"] and report[case]["agreement"]["ok"]
         assert report[case]["distinct_tokens"] < report[case]["whole_prompt_tokens"]
+
+
+def test_fp8_benchmark_quick_run_reports_both_paths_side_by_side(tmp_path: Path) -> None:
+    """bench/fp8.py on tiny shapes on the CPU: bf16 and FP8 timed on L1 and W1, both checked against
+    float32, the report written with a verdict."""
+    proc = _run_script(["bench/fp8.py", "--quick"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "fp8-quick.json").read_text())
+    assert report["verdict"] == "ok"
+    assert set(report["l1"]["timings"]) == {"none/1", "none/64", "fp8/1", "fp8/64"}
+    assert set(report["w1"]["runs"]) == {"none", "fp8"}
+    for case in ("l1", "w1"):
+        checks = report[case]["correctness"]
+        assert set(checks["vs_fp32"]) == {"hf_bf16", "none", "fp8"}
+        # FP8 rounds far coarser than bf16: a run where the two agree this closely did not quantize.
+        assert (
+            checks["fp8_vs_bf16"]["hidden_rel_err_median"]
+            > 3 * checks["vs_fp32"]["none"]["hidden_rel_err_median"]
+        )
+
+
+def test_fp8_benchmark_fails_a_broken_product() -> None:
+    sys.path.insert(0, str(ROOT))
+    from bench.fp8 import failures
+
+    def errors(diff: float, cosine: float = 0.999, finite: bool = True) -> dict[str, object]:
+        return {"max_abs_score_diff": diff, "hidden_min_cosine": cosine, "all_finite": finite}
+
+    fine = {
+        "fp32_score_scale": 2.0,
+        "vs_fp32": {"hf_bf16": errors(0.1), "none": errors(0.1), "fp8": errors(0.3)},
+    }
+    assert failures("W1", fine) == []
+    scrambled = {**fine, "vs_fp32": {**fine["vs_fp32"], "fp8": errors(0.3, cosine=0.6)}}
+    assert [f.split(":")[0] for f in failures("W1", scrambled)] == ["W1 fp8"]
+    off = {**fine, "vs_fp32": {**fine["vs_fp32"], "fp8": errors(0.9)}}
+    assert [f.split(":")[0] for f in failures("W1", off)] == ["W1 fp8"]
+    nan = {**fine, "vs_fp32": {**fine["vs_fp32"], "none": errors(0.1, finite=False)}}
+    assert [f.split(":")[0] for f in failures("W1", nan)] == ["W1 bf16"]
+    wide = {**fine, "vs_fp32": {**fine["vs_fp32"], "none": errors(0.5)}}
+    assert [f.split(":")[0] for f in failures("W1", wide)] == ["W1 bf16"]

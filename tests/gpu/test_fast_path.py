@@ -152,3 +152,29 @@ def test_flash_kernel_takes_grouped_kv_heads_unrepeated(window: tuple[int, int])
         window_size=window,
     )
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", [*ARCHITECTURES, GQA_MODEL])
+def test_fp8_projections_agree_with_hf_on_the_same_projections(
+    name: str, gpu_models: dict[str, Path]
+) -> None:
+    """FP8 on the H200's tensor cores (torch._scaled_mm, row-wise scales) with the defaults (varlen kernel,
+    compiled layers, graphs): the start-up self-check against HF's own forward with the same FP8 modules
+    must pass, three times so that a batch is recorded and replayed; the results stay near bf16's."""
+    from models.selfcheck import run_self_check
+
+    fp8 = Scorer(gpu_models[name], ScorerConfig(device="cuda", dtype="bfloat16", quantization="fp8"))
+    bf16 = Scorer(gpu_models[name], ScorerConfig(device="cuda", dtype="bfloat16"))
+    assert fp8.info.quantization == "fp8"
+    for _ in range(3):
+        report = run_self_check(fp8)
+        assert report.max_score_diff <= report.score_bound, report
+    requests = _requests(16, 40, seed=11)
+    fp8_scores, fp8_hidden = _arrays(fp8.score(requests))
+    bf16_scores, bf16_hidden = _arrays(bf16.score(requests))
+    cosine = (fp8_hidden * bf16_hidden).sum(1) / (
+        np.linalg.norm(fp8_hidden, axis=1) * np.linalg.norm(bf16_hidden, axis=1)
+    )
+    assert np.isfinite(fp8_scores).all() and float(cosine.min()) > 0.95, cosine
+    scale = max(1.0, float(np.abs(bf16_scores).max()))
+    assert float(np.abs(fp8_scores - bf16_scores).max()) < 0.25 * scale

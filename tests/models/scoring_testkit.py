@@ -30,12 +30,16 @@ class Reference:
     hidden: np.ndarray
 
 
+def load_reference_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
+    """HF's model with eager attention: plain matmuls, independent of the SDPA and varlen paths under test."""
+    return AutoModelForSequenceClassification.from_pretrained(
+        str(model_dir), attn_implementation="eager", dtype=dtype
+    ).eval()
+
+
 @functools.cache
 def _reference_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
-    # eager: plain matmul attention, independent of the SDPA and varlen code paths under test.
-    return AutoModelForSequenceClassification.from_pretrained(
-        model_dir, attn_implementation="eager", dtype=dtype
-    ).eval()
+    return load_reference_model(model_dir, dtype)
 
 
 @functools.cache
@@ -54,10 +58,12 @@ def hf_reference(
     *,
     left_pad: bool = False,
     dtype: torch.dtype = torch.float32,
+    model: Any = None,
 ) -> Reference:
     """Run HF's own forward on a padded batch of token-id prompts (the pad id must not occur in them), on
-    the CPU in `dtype` (float32: the reference; bfloat16: HF's own error, to bound a bf16 path's)."""
-    model = _reference_model(str(model_dir), dtype)
+    the CPU in `dtype` (float32: the reference; bfloat16: HF's own error, to bound a bf16 path's), or with
+    `model` when given (a reference model changed by the test; the cached one is shared)."""
+    model = model if model is not None else _reference_model(str(model_dir), dtype)
     pad = model.config.pad_token_id
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)

@@ -131,3 +131,56 @@ def test_run_help_lists_the_security_flags_and_never_a_secret_from_the_environme
     assert not any(value in proc.stdout + proc.stderr for value in secrets.values())
     # The connection settings lead; the security ones follow the rest.
     assert proc.stdout.index("--bootstrap-servers") < proc.stdout.index("--security-protocol")
+
+
+def test_every_engine_setting_reaches_the_scorer(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine settings given to the worker are the ones the Scorer is built with: none dropped."""
+    import models
+    from worker.config import WorkerSettings
+
+    built: list[models.ScorerConfig] = []
+
+    class Recording:
+        def __init__(self, model_dir: object, config: models.ScorerConfig) -> None:
+            built.append(config)
+
+    monkeypatch.setattr(models, "Scorer", Recording)
+    settings = WorkerSettings(
+        bootstrap_servers="127.0.0.1:9",
+        model_dir=tiny_llama_dir,
+        self_check=False,
+        device="cpu",
+        dtype="bfloat16",
+        max_batch_tokens=1234,
+        pooling="mean",
+        deterministic=True,
+        compile="off",
+        cuda_graphs="off",
+        graph_max_tokens=512,
+        share_prefix_min_tokens=48,
+        quantization="fp8",
+        max_item_tokens=300,
+        max_request_items=7,
+        max_request_tokens=999,
+        trust_remote_code=True,
+        allow_pickle_weights=True,
+    )
+    cli._load_scorer(settings)
+    (config,) = built
+    assert (config.device, config.dtype, config.max_batch_tokens, config.pooling) == (
+        "cpu",
+        "bfloat16",
+        1234,
+        "mean",
+    )
+    assert (config.deterministic, config.compile, config.cuda_graphs, config.graph_max_tokens) == (
+        True,
+        "off",
+        "off",
+        512,
+    )
+    assert (config.share_prefix_min_tokens, config.quantization) == (48, "fp8")
+    assert (config.max_input_tokens, config.max_request_items, config.max_request_tokens) == (300, 7, 999)
+    assert config.trust_remote_code and config.allow_pickle_weights

@@ -33,6 +33,7 @@ DESCRIPTION_LABELS = {
     "pooling",
     "compiled",
     "cuda_graphs",
+    "quantization",
 }
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,375 @@
+"""FP8 projections against bfloat16, side by side in one process: speed, and the deviation from float32.
+
+Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/fp8.py
+`--quick` runs tiny shapes (on the CPU when there is no GPU): a smoke test of the script, not a measurement.
+
+- L1: Qwen3-0.6B shapes, 1 and 64 requests of 100 tokens: p50 of the model step (`score_prepared`) with
+  the defaults (compiled layers replayed from CUDA graphs), bfloat16 and FP8.
+- W1: 8B Llama shapes, W1's 512 requests cut at the worker's 16,384-token budget, pooled hidden states for
+  all: tokens/s of bfloat16 and FP8, against the bf16 matmul roofline and the FP8 one, both measured here.
+
+Deviation: each path's scores and pooled hidden states against HF float32 on a sample, and FP8 against
+bfloat16 on every request. Exit 1 when bfloat16 is further from float32 than W1's bound (twice HF's own
+bf16 error plus 5% of the score scale), or FP8 beyond its sanity bound (a hidden-state cosine under 0.95, a
+score error over 25% of the score scale, a non-finite value): a figure whose results are wrong is no figure.
+The FP8 bound only catches a broken product; the deviation itself is what the report is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench import hf_paths, packed_path
+from bench.common import (
+    QWEN3_06B_SHAPES,
+    environment,
+    flops_per_token,
+    make_lognormal_workload,
+    matmul_tflops,
+    non_embedding_params,
+    out_dir,
+    relative_errors,
+    token_budget_chunks,
+    write_verdict,
+)
+from bench.hf_paths import PathOutput
+from bench.w1 import QUICK_SHAPES as W1_QUICK
+from bench.w1 import W1_SHAPES
+
+PATHS = ("none", "fp8")  # ScorerConfig.quantization
+L1_TOKENS = 100
+L1_CASES = (1, 64)
+L1_QUICK: dict[str, Any] = {**QWEN3_06B_SHAPES, "hidden_size": 64, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                            "intermediate_size": 128, "vocab_size": 1024}  # fmt: skip
+FP8_MIN_COSINE = 0.95
+FP8_MAX_SCORE_SHARE = 0.25
+
+
+def build_model(kind: str, shapes: dict[str, Any], device: str) -> torch.nn.Module:
+    """A random-weight classifier (seed 0, HF's init) of W1's Llama or L1's Qwen3 shapes on `device`."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        Qwen3Config,
+        Qwen3ForSequenceClassification,
+    )
+
+    common = {"num_labels": 1, "pad_token_id": hf_paths.PAD_ID, "initializer_range": 0.02}
+    if kind == "w1":
+        rope = {"rope_type": "default", "rope_theta": 500000.0}
+        config: Any = LlamaConfig(**shapes, **common, rms_norm_eps=1e-5, rope_parameters=rope)
+        model_class: Any = LlamaForSequenceClassification
+    else:
+        config = Qwen3Config(**shapes, **common)
+        model_class = Qwen3ForSequenceClassification
+    torch.manual_seed(0)
+    with torch.device(device):  # bfloat16 everywhere: HF's own bf16 error is the bound's yardstick
+        model: torch.nn.Module = model_class._from_config(
+            config, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    return model.eval()
+
+
+def make_scorer(model_dir: Path, quantization: str, device: str, budget: int) -> Any:
+    from models import Scorer, ScorerConfig
+
+    config = ScorerConfig(
+        device=device,
+        dtype="bfloat16",
+        max_batch_tokens=budget,
+        quantization=quantization,  # type: ignore[arg-type]
+    )
+    return Scorer(str(model_dir), config)
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_ms(run: Callable[[], Any], device: str, warmup: int, repeats: int) -> dict[str, float]:
+    """p50 / p90 milliseconds of `run`, synchronised, after `warmup` calls."""
+    for _ in range(warmup):
+        run()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append((time.perf_counter() - started) * 1000)
+    times.sort()
+    return {"p50_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))]}
+
+
+def fp8_matmul_tflops(size: int = 8192, repeats: int = 30) -> dict[str, float]:
+    """The FP8 product's rate at size^3 with the scales this engine uses (per row of each operand)."""
+    from models.fp8 import quantize_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a, a_scale = quantize_rows(torch.randn(size, size, device="cuda", generator=gen))
+    b, b_scale = quantize_rows(torch.randn(size, size, device="cuda", generator=gen))
+    b_scale = b_scale.reshape(1, -1).contiguous()
+
+    def product() -> torch.Tensor:
+        return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+
+    for _ in range(5):
+        out = product()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)
+    ]
+    for start, end in events:
+        start.record()
+        out = product()
+        end.record()
+    torch.cuda.synchronize()
+    if not torch.isfinite(out).all():
+        raise RuntimeError("the FP8 roofline product produced non-finite values")
+    median_ms = statistics.median(start.elapsed_time(end) for start, end in events)
+    return {
+        "size": float(size),
+        "median_ms": median_ms,
+        "tflops_median": 2.0 * size**3 / (median_ms * 1e-3) / 1e12,
+    }
+
+
+def deviation(values: PathOutput, reference: PathOutput) -> dict[str, float]:
+    """Max |score difference|, pooled-hidden relative error (median, max) and the smallest cosine."""
+    hidden = values.hidden.astype(np.float64)
+    ref = reference.hidden.astype(np.float64)
+    cosine = (hidden * ref).sum(1) / np.maximum(
+        np.linalg.norm(hidden, axis=1) * np.linalg.norm(ref, axis=1), 1e-30
+    )
+    rel = relative_errors(values.hidden, reference.hidden)
+    return {
+        "max_abs_score_diff": float(np.max(np.abs(values.scores - reference.scores))),
+        "hidden_rel_err_median": float(np.median(rel)),
+        "hidden_rel_err_max": float(np.max(rel)),
+        "hidden_min_cosine": float(np.min(cosine)),
+        "all_finite": bool(np.isfinite(values.scores).all() and np.isfinite(values.hidden).all()),
+    }
+
+
+def subset(values: PathOutput, picks: Sequence[int]) -> PathOutput:
+    return PathOutput(values.scores[list(picks)], values.hidden[list(picks)])
+
+
+def accuracy(
+    model: torch.nn.Module, rows: Sequence[torch.Tensor], outputs: dict[str, PathOutput], count: int
+) -> dict[str, Any]:
+    """Both paths and HF's own bf16 forward against HF float32 on `count` requests of spread lengths; FP8
+    against bf16 on all."""
+    by_length = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    picks = sorted({by_length[round(k * (len(rows) - 1) / max(count - 1, 1))] for k in range(count)})
+    chosen = [rows[i] for i in picks]
+    with torch.inference_mode():
+        hf_bf16 = hf_paths.run_reference(model, chosen)
+        reference_model = copy.deepcopy(model).to(torch.float32)
+        reference = hf_paths.run_reference(reference_model, chosen)
+    del reference_model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    report: dict[str, Any] = {
+        "fp32_subset": picks,
+        "fp32_score_scale": float(np.max(np.abs(reference.scores))),
+        "vs_fp32": {"hf_bf16": deviation(hf_bf16, reference)},
+    }
+    for name, values in outputs.items():
+        report["vs_fp32"][name] = deviation(subset(values, picks), reference)
+    report["fp8_vs_bf16"] = deviation(outputs["fp8"], outputs["none"])
+    return report
+
+
+def failures(case: str, checks: dict[str, Any]) -> list[str]:
+    errors = checks["vs_fp32"]
+    scale = max(1.0, checks["fp32_score_scale"])
+    out = []
+    bf16_bound = 2 * errors["hf_bf16"]["max_abs_score_diff"] + 0.05 * scale
+    bf16 = errors["none"]
+    if not bf16["all_finite"] or bf16["max_abs_score_diff"] > bf16_bound:
+        out.append(f"{case} bf16: max |score - fp32| {bf16['max_abs_score_diff']:.3g} > {bf16_bound:.3g}")
+    fp8 = errors["fp8"]
+    if (
+        not fp8["all_finite"]
+        or fp8["hidden_min_cosine"] < FP8_MIN_COSINE
+        or fp8["max_abs_score_diff"] > FP8_MAX_SCORE_SHARE * scale
+    ):
+        out.append(
+            f"{case} fp8: max |score - fp32| {fp8['max_abs_score_diff']:.3g} "
+            f"(bound {FP8_MAX_SCORE_SHARE * scale:.3g}), smallest hidden cosine "
+            f"{fp8['hidden_min_cosine']:.4f} (bound {FP8_MIN_COSINE}), or non-finite"
+        )
+    return out
+
+
+def l1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, Any]:
+    shapes = L1_QUICK if args.quick else QWEN3_06B_SHAPES
+    model = build_model("l1", shapes, device)
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randint(1, shapes["vocab_size"], (L1_TOKENS,), generator=gen) for _ in range(max(L1_CASES))]
+    requests = packed_path.make_requests(rows)
+    model_dir = workdir / "l1"
+    packed_path.save_model_dir(model, model_dir)
+    timings: dict[str, dict[str, float]] = {}
+    outputs: dict[str, PathOutput] = {}
+    for quantization in PATHS:
+        scorer = make_scorer(model_dir, quantization, device, 16384)
+        for case in L1_CASES:
+            prepared = [scorer.prepare(r) for r in requests[:case]]
+            timings[f"{quantization}/{case}"] = step_ms(
+                lambda s=scorer, p=prepared: s.score_prepared(p),
+                device,
+                2 if args.quick else 10,
+                args.repeats,
+            )
+            print(
+                f"  L1 {quantization} {case} x {L1_TOKENS}: {timings[f'{quantization}/{case}']}", flush=True
+            )
+        outputs[quantization] = packed_path.results_to_arrays(scorer.score(requests), shapes["hidden_size"])
+        del scorer
+        gc.collect()
+    checks = accuracy(model, rows, outputs, len(rows))
+    return {"shapes": shapes, "timings": timings, "correctness": checks}
+
+
+def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, Any]:
+    shapes = W1_QUICK if args.quick else W1_SHAPES
+    model = build_model("w1", shapes, device)
+    work = make_lognormal_workload(16 if args.quick else 512, shapes["vocab_size"])
+    chunks = token_budget_chunks(work.lengths, args.max_batch_tokens)
+    requests = packed_path.make_requests(work.token_ids)
+    model_dir = workdir / "w1"
+    packed_path.save_model_dir(model, model_dir)
+    attn_width = shapes["num_attention_heads"] * (shapes["hidden_size"] // shapes["num_attention_heads"])
+    flops = flops_per_token(
+        non_embedding_params(model), shapes["num_hidden_layers"], attn_width, work.lengths
+    )
+    runs: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, PathOutput] = {}
+    for quantization in PATHS:
+        scorer = make_scorer(model_dir, quantization, device, args.max_batch_tokens)
+        packed_path.run_scorer(scorer, requests, chunks)  # warm-up: every batch shape compiled and seen once
+        seconds = []
+        results: list[Any] = []
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(args.repeats):
+            synchronize(device)
+            started = time.perf_counter()
+            results = packed_path.run_scorer(scorer, requests, chunks)
+            synchronize(device)
+            seconds.append(time.perf_counter() - started)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+        runs[quantization] = {
+            "seconds": seconds,
+            "tokens_per_s": work.total_tokens / min(seconds),
+            "peak_gib": peak,
+        }
+        print(f"  W1 {quantization}: passes {[round(s, 2) for s in seconds]} s", flush=True)
+        outputs[quantization] = packed_path.results_to_arrays(results, shapes["hidden_size"])
+        del scorer, results
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    roofline: dict[str, Any] = {"flops_per_token": flops}
+    if device == "cuda":
+        roofline["bf16"] = matmul_tflops()
+        roofline["fp8"] = fp8_matmul_tflops()
+        for kind in ("bf16", "fp8"):
+            roofline[kind]["tokens_per_s"] = roofline[kind]["tflops_median"] * 1e12 / flops["total"]
+    checks = accuracy(model, work.token_ids, outputs, args.fp32_requests)
+    return {"shapes": shapes, "tokens": work.total_tokens, "batches": len(chunks), "runs": runs,
+            "roofline": roofline, "correctness": checks}  # fmt: skip
+
+
+def print_accuracy(case: str, checks: dict[str, Any]) -> None:
+    print(f"\n{case}: against HF float32 on {len(checks['fp32_subset'])} requests "
+          f"(score scale {checks['fp32_score_scale']:.3g}); fp8 against bf16 on all")  # fmt: skip
+    print(f"{'path':<14}{'max|dscore|':>12}{'hidden rel err p50':>20}{'max':>10}{'min cosine':>12}")
+    rows = {**{f"{k} vs fp32": v for k, v in checks["vs_fp32"].items()}, "fp8 vs bf16": checks["fp8_vs_bf16"]}
+    for name, v in rows.items():
+        print(f"{name:<14}{v['max_abs_score_diff']:>12.4f}{v['hidden_rel_err_median']:>20.2e}"
+              f"{v['hidden_rel_err_max']:>10.2e}{v['hidden_min_cosine']:>12.5f}")  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, CPU if no GPU: a smoke test")
+    parser.add_argument("--cases", default="l1,w1", help="which of l1, w1 to run")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls (L1) / passes (W1)")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--fp32-requests", type=int, default=16, help="W1 requests checked against float32")
+    parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/fp8.json)")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.quick:
+        print("the FP8 benchmark needs a CUDA GPU (--quick runs on the CPU)", file=sys.stderr)
+        return 2
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 50
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    env = environment()
+    print(json.dumps(env), flush=True)
+    report: dict[str, Any] = {"environment": env, "args": {k: str(v) for k, v in vars(args).items()}}
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        if "l1" in cases:
+            report["l1"] = l1_case(args, device, Path(tmp))
+            failed += failures("L1", report["l1"]["correctness"])
+        if "w1" in cases:
+            w1_repeats = args.repeats if args.quick else min(args.repeats, 2)
+            report["w1"] = w1_case(
+                argparse.Namespace(**{**vars(args), "repeats": w1_repeats}), device, Path(tmp)
+            )
+            failed += failures("W1", report["w1"]["correctness"])
+    if "l1" in report:
+        timings = report["l1"]["timings"]
+        print(f"\nL1, model step p50 / p90 ms ({device})")
+        for case in L1_CASES:
+            bf16, fp8 = timings[f"none/{case}"], timings[f"fp8/{case}"]
+            speedup = bf16["p50_ms"] / fp8["p50_ms"]
+            print(f"  {case:>2} x {L1_TOKENS} tokens: bf16 {bf16['p50_ms']:.2f} / {bf16['p90_ms']:.2f}, "
+                  f"fp8 {fp8['p50_ms']:.2f} / {fp8['p90_ms']:.2f}  ({speedup:.2f}x)")  # fmt: skip
+        print_accuracy("L1", report["l1"]["correctness"])
+    if "w1" in report:
+        w1 = report["w1"]
+        print(f"\nW1, {w1['tokens']} tokens in {w1['batches']} batches ({device})")
+        roofline = w1["roofline"]
+        for name, run in w1["runs"].items():
+            line = f"  {'bf16' if name == 'none' else name}: {run['tokens_per_s']:,.0f} tokens/s"
+            if "bf16" in roofline:
+                bf16_share = 100 * run["tokens_per_s"] / roofline["bf16"]["tokens_per_s"]
+                fp8_share = 100 * run["tokens_per_s"] / roofline["fp8"]["tokens_per_s"]
+                line += f", {bf16_share:.1f}% of the bf16 roofline, {fp8_share:.1f}% of the fp8 one"
+            if run["peak_gib"] is not None:
+                line += f"; peak {run['peak_gib']:.1f} GiB"
+            print(line)
+        print(f"  fp8 / bf16: {w1['runs']['fp8']['tokens_per_s'] / w1['runs']['none']['tokens_per_s']:.2f}x")
+        if "bf16" in roofline:
+            print(f"  matmul rate: bf16 {roofline['bf16']['tflops_median']:.0f} TFLOP/s, "
+                  f"fp8 {roofline['fp8']['tflops_median']:.0f} TFLOP/s")  # fmt: skip
+        print_accuracy("W1", w1["correctness"])
+    target = args.json or ((out_dir() or Path(".")) / ("fp8-quick.json" if args.quick else "fp8.json"))
+    return write_verdict(report, failed, target, "FP8")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""FP8 (e4m3) projections for the transformer layers: weights quantized once per output channel, activations
+per token on every call, multiplied by `torch._scaled_mm` with both scales applied in the product.
+
+The scales are per row of each operand, so a token's output depends on that token's row alone: packing,
+batch-mates and padding change nothing (the property the packed engine relies on). Only the projections of
+the layers are quantized (decoders' and encoders' alike); the embeddings, the norms, attention itself and
+the task head keep the model's dtype. Hopper and Ada GPUs (compute capability 8.9 and later) run it on
+their FP8 tensor cores; torch's CPU build runs the same arithmetic, slowly, which is what the CPU tests
+check.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# cuBLASLt's FP8 kernels need both matrix dimensions of the weight to be multiples of 16.
+_ALIGNMENT = 16
+# A row of zeros still needs a finite scale; any positive value gives exact zeros.
+_MIN_SCALE = 1e-12
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_supported(device: torch.device) -> str | None:
+    """Why FP8 projections cannot run on `device`, or None when they can."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"FP8 projections run on CUDA or the CPU, not {device.type}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        return (
+            f"FP8 projections need a GPU of compute capability 8.9 or later (Ada, Hopper); this one has "
+            f"{capability[0]}.{capability[1]}"
+        )
+    return None
+
+
+def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`matrix` [R, C] as e4m3 values and a float32 scale per row [R, 1]: row r is values[r] * scale[r]."""
+    wide = matrix.float()
+    scale = (wide.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    values = (wide / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # e4m3fn has no infinity: clamp first
+    return values, scale
+
+
+class Fp8Linear(nn.Module):
+    """An `nn.Linear` whose product runs in FP8: weight scaled per output channel (once, here), input per
+    token (each call), output in the input's dtype."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight, scale = quantize_rows(linear.weight.detach())
+        self.register_buffer("weight", weight)  # [out, in]; its transpose is the column-major operand
+        self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())  # [1, out]
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        values, scale = quantize_rows(rows)
+        out = torch._scaled_mm(
+            values, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=x.dtype
+        )
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3"
+
+
+def quantizable(linear: nn.Linear) -> bool:
+    """Whether the FP8 kernels take this projection's shape."""
+    return linear.in_features % _ALIGNMENT == 0 and linear.out_features % _ALIGNMENT == 0
+
+
+def quantize_layers(layers: nn.ModuleList) -> tuple[int, int]:
+    """Replace every `nn.Linear` inside `layers` with an `Fp8Linear`, in place. Projections of a shape the
+    kernels do not take keep the model's dtype. Returns (replaced, kept)."""
+    replaced = kept = 0
+    for layer in layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear:
+                    continue
+                if quantizable(child):
+                    setattr(parent, name, Fp8Linear(child))
+                    replaced += 1
+                else:
+                    kept += 1
+    return replaced, kept
