@@ -465,7 +465,8 @@ def print_summary(report: dict[str, Any]) -> None:
             f"{k} {w[k]['count']} = {w[k]['total_s']:.3f} s (max {w[k]['max_ms']:.0f} ms)"
             for k in ("gc0", "gc1", "gc2")
         )
-        + f"; Triton kernels built {w['kernels_built']}; slowest batches {w['slowest_batches']}"
+        + f"; Triton kernels built {w['kernels_built']}, torch.compile frames {w['dynamo_frames']}; "
+        + f"graphs {w['graphs']}; slowest batches {w['slowest_batches']}"
     )
     print(f"  CPU cores: {cores}; load process {sat['loader_cpu_s'] / w['seconds']:.2f}")
     for name, label in (("latency", "worker as configured"), ("latency_short_fetch", "fetch_max_wait_ms 10")):

@@ -36,6 +36,9 @@ class BatchRecord:
     hidden_bytes: int
     prepared: list[Any] = field(repr=False)
     kernels_built: int = 0  # Triton kernels compiled during this call (a new shape variant, say)
+    graph: str = "none"  # "recorded", "replayed" or "none" (the ordinary forward)
+    dynamo_frames: int = 0  # frames torch.compile compiled during this call (a recompile when above 0)
+    reserved_grew_mib: float = 0.0  # how much the CUDA caching allocator reserved during this call
 
 
 class RecordingScorer:
@@ -58,10 +61,22 @@ class RecordingScorer:
     def score_prepared(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> list[Any]:
         self.thread_ids["model"] = threading.get_native_id()
         kernels_before = _entries(self._kernel_dir)
+        graphs = self.scorer.graphs
+        recorded, replays = (graphs.recorded, graphs.replays) if graphs is not None else (0, 0)
+        frames, reserved = _dynamo_frames(), _reserved_bytes()
         start = time.monotonic()
         results = self.scorer.score_prepared(prepared, on_batch)
         end = time.monotonic()
         kernels_built = _entries(self._kernel_dir) - kernels_before
+        graph = "none"
+        if graphs is not None:
+            graph = (
+                "recorded"
+                if graphs.recorded > recorded
+                else "replayed"
+                if graphs.replays > replays
+                else "none"
+            )
         timings = results[0].timings if results else {}
         asked = [p for p in prepared if p.request.return_pooled_hidden_states]
         self.batches.append(
@@ -77,9 +92,26 @@ class RecordingScorer:
                 hidden_bytes=sum(len(t.data) for r in results for t in r.pooled_hidden_states or ()),
                 prepared=list(prepared),
                 kernels_built=kernels_built,
+                graph=graph,
+                dynamo_frames=_dynamo_frames() - frames,
+                reserved_grew_mib=(_reserved_bytes() - reserved) / 2**20,
             )
         )
         return results
+
+
+def _dynamo_frames() -> int:
+    """Frames torch.compile has compiled so far in this process."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["frames"]["ok"])
+    except Exception:  # a diagnostic only
+        return 0
+
+
+def _reserved_bytes() -> int:
+    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
 
 
 def _triton_cache_dir() -> Path | None:
@@ -226,6 +258,10 @@ def slowest_batches(
             "tokens": r.tokens,
             "items": r.items,
             "at_s": round(r.start - a, 2),
+            "graph": r.graph,
+            "kernels_built": r.kernels_built,
+            "dynamo_frames": r.dynamo_frames,
+            "reserved_grew_mib": round(r.reserved_grew_mib, 1),
         }
         for r in inside[:count]
     ]
@@ -248,6 +284,12 @@ def window_stats(
         "seconds": b - a,
         "batches": len(inside),
         "kernels_built": sum(r.kernels_built for r in inside),
+        "dynamo_frames": sum(r.dynamo_frames for r in inside),
+        "graphs": {
+            kind: {"batches": len(runs), "seconds": round(sum(r.end - r.start for r in runs), 3)}
+            for kind in ("recorded", "replayed", "none")
+            for runs in [[r for r in inside if r.graph == kind]]
+        },
         "batch_tokens": _spread([r.tokens for r in inside]),
         "batch_requests": _spread([r.requests for r in inside]),
         "full_batches_pct": 100.0 * sum(r.tokens >= 0.9 * budget for r in inside) / max(len(inside), 1),
