@@ -9,7 +9,8 @@ Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/sha
   work a perfect sharing would leave.
 - W4: W1's model (8B Llama shapes); 256 prompts of 300-1,000 tokens with 8 responses of 50-300 tokens each,
   sent as 2,048 single-item requests, a prompt's 8 one after another, the prompts in random order.
-Batches are cut as the worker cuts them: arrival order, at most `--max-batch-tokens` prompt tokens.
+Batches are cut as the worker cuts them: arrival order, at most `--max-batch-tokens` tokens, counted as
+each path computes them (today's: every prompt whole; the shared path: a shared prefix once).
 The shared path's results are checked against HF float32 on a sample (twice HF's own bf16 error plus 5% of
 the score scale) and against today's path on every item; the script exits 1 when either check fails.
 """
@@ -34,6 +35,7 @@ from bench.w1 import W1_SHAPES
 from bench.w2 import QUICK_SHAPES as W2_QUICK
 from bench.w2 import W2_SHAPES, build_model_dir, check_sample
 from models import Scorer, ScorerConfig
+from models.chunks import token_runs
 from schemas import ScoreRequest, ScoreResult
 
 VOCAB_LOW = 4  # ids 0..3 are special tokens in the tiny tokenizers
@@ -93,9 +95,18 @@ def whole_prompts(request: ScoreRequest) -> list[tuple[int, ...]]:
     return [query + tuple(cast(Sequence[int], item)) for item in request.items]
 
 
-def chunks(requests: Sequence[ScoreRequest], budget: int) -> list[list[int]]:
-    sizes = [sum(len(p) for p in whole_prompts(r)) for r in requests]
-    return token_budget_chunks(sizes, budget)
+def chunks(requests: Sequence[ScoreRequest], budget: int, scorer: Scorer | None = None) -> list[list[int]]:
+    """Arrival-order batches within the token budget as the worker cuts them: by the prompts' lengths, or
+    by what `scorer` computes for them (a shared prefix counted once) when it is given."""
+    prompts = [whole_prompts(r) for r in requests]
+    sizes = [sum(len(p) for p in group) for group in prompts]
+    if scorer is None:
+        return token_budget_chunks(sizes, budget)
+
+    def measure(start: int, stop: int) -> int:
+        return scorer.batch_tokens([p for group in prompts[start:stop] for p in group])
+
+    return [list(run) for run in token_runs(sizes, budget, measure)]
 
 
 def time_path(
@@ -149,10 +160,11 @@ def run_case(
     today = Scorer(model_dir, ScorerConfig(**base))
     shared = Scorer(model_dir, ScorerConfig(**base, share_prefix_min_tokens=args.min_tokens))
     cut = chunks(requests, args.max_batch_tokens)
+    shared_cut = chunks(requests, args.max_batch_tokens, shared)
     items = sum(len(r.items) for r in requests)
     whole_tokens = sum(len(p) for r in requests for p in whole_prompts(r))
     whole_results, whole_s = time_path(today, requests, cut, args.repeats)
-    shared_results, shared_s = time_path(shared, requests, cut, args.repeats)
+    shared_results, shared_s = time_path(shared, requests, shared_cut, args.repeats)
     distinct_tokens = sum(len(r.items[0]) for r in bare)
     _, distinct_s = time_path(
         today,
@@ -167,6 +179,7 @@ def run_case(
         "whole_prompt_tokens": whole_tokens,
         "distinct_tokens": distinct_tokens,
         "batches": len(cut),
+        "shared_batches": len(shared_cut),
         "today_items_per_s": items / whole_s,
         "shared_items_per_s": items / shared_s,
         "distinct_items_per_s": items / distinct_s,
@@ -180,7 +193,7 @@ def run_case(
         torch.cuda.empty_cache()
     print(
         f"{name}: {len(requests)} requests, {items} items, {whole_tokens} prompt tokens, "
-        f"{distinct_tokens} distinct; "
+        f"{distinct_tokens} distinct; batches {len(cut)} whole, {len(shared_cut)} shared; "
         f"items/s today {report['today_items_per_s']:.1f}, shared {report['shared_items_per_s']:.1f} "
         f"({report['speedup']:.2f}x), distinct tokens only {report['distinct_items_per_s']:.1f} "
         f"(shared reaches {100 * report['share_of_distinct']:.0f}% of it); agreement {report['agreement']}, "

@@ -3,21 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from models.prepare import PreparedRequest
+from models.prepare import PreparedRequest, Prompt
 from schemas import ResultStatus, ScoreResult, Tensor
 
+# What prompts cost together in one packed row: the sum of their lengths, or less where shared prefixes are
+# computed once (models.Scorer.batch_tokens).
+PromptsMeasure = Callable[[Sequence[Prompt]], int]
+RangeMeasure = Callable[[int, int], int]
 
-def token_runs(sizes: Sequence[int], max_tokens: int) -> Iterator[range]:
+
+def token_runs(sizes: Sequence[int], max_tokens: int, measure: RangeMeasure | None = None) -> Iterator[range]:
     """Consecutive index ranges whose sizes add up to at most `max_tokens`; a size above it stands alone.
+
+    `measure(start, stop)`, when given, is what entries start..stop cost together where that can be less
+    than the sum of their sizes (prompts sharing a prefix computed once); it is asked only when the sum is
+    over the budget, so a run is cut where what it computes, not what it holds, reaches the budget.
 
     The one rule for cutting a sequence into token-budget batches: the worker's batcher, the engine's split
     and the cutting of a large request all follow it.
     """
     start, tokens = 0, 0
     for index, size in enumerate(sizes):
-        if index > start and tokens + size > max_tokens:
+        over = index > start and tokens + size > max_tokens
+        if over and (measure is None or measure(start, index + 1) > max_tokens):
             yield range(start, index)
             start, tokens = index, 0
         tokens += size
@@ -25,15 +35,22 @@ def token_runs(sizes: Sequence[int], max_tokens: int) -> Iterator[range]:
         yield range(start, len(sizes))
 
 
-def split_request(prepared: PreparedRequest, max_tokens: int) -> list[PreparedRequest]:
-    """The request as parts of consecutive items, each within `max_tokens` (an item above it alone).
+def split_request(
+    prepared: PreparedRequest, max_tokens: int, measure: PromptsMeasure | None = None
+) -> list[PreparedRequest]:
+    """The request as parts of consecutive items, each within `max_tokens` (an item above it alone), as
+    counted by `measure` when given (shared prefixes once), else by the prompts' lengths.
 
     A request that fits is returned whole. Tokenizing time is charged to the first part.
     """
-    if prepared.num_tokens <= max_tokens:
+    prompts = prepared.prompts
+    if (prepared.num_tokens if measure is None else measure(prompts)) <= max_tokens:
         return [prepared]
+    by_range: RangeMeasure | None = None
+    if measure is not None:
+        by_range = lambda start, stop: measure(prompts[start:stop])  # noqa: E731
     parts = []
-    for number, run in enumerate(token_runs([len(p) for p in prepared.prompts], max_tokens)):
+    for number, run in enumerate(token_runs([len(p) for p in prompts], max_tokens, by_range)):
         cut = slice(run.start, run.stop)
         parts.append(
             dataclasses.replace(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,11 +16,11 @@ import torch
 from transformers import PreTrainedModel
 
 from models.attention import register_attention
-from models.chunks import token_runs
+from models.chunks import RangeMeasure, token_runs
 from models.config import ScorerConfig
 from models.errors import DeviceLostError, ModelLoadError
 from models.fp8 import fp8_supported, quantize_layers
-from models.graphs import GraphedForward
+from models.graphs import KEYS_PER_TOKEN, GraphedForward
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import (
     KeyLayout,
@@ -29,6 +30,7 @@ from models.packing import (
     find_shared_prefixes,
     hidden_row_bytes,
     pack,
+    packed_length,
     pool,
     pooled_positions,
 )
@@ -48,6 +50,9 @@ class BatchStats:
     forward_s: float
     copy_s: float
     hidden_requests: int  # requests of the batch that asked for pooled hidden states
+    # Tokens of the packed row the forward computed: `tokens` less what shared prefixes saved (0: not
+    # reported, read as `tokens`).
+    packed_tokens: int = 0
     # Bytes of pooled hidden states copied to the host, by dtype name ("float32", "float16", "bfloat16").
     hidden_bytes: dict[str, int] = field(default_factory=dict)
     failed: bool = False  # the forward pass raised: its requests are scored again in halves
@@ -158,7 +163,7 @@ class Scorer:
                 "%s takes the %s path, which CUDA graphs cannot record", Path(model_dir).name, self.attention
             )
         if self.config.share_prefix_min_tokens and self._loaded.packable:
-            if self._shares_prefixes():
+            if self._causal_decoder():
                 log.info(
                     "prefixes of %d tokens or more that prompts of a batch share are computed once",
                     self.config.share_prefix_min_tokens,
@@ -319,7 +324,13 @@ class Scorer:
         pending = [(i, item) for i, item in enumerate(prepared) if isinstance(item, PreparedRequest)]
         # Deterministic: one request per batch (a judge's label columns then depend on the request alone).
         budget = 0 if self.config.deterministic else self.config.max_batch_tokens
-        for batch in _split(pending, budget):
+        measure: RangeMeasure | None = None
+        if self.shares_prefixes:  # the budget counts a shared prefix once, as the packed row holds it
+
+            def measure(start: int, stop: int) -> int:
+                return self.batch_tokens([prompt for _, p in pending[start:stop] for prompt in p.prompts])
+
+        for batch in _split(pending, budget, measure):
             scored = self._run_batch([p for _, p in batch], on_batch)
             for (index, _), result in zip(batch, scored, strict=True):
                 results[index] = result
@@ -354,7 +365,12 @@ class Scorer:
                 self._failure(batch[0].request, ErrorCode.MODEL_ERROR, message, {"tokenize_s": tokenize_s})
             ]
         if on_batch is not None:
-            on_batch(_stats(batch, output.forward_s, output.copy_s, output.hidden_bytes))
+            stats = _stats(batch, output.forward_s, output.copy_s, output.hidden_bytes)
+            if self.shares_prefixes:
+                prompts = [prompt for p in batch for prompt in p.prompts]
+                packed = packed_length(prompts, self.config.share_prefix_min_tokens)
+                stats = dataclasses.replace(stats, packed_tokens=packed)
+            on_batch(stats)
         timings = {"tokenize_s": tokenize_s, "forward_s": output.forward_s, "copy_s": output.copy_s}
         return [
             ScoreResult(
@@ -456,13 +472,34 @@ class Scorer:
                 )
         return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Batches compute the prefixes their prompts share once: set, on a packed causal decoder, and not
+        deterministic (where every item runs alone)."""
+        return (
+            self.config.share_prefix_min_tokens > 0
+            and self._loaded.packable
+            and not self.config.deterministic
+            and self._causal_decoder()
+        )
+
+    def batch_tokens(self, prompts: Sequence[Prompt]) -> int:
+        """What a batch of these prompts counts against the token budget (the engine's split, the worker's
+        batcher, a large request's parts): the tokens its packed row computes, a shared prefix once. Each
+        suffix reads its prefix's keys again, so the count is never below 1/KEYS_PER_TOKEN of the tokens
+        the prompts hold: that bounds the keys each layer gathers (and a graph's key buffer holds)."""
+        held = sum(len(p) for p in prompts)
+        if not self.shares_prefixes:
+            return held
+        return max(packed_length(prompts, self.config.share_prefix_min_tokens), -(-held // KEYS_PER_TOKEN))
+
     def _shared_prefixes(self, prompts: list[Prompt]) -> list[SharedPrefix]:
         """Prefixes to compute once: for causal decoders (an encoder's prefix sees what follows it)."""
-        if not self._shares_prefixes():
+        if not self._causal_decoder():
             return []
         return find_shared_prefixes(prompts, self.config.share_prefix_min_tokens)
 
-    def _shares_prefixes(self) -> bool:
+    def _causal_decoder(self) -> bool:
         loaded = self._loaded
         return not (loaded.encoder or loaded.token_types or loaded.position_pad is not None)
 
@@ -657,6 +694,7 @@ def _stats(
         requests=len(batch),
         items=sum(len(p.prompts) for p in batch),
         tokens=sum(p.num_tokens for p in batch),
+        packed_tokens=sum(p.num_tokens for p in batch),
         forward_s=forward_s,
         copy_s=copy_s,
         hidden_requests=sum(1 for p in batch if _wants_hidden(p)),
@@ -683,10 +721,11 @@ def _item_ranges(item_counts: Sequence[int]) -> Iterator[range]:
 
 
 def _split(
-    pending: Sequence[tuple[int, PreparedRequest]], max_tokens: int
+    pending: Sequence[tuple[int, PreparedRequest]], max_tokens: int, measure: RangeMeasure | None = None
 ) -> Iterator[list[tuple[int, PreparedRequest]]]:
-    """Consecutive batches of at most max_tokens tokens; a request over the budget runs alone."""
-    for run in token_runs([entry[1].num_tokens for entry in pending], max_tokens):
+    """Consecutive batches of at most max_tokens tokens (as `measure` counts a run, when given); a request
+    over the budget runs alone."""
+    for run in token_runs([entry[1].num_tokens for entry in pending], max_tokens, measure):
         yield list(pending[run.start : run.stop])
 
 

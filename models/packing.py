@@ -130,6 +130,13 @@ def find_shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int) -> l
     return sorted(groups, key=lambda g: g.members[0])
 
 
+def packed_length(prompts: Sequence[Sequence[int]], min_tokens: int) -> int:
+    """Tokens of the packed row of `prompts` with the prefixes `find_shared_prefixes` finds computed once:
+    what the forward pass computes, and so what a batch's token budget counts."""
+    saved = sum((len(g.members) - 1) * g.length for g in find_shared_prefixes(prompts, min_tokens))
+    return sum(len(p) for p in prompts) - saved
+
+
 def _cartesian_tree(values: Sequence[int]) -> tuple[list[int], list[int], int]:
     """Children (-1: none) and root of the min-rooted Cartesian tree of `values` (ties: left one on top)."""
     left, right = [-1] * len(values), [-1] * len(values)

@@ -12,7 +12,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Batch(Generic[T]):
-    """A closed batch: its items in arrival order and their total token count."""
+    """A closed batch: its items in arrival order and the tokens they compute together."""
 
     items: tuple[T, ...]
     tokens: int
@@ -26,6 +26,10 @@ class TokenBudgetBatcher(Generic[T]):
     - A batch closes as soon as it holds `max_requests` items or exactly `max_tokens` tokens.
     - A batch closes `max_wait_s` after its first item arrived (see `due_in` / `take_due`).
     The caller owns the clock loop: it asks `due_in()` how long it may wait for more items.
+
+    `measure(items)`, when given, is what items cost together when that can be less than the sum of their
+    tokens (prompts sharing a prefix computed once): an item that would take the sum over the budget is
+    measured with the batch, and joins it when what they compute together fits.
     """
 
     def __init__(
@@ -34,6 +38,7 @@ class TokenBudgetBatcher(Generic[T]):
         max_requests: int,
         max_wait_s: float,
         clock: Callable[[], float] = time.monotonic,
+        measure: Callable[[list[T]], int] | None = None,
     ) -> None:
         if max_tokens <= 0 or max_requests <= 0 or max_wait_s < 0:
             raise ValueError("max_tokens and max_requests must be positive and max_wait_s not negative")
@@ -41,8 +46,9 @@ class TokenBudgetBatcher(Generic[T]):
         self._max_requests = max_requests
         self._max_wait_s = max_wait_s
         self._clock = clock
+        self._measure = measure
         self._items: list[T] = []
-        self._tokens = 0
+        self._tokens = 0  # what the batch computes: measured, or an upper bound (the sum since measured)
         self._opened_at = 0.0
 
     def __len__(self) -> int:
@@ -57,15 +63,19 @@ class TokenBudgetBatcher(Generic[T]):
         if tokens < 0:
             raise ValueError(f"tokens must not be negative, got {tokens}")
         closed: list[Batch[T]] = []
-        if self._items and self._tokens + tokens > self._max_tokens:
-            closed.append(self._close())
+        together = self._tokens + tokens
+        if self._items and together > self._max_tokens:
+            together = self._measure([*self._items, item]) if self._measure is not None else together
+            if together > self._max_tokens:
+                closed.append(self._close())
+                together = tokens
         if tokens > self._max_tokens:
             closed.append(Batch((item,), tokens))
             return closed
         if not self._items:
             self._opened_at = self._clock()
         self._items.append(item)
-        self._tokens += tokens
+        self._tokens = together
         if len(self._items) >= self._max_requests or self._tokens >= self._max_tokens:
             closed.append(self._close())
         return closed

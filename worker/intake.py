@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from models import BatchObserver
+from models.chunks import PromptsMeasure
 from models.errors import DeviceLostError
 from schemas import (
     ErrorCode,
@@ -90,6 +91,15 @@ class Intake:
         self._scorer = scorer
         self._metrics = metrics
         self._replies = ReplyPolicy(settings)
+
+    @property
+    def batch_measure(self) -> PromptsMeasure | None:
+        """What prompts compute together in one batch, when the scorer computes shared prefixes once (the
+        batch budget then counts a prefix once); None when it is the sum of their lengths."""
+        if not getattr(self._scorer, "shares_prefixes", False):
+            return None
+        measure: PromptsMeasure = self._scorer.batch_tokens  # type: ignore[attr-defined]
+        return measure
 
     def prepare_all(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Accepted | Rejected]:
         """Runs on the tokeniser thread."""

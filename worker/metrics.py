@@ -133,7 +133,11 @@ class WorkerMetrics:
         self.encode = hist("encode_seconds", "per batch: encoding its result records")
         self.publish = hist("publish_seconds", "per group of records: sending until the broker acked all")
         self.batch_size = hist("batch_requests", "requests per model batch", BATCH_SIZE_BUCKETS)
-        self.batch_tokens = hist("batch_tokens", "prompt tokens per model batch", BATCH_TOKEN_BUCKETS)
+        self.batch_tokens = hist(
+            "batch_tokens",
+            "tokens per model batch as its budget counts them (a shared prefix once)",
+            BATCH_TOKEN_BUCKETS,
+        )
         self.batch_fill = hist("batch_fill_ratio", "batch tokens / max_batch_tokens", RATIO_BUCKETS)
         self.hidden_share = hist(
             "batch_hidden_state_request_ratio", "per batch: share of requests asking for hidden states",

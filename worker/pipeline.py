@@ -93,8 +93,13 @@ class Pipeline:
         self._metrics = metrics
         self._deliver = deliver
         self._spawn = spawn
+        # With shared prefixes computed once, budgets count what a batch computes, not what it holds.
+        self._measure = intake.batch_measure
         self._batcher: TokenBudgetBatcher[Unit] = TokenBudgetBatcher(
-            settings.max_batch_tokens, settings.max_batch_requests, settings.max_wait_ms / 1000
+            settings.max_batch_tokens,
+            settings.max_batch_requests,
+            settings.max_wait_ms / 1000,
+            measure=None if self._measure is None else self._units_tokens,
         )
         # Closed batches waiting for the model thread, which takes one at a time: while it is busy, arriving
         # requests keep filling the open batch instead of being cut into small batches queued behind it.
@@ -137,14 +142,24 @@ class Pipeline:
         self.progress.set()
 
     def _queue(self, accepted: Accepted) -> None:
-        parts = split_request(accepted.prepared, self._settings.max_batch_tokens)
+        parts = split_request(accepted.prepared, self._settings.max_batch_tokens, self._measure)
         if len(parts) == 1:
-            unit = Unit(accepted, accepted.prepared, accepted.prepared.num_tokens)
+            unit = Unit(accepted, accepted.prepared, self._tokens(accepted.prepared))
             for batch in self._batcher.add(unit, unit.tokens):
                 self._ready.append(list(batch.items))
             return
         assembly = _Assembly([None] * len(parts))
-        self._large.extend(Unit(accepted, p, p.num_tokens, assembly, i) for i, p in enumerate(parts))
+        self._large.extend(Unit(accepted, p, self._tokens(p), assembly, i) for i, p in enumerate(parts))
+
+    def _tokens(self, prepared: Any) -> int:
+        """What a request (or part) computes: its prompts' tokens, a prefix they share counted once."""
+        return prepared.num_tokens if self._measure is None else self._measure(prepared.prompts)
+
+    def _units_tokens(self, units: Sequence[Unit]) -> int:
+        """What units compute together in one batch."""
+        if self._measure is None:
+            return sum(u.tokens for u in units)
+        return self._measure([prompt for u in units for prompt in u.prepared.prompts])
 
     def dispatch_due(self) -> None:
         """Close the open batch if its wait is over and start it when the model thread is free."""
@@ -192,7 +207,7 @@ class Pipeline:
 
     async def _run(self, units: list[Unit]) -> None:
         loop = asyncio.get_running_loop()
-        tokens = sum(u.tokens for u in units)
+        tokens = self._units_tokens(units)
         started = time.monotonic()
         self._metrics.batch_started(len(units), tokens, (started - u.accepted.ready_at for u in units))
         future = loop.run_in_executor(self._model_thread, self._score, units)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,40 @@ def test_token_runs_cut_at_the_budget_and_leave_an_oversized_entry_alone() -> No
     assert list(token_runs([3, 3, 3, 10, 1, 1], 6)) == [range(0, 2), range(2, 3), range(3, 4), range(4, 6)]
     assert list(token_runs([], 6)) == []
     assert list(token_runs([7], 6)) == [range(0, 1)]
+
+
+def test_token_runs_with_a_measure_cut_where_the_computed_tokens_reach_the_budget() -> None:
+    sizes = [4, 4, 4, 4, 4]
+    # The first three share 3 tokens each with the one before (a query computed once): 4 + 1 + 1.
+    shared = {0: 0, 1: 3, 2: 3, 3: 0, 4: 0}
+    asked: list[tuple[int, int]] = []
+
+    def measure(start: int, stop: int) -> int:
+        asked.append((start, stop))
+        return sum(sizes[i] - (shared[i] if i > start else 0) for i in range(start, stop))
+
+    # 0..2 compute 6 (12 held); with 3 they would compute 10; 3 and 4 hold 8 and need no measure.
+    assert list(token_runs(sizes, 8, measure)) == [range(0, 3), range(3, 5)]
+    assert asked == [(0, 3), (0, 4)]  # asked only where the plain sum is over the budget
+    assert list(token_runs([3, 3, 3, 10], 6, lambda a, b: sum([3, 3, 3, 10][a:b]))) == list(
+        token_runs([3, 3, 3, 10], 6)
+    )
+
+
+def test_a_request_whose_items_share_their_query_is_cut_by_what_it_computes() -> None:
+    query = tuple(range(4, 54))  # 50 tokens, computed once per part when parts share it
+    request = ScoreRequest("r", query=query, items=tuple((7 + i,) * 5 for i in range(10)))
+    prepared = PreparedRequest(request, tuple(query + item for item in request.items), tokenize_s=0.1)
+    assert prepared.num_tokens == 550
+
+    def shared_once(prompts: Sequence[tuple[int, ...]]) -> int:
+        return 50 + 5 * len(prompts) if len(prompts) > 1 else len(prompts[0])
+
+    assert split_request(prepared, 100, shared_once) == [prepared]  # 100 computed, 550 held
+    parts = split_request(prepared, 70, shared_once)  # 50 + 5 x 4
+    assert [len(part.prompts) for part in parts] == [4, 4, 2]
+    assert [part.tokenize_s for part in parts] == [0.1, 0.0, 0.0]
+    assert len(split_request(prepared, 100)) == 10  # by the lengths alone: one item per part
 
 
 @pytest.mark.parametrize("truncate", [Truncation.NONE, Truncation.ITEM_RIGHT])

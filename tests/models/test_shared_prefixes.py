@@ -221,3 +221,51 @@ def test_the_deterministic_setting_is_unchanged_by_sharing(tiny_qwen3_dir: Path)
     for got, expected in zip(shared.score(_requests()), alone.score(_requests()), strict=True):
         np.testing.assert_array_equal(scores_of(got), scores_of(expected))
         np.testing.assert_array_equal(hidden_of(got), hidden_of(expected))
+
+
+def test_the_token_budget_counts_a_shared_prefix_once(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's budget counts what it computes: requests whose prompts hold more than the budget but
+    compute less run as one batch (not cut into batches that each compute the query again), and give what
+    the unshared engine gives in several."""
+    from models.packing import packed_length
+
+    held = sum(len(p) for p in _whole_prompts())
+    computed = packed_length(_whole_prompts(), MIN_TOKENS)
+    assert computed < held // 2
+    budget = computed + 5
+    shared = Scorer(
+        tiny_llama_dir,
+        ScorerConfig(device="cpu", share_prefix_min_tokens=MIN_TOKENS, max_batch_tokens=budget),
+    )
+    plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_batch_tokens=budget))
+    assert shared.batch_tokens(_whole_prompts()) == computed and plain.batch_tokens(_whole_prompts()) == held
+    batches: dict[str, list[Any]] = {"shared": [], "plain": []}
+    spy = PackSpy(monkeypatch)
+    ours = shared.score_prepared([shared.prepare(r) for r in _requests()], batches["shared"].append)
+    assert spy.tokens == [computed]
+    theirs = plain.score_prepared([plain.prepare(r) for r in _requests()], batches["plain"].append)
+    (stats,) = batches["shared"]
+    assert (stats.tokens, stats.packed_tokens) == (held, computed)
+    assert len(batches["plain"]) > 1 and all(s.packed_tokens == s.tokens for s in batches["plain"])
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(scores_of(a), scores_of(b), atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(hidden_of(a), hidden_of(b), atol=ATOL, rtol=RTOL)
+
+
+def test_the_budget_never_counts_less_than_a_share_of_what_prompts_hold(tiny_llama_dir: Path) -> None:
+    """Each suffix reads its prefix's keys again: however much is shared, a batch counts at least
+    1/KEYS_PER_TOKEN of the tokens it holds, which bounds the keys its layers gather."""
+    from models.graphs import KEYS_PER_TOKEN
+
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", share_prefix_min_tokens=MIN_TOKENS))
+    prompts = [QUERY * 4 + (300 + i,) for i in range(200)]  # 160 shared tokens, one of each prompt's own
+    held = sum(len(p) for p in prompts)
+    assert scorer.batch_tokens(prompts) == math.ceil(held / KEYS_PER_TOKEN) > 160 + 200
+    # Off, or deterministic (every item alone): what the prompts hold.
+    for config in (
+        ScorerConfig(device="cpu"),
+        ScorerConfig(device="cpu", share_prefix_min_tokens=8, deterministic=True),
+    ):
+        assert Scorer(tiny_llama_dir, config).batch_tokens(prompts) == held

@@ -112,3 +112,28 @@ def test_batches_keep_order_and_respect_limits(tokens: list[int], max_tokens: in
         assert batch.tokens == sum(tokens[i] for i in batch.items)
         assert 1 <= len(batch.items) <= max_requests
         assert batch.tokens <= max_tokens or len(batch.items) == 1
+
+
+def test_a_measure_lets_items_that_share_work_fill_the_batch() -> None:
+    """With a measure (prompts sharing a prefix computed once), an item that would take the plain sum over
+    the budget is measured with the batch, and joins it when what they compute together still fits."""
+    measured: list[tuple[str, ...]] = []
+
+    def measure(items: list[str]) -> int:  # 4 per item alone; 1 more per further item of its group
+        measured.append(tuple(items))
+        groups = {item[0] for item in items}
+        return sum(3 + sum(item[0] == group for item in items) for group in groups)
+
+    batcher: TokenBudgetBatcher[str] = TokenBudgetBatcher(10, 8, 0.5, clock=FakeClock(), measure=measure)
+    assert batcher.add("a1", 4) == [] and batcher.add("a2", 4) == []
+    assert measured == []  # the plain sum fits: nothing to measure
+    assert batcher.add("a3", 4) == [] and batcher.pending_tokens == 6  # 12 held, 6 computed
+    assert batcher.add("b1", 4) == [Batch(("a1", "a2", "a3", "b1"), 10)]  # exactly the budget
+    batcher.add("c1", 4)
+    batcher.add("c2", 4)
+    assert batcher.add("d1", 4) == [] and batcher.pending_tokens == 9
+    assert batcher.add("d2", 4) == [Batch(("c1", "c2", "d1", "d2"), 10)]
+    batcher.add("e1", 4)
+    batcher.add("f1", 4)
+    assert batcher.add("g1", 4) == [Batch(("e1", "f1"), 8)]  # nothing shared: 12 > 10
+    assert batcher.pending_tokens == 4 and len(batcher) == 1

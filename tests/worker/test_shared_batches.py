@@ -1,0 +1,61 @@
+"""Shared prefixes in the worker: its batches are cut by what they compute, a shared query counted once, so
+a multi-item request that holds more than the token budget but computes less is scored whole, in one batch
+with the requests that share its prompt, and its results are those of the engine alone."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from worker_testkit import Names, fast_settings, finish, produce, request_record
+
+from models import Scorer, ScorerConfig
+from models.packing import packed_length
+from schemas import ScoreRequest, decode_result
+from worker.app import ScoreWorker
+
+QUERY = tuple(range(40, 90))  # 50 tokens
+ITEMS = tuple((5 + i, 6 + i, 7 + i) for i in range(8))
+MIN_TOKENS = 8
+
+
+def _requests() -> list[ScoreRequest]:
+    return [
+        ScoreRequest("multi", query=QUERY, items=ITEMS, return_pooled_hidden_states=True),
+        *(ScoreRequest(f"best-of-{i}", items=((*QUERY, 200 + i),)) for i in range(3)),
+    ]
+
+
+def test_a_batch_counts_a_shared_query_once(kafka_bootstrap: str, tiny_llama_dir: Path) -> None:
+    prompts = [QUERY + item for item in ITEMS] + [(*QUERY, 200 + i) for i in range(3)]
+    held, computed = sum(map(len, prompts)), packed_length(prompts, MIN_TOKENS)
+    budget = computed + 8
+    assert held > 4 * budget  # by what they hold, the multi-item request alone would be cut in parts
+    names = Names.unique("shared-batches")
+    # A long wait: every request joins the batch the first one opened.
+    settings = fast_settings(
+        kafka_bootstrap, tiny_llama_dir, names, max_batch_tokens=budget, max_wait_ms=1000
+    )
+    config = ScorerConfig(device="cpu", max_batch_tokens=budget, share_prefix_min_tokens=MIN_TOKENS)
+    requests = _requests()
+
+    async def scenario() -> Any:
+        worker = ScoreWorker(settings, Scorer(tiny_llama_dir, config))
+        task = asyncio.create_task(worker.run())
+        await produce(kafka_bootstrap, names.requests, [request_record(r) for r in requests])
+        outcome = await finish(settings, [(worker, task)], len(requests), len(requests))
+        return outcome, worker.metrics
+
+    outcome, metrics = asyncio.run(scenario())
+    results = {r.request_id: r for r in (decode_result(rec.value or b"") for rec in outcome.results)}
+    assert sorted(results) == sorted(r.request_id for r in requests)
+    alone = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    for request, expected in zip(requests, alone.score(requests), strict=True):
+        got = results[request.request_id]
+        assert got.ok, got.error
+        np.testing.assert_allclose(np.array(got.scores), np.array(expected.scores), atol=1e-4)
+    labels = {"model": alone.model_name, "worker": settings.worker_id}
+    assert metrics.registry.get_sample_value("score_worker_batches_total", labels) == 1
+    assert metrics.registry.get_sample_value("score_worker_batch_tokens_sum", labels) == computed
