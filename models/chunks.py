@@ -48,7 +48,10 @@ def split_request(
         return [prepared]
     by_range: RangeMeasure | None = None
     if measure is not None:
-        by_range = lambda start, stop: measure(prompts[start:stop])  # noqa: E731
+
+        def by_range(start: int, stop: int) -> int:
+            return measure(prompts[start:stop])
+
     parts = []
     for number, run in enumerate(token_runs([len(p) for p in prompts], max_tokens, by_range)):
         cut = slice(run.start, run.stop)
