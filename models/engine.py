@@ -50,12 +50,12 @@ class BatchStats:
     forward_s: float
     copy_s: float
     hidden_requests: int  # requests of the batch that asked for pooled hidden states
-    # Tokens of the packed row the forward computed: `tokens` less what shared prefixes saved (0: not
-    # reported, read as `tokens`).
-    packed_tokens: int = 0
     # Bytes of pooled hidden states copied to the host, by dtype name ("float32", "float16", "bfloat16").
     hidden_bytes: dict[str, int] = field(default_factory=dict)
     failed: bool = False  # the forward pass raised: its requests are scored again in halves
+    # Tokens of the packed row the forward computed: `tokens` less what shared prefixes saved (0: not
+    # reported, read as `tokens`).
+    packed_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,10 @@ class WorkerMetrics:
         self.requests = counter("requests_total", "request records fetched")
         self.items = counter("items_total", "items run through the model")
         self.tokens = counter("tokens_total", "prompt tokens run through the model")
+        self.prefix_saved = counter(
+            "shared_prefix_tokens_saved_total",
+            "prompt tokens not computed: prefixes that prompts of a batch share, computed once",
+        )
         self.batches = counter("batches_total", "model batches run")
         self.batch_failures = counter("batch_failures_total", "model batches whose forward pass raised")
         self.hidden_requests = counter("hidden_state_requests_total", "requests that asked for hidden states")
@@ -197,7 +201,7 @@ class WorkerMetrics:
         for metric in (
             self.e2e, self.batch_wait, self.tokenize, self.forward, self.hidden_copy, self.encode,
             self.publish, self.batch_size, self.batch_tokens, self.batch_fill, self.hidden_share,
-            self.requests, self.items, self.tokens, self.batches, self.batch_failures,
+            self.requests, self.items, self.tokens, self.prefix_saved, self.batches, self.batch_failures,
             self.hidden_requests, self.commits, self.commit_failures, self.rebalances, self.assigned,
             self.inflight, self.inflight_bytes, self.paused,
         ):  # fmt: skip
@@ -244,6 +248,8 @@ class WorkerMetrics:
         self._of(self.forward).observe(stats.forward_s)
         self._of(self.items).inc(stats.items)
         self._of(self.tokens).inc(stats.tokens)
+        if stats.packed_tokens:
+            self._of(self.prefix_saved).inc(max(0, stats.tokens - stats.packed_tokens))
         self._of(self.hidden_share).observe(stats.hidden_requests / max(1, stats.requests))
         self._of(self.hidden_requests).inc(stats.hidden_requests)
         if stats.hidden_bytes:

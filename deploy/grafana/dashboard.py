@@ -124,6 +124,12 @@ def throughput(d: Layout) -> None:
     d.panel(
         "Batches / s", [(rate("batches_total"), "batches"), (rate("batch_failures_total"), "failed")], "ops"
     )
+    d.panel("Prompt tokens / s: computed vs shared prefixes computed once", [
+        (f"{rate('tokens_total')} - {rate('shared_prefix_tokens_saved_total')}", "computed"),
+        (rate("shared_prefix_tokens_saved_total"), "saved by shared prefixes"),
+    ], "short", description="Saved tokens are prefixes that prompts of one batch share (a multi-item "
+       "request's query, one prompt sent with several responses), computed once; zero unless "
+       "share_prefix_min_tokens is set.")  # fmt: skip
 
 
 def latency(d: Layout) -> None:

@@ -59,3 +59,6 @@ def test_a_batch_counts_a_shared_query_once(kafka_bootstrap: str, tiny_llama_dir
     labels = {"model": alone.model_name, "worker": settings.worker_id}
     assert metrics.registry.get_sample_value("score_worker_batches_total", labels) == 1
     assert metrics.registry.get_sample_value("score_worker_batch_tokens_sum", labels) == computed
+    assert metrics.registry.get_sample_value("score_worker_tokens_total", labels) == held
+    saved = metrics.registry.get_sample_value("score_worker_shared_prefix_tokens_saved_total", labels)
+    assert saved == held - computed
