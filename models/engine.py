@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +32,7 @@ from models.packing import (
     packed_length,
     pool,
     pooled_positions,
+    saved_tokens,
 )
 from models.prepare import PairTemplate, PreparedRequest, Prompt, PromptBuilder, PromptError
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
@@ -86,6 +86,7 @@ class _BatchOutput:
     forward_s: float
     copy_s: float
     hidden_bytes: dict[str, int]
+    packed_tokens: int = 0  # tokens of the packed row(s): shared prefixes once
 
 
 class Scorer:
@@ -365,12 +366,9 @@ class Scorer:
                 self._failure(batch[0].request, ErrorCode.MODEL_ERROR, message, {"tokenize_s": tokenize_s})
             ]
         if on_batch is not None:
-            stats = _stats(batch, output.forward_s, output.copy_s, output.hidden_bytes)
-            if self.shares_prefixes:
-                prompts = [prompt for p in batch for prompt in p.prompts]
-                packed = packed_length(prompts, self.config.share_prefix_min_tokens)
-                stats = dataclasses.replace(stats, packed_tokens=packed)
-            on_batch(stats)
+            on_batch(
+                _stats(batch, output.forward_s, output.copy_s, output.hidden_bytes, output.packed_tokens)
+            )
         timings = {"tokenize_s": tokenize_s, "forward_s": output.forward_s, "copy_s": output.copy_s}
         return [
             ScoreResult(
@@ -404,15 +402,21 @@ class Scorer:
                 for p in batch
                 for types in (p.token_types or tuple((0,) * len(prompt) for prompt in p.prompts))
             ]
-        forward = self._packed_pooled_hidden if self._loaded.packable else self._plain_pooled_hidden
+        # Found once: packed, and counted in the batch's stats (an item alone never shares).
+        shared = (
+            find_shared_prefixes(prompts, self.config.share_prefix_min_tokens) if self.shares_prefixes else []
+        )
         if self.config.deterministic:
+            forward = self._packed_pooled_hidden if self._loaded.packable else self._plain_pooled_hidden
             # Every item alone, head included: no result depends on what else shares the batch (kernels
             # pick their tiling by the matrix shapes, so a row's rounding can change with the batch).
             pooled = torch.cat(
                 [forward([p], None if token_types is None else [t]) for p, t in _with(token_types, prompts)]
             )
+        elif self._loaded.packable:
+            pooled = self._packed_pooled_hidden(prompts, token_types, shared)
         else:
-            pooled = forward(prompts, token_types)
+            pooled = self._plain_pooled_hidden(prompts, token_types)
         head_input = pooled.to(self.dtype)  # MEAN pools in float32; the head runs in the model's dtype
         columns: dict[int, int] = {}
         if self._loaded.judge:
@@ -435,12 +439,16 @@ class Scorer:
             if p.request.apply_softmax:
                 scores = torch.softmax(scores, dim=-1)
             per_request.append([tuple(row) for row in scores.tolist()])
+        packed_tokens = sum(len(p) for p in prompts) - saved_tokens(shared)
         return _BatchOutput(
-            per_request, hidden, forward_done - started, copy_done - forward_done, hidden_bytes
+            per_request, hidden, forward_done - started, copy_done - forward_done, hidden_bytes, packed_tokens
         )
 
-    def _packed_pooled_hidden(self, prompts: list[Prompt], token_types: list[Prompt] | None) -> torch.Tensor:
-        """Run the base model on the packed row and pool each item: [N, H] (float32 for MEAN)."""
+    def _packed_pooled_hidden(
+        self, prompts: list[Prompt], token_types: list[Prompt] | None, groups: Sequence[SharedPrefix] = ()
+    ) -> torch.Tensor:
+        """Run the base model on the packed row, the prefixes of shared `groups` once, and pool each item:
+        [N, H] (float32 for MEAN)."""
         packed = pack(
             prompts,
             self.device,
@@ -448,7 +456,7 @@ class Scorer:
             self._loaded.pad_token_id,
             token_types=token_types,
             position_pad=self._loaded.position_pad,
-            shared=self._shared_prefixes(prompts),
+            shared=groups,
         )
         with self._compiled or contextlib.nullcontext():
             hidden = None if self._graphs is None else self._graphs.run(packed)
@@ -492,12 +500,6 @@ class Scorer:
         if not self.shares_prefixes:
             return held
         return max(packed_length(prompts, self.config.share_prefix_min_tokens), -(-held // KEYS_PER_TOKEN))
-
-    def _shared_prefixes(self, prompts: list[Prompt]) -> list[SharedPrefix]:
-        """Prefixes to compute once: for causal decoders (an encoder's prefix sees what follows it)."""
-        if not self._causal_decoder():
-            return []
-        return find_shared_prefixes(prompts, self.config.share_prefix_min_tokens)
 
     def _causal_decoder(self) -> bool:
         loaded = self._loaded
@@ -688,13 +690,14 @@ def _stats(
     forward_s: float,
     copy_s: float,
     hidden_bytes: dict[str, int],
+    packed_tokens: int | None = None,
     failed: bool = False,
 ) -> BatchStats:
     return BatchStats(
         requests=len(batch),
         items=sum(len(p.prompts) for p in batch),
         tokens=sum(p.num_tokens for p in batch),
-        packed_tokens=sum(p.num_tokens for p in batch),
+        packed_tokens=sum(p.num_tokens for p in batch) if packed_tokens is None else packed_tokens,
         forward_s=forward_s,
         copy_s=copy_s,
         hidden_requests=sum(1 for p in batch if _wants_hidden(p)),

@@ -133,8 +133,12 @@ def find_shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int) -> l
 def packed_length(prompts: Sequence[Sequence[int]], min_tokens: int) -> int:
     """Tokens of the packed row of `prompts` with the prefixes `find_shared_prefixes` finds computed once:
     what the forward pass computes, and so what a batch's token budget counts."""
-    saved = sum((len(g.members) - 1) * g.length for g in find_shared_prefixes(prompts, min_tokens))
-    return sum(len(p) for p in prompts) - saved
+    return sum(len(p) for p in prompts) - saved_tokens(find_shared_prefixes(prompts, min_tokens))
+
+
+def saved_tokens(groups: Sequence[SharedPrefix]) -> int:
+    """Tokens the packed row leaves out: each group's prefix once instead of once per member."""
+    return sum((len(g.members) - 1) * g.length for g in groups)
 
 
 def _cartesian_tree(values: Sequence[int]) -> tuple[list[int], list[int], int]:
