@@ -105,26 +105,50 @@ def _event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
 
-def matmul_tflops(size: int = 8192, warmup: int = 5, repeats: int = 30) -> dict[str, float]:
-    """bf16 size^3 matmul rate with CUDA events: the arithmetic ceiling the roofline is drawn from."""
+def event_times_ms(run: Callable[[int], Any], warmup: int, repeats: int) -> list[float]:
+    """Milliseconds of run(i) for i in range(repeats), timed with CUDA events after `warmup` calls."""
+    for i in range(warmup):
+        run(i)
+    events = [(_event(), _event()) for _ in range(repeats)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        run(i)
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def matmul_tflops(
+    size: int = 8192, warmup: int = 5, repeats: int = 30, fp8: bool = False
+) -> dict[str, float]:
+    """size^3 matmul rate with CUDA events: the arithmetic ceiling the roofline is drawn from. bf16, or with
+    `fp8` the FP8 product with the scales the engine uses (per row of each operand, models/fp8.py)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     # Two input sets, alternated, so no repeat reads operands a previous product left in L2; never zeros.
     pairs = [
         tuple(torch.randn(size, size, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
         for _ in range(2)
     ]
-    out = torch.empty(size, size, device="cuda", dtype=torch.bfloat16)
-    for i in range(warmup):
-        torch.mm(*pairs[i % 2], out=out)
-    events = [(_event(), _event()) for _ in range(repeats)]
-    for i, (start, end) in enumerate(events):
-        start.record()
-        torch.mm(*pairs[i % 2], out=out)
-        end.record()
-    torch.cuda.synchronize()
-    if not torch.isfinite(out).all():
+    last = {"out": torch.empty(size, size, device="cuda", dtype=torch.bfloat16)}
+    if fp8:
+        from models.fp8 import quantize_rows
+
+        # Per row of A, per column of B (B's rows are its transpose's columns).
+        quantized = [(*quantize_rows(a), *quantize_rows(b)) for a, b in pairs]
+        operands = [(a, a_scale, b.t(), b_scale.reshape(1, -1)) for a, a_scale, b, b_scale in quantized]
+
+        def run(i: int) -> None:
+            a, a_scale, b_t, b_scale = operands[i % 2]
+            last["out"] = torch._scaled_mm(a, b_t, scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+
+    else:
+
+        def run(i: int) -> None:
+            torch.mm(*pairs[i % 2], out=last["out"])
+
+    millis = event_times_ms(run, warmup, repeats)
+    if not torch.isfinite(last["out"]).all():
         raise RuntimeError("matmul roofline produced non-finite values")
-    millis = [start.elapsed_time(end) for start, end in events]
     flops = 2.0 * size**3
     median_ms = statistics.median(millis)
     return {
@@ -136,12 +160,32 @@ def matmul_tflops(size: int = 8192, warmup: int = 5, repeats: int = 30) -> dict[
     }
 
 
+def call_percentiles(run: Callable[[], Any], warmup: int, repeats: int) -> dict[str, float]:
+    """Milliseconds per call (synchronised on CUDA), p50 and p90 over `repeats` calls after `warmup`."""
+    for _ in range(warmup):
+        run()
+    _synchronize()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        _synchronize()
+        times.append((time.perf_counter() - started) * 1000)
+    times.sort()
+    return {"p50_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))]}
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    """Run fn between two device synchronisations; return its value and the wall seconds."""
-    torch.cuda.synchronize()
+    """Run fn between two device synchronisations (none on the CPU); return its value and the wall seconds."""
+    _synchronize()
     start = time.perf_counter()
     value = fn()
-    torch.cuda.synchronize()
+    _synchronize()
     return value, time.perf_counter() - start
 
 
@@ -232,15 +276,7 @@ def layer_gemm_ceiling(
         for x, w in operands:
             torch.nn.functional.linear(x, w)
 
-    for _ in range(3):
-        layer()
-    events = [(_event(), _event()) for _ in range(repeats)]
-    for start, end in events:
-        start.record()
-        layer()
-        end.record()
-    torch.cuda.synchronize()
-    median_ms = statistics.median(start.elapsed_time(end) for start, end in events)
+    median_ms = statistics.median(event_times_ms(lambda _: layer(), 3, repeats))
     flops = 2.0 * tokens * sum(k * n for k, n in shapes)
     return {"tokens": float(tokens), "ms_per_layer": median_ms, "tflops": flops / (median_ms * 1e-3) / 1e12}
 

@@ -21,11 +21,9 @@ import argparse
 import copy
 import gc
 import json
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ import torch
 from bench import hf_paths, packed_path
 from bench.common import (
     QWEN3_06B_SHAPES,
+    call_percentiles,
     environment,
     flops_per_token,
     make_lognormal_workload,
@@ -42,6 +41,7 @@ from bench.common import (
     non_embedding_params,
     out_dir,
     relative_errors,
+    timed,
     token_budget_chunks,
     write_verdict,
 )
@@ -94,58 +94,6 @@ def make_scorer(model_dir: Path, quantization: str, device: str, budget: int) ->
         quantization=quantization,  # type: ignore[arg-type]
     )
     return Scorer(str(model_dir), config)
-
-
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def step_ms(run: Callable[[], Any], device: str, warmup: int, repeats: int) -> dict[str, float]:
-    """p50 / p90 milliseconds of `run`, synchronised, after `warmup` calls."""
-    for _ in range(warmup):
-        run()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        synchronize(device)
-        times.append((time.perf_counter() - started) * 1000)
-    times.sort()
-    return {"p50_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))]}
-
-
-def fp8_matmul_tflops(size: int = 8192, repeats: int = 30) -> dict[str, float]:
-    """The FP8 product's rate at size^3 with the scales this engine uses (per row of each operand)."""
-    from models.fp8 import quantize_rows
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    a, a_scale = quantize_rows(torch.randn(size, size, device="cuda", generator=gen))
-    b, b_scale = quantize_rows(torch.randn(size, size, device="cuda", generator=gen))
-    b_scale = b_scale.reshape(1, -1).contiguous()
-
-    def product() -> torch.Tensor:
-        return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
-
-    for _ in range(5):
-        out = product()
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)
-    ]
-    for start, end in events:
-        start.record()
-        out = product()
-        end.record()
-    torch.cuda.synchronize()
-    if not torch.isfinite(out).all():
-        raise RuntimeError("the FP8 roofline product produced non-finite values")
-    median_ms = statistics.median(start.elapsed_time(end) for start, end in events)
-    return {
-        "size": float(size),
-        "median_ms": median_ms,
-        "tflops_median": 2.0 * size**3 / (median_ms * 1e-3) / 1e12,
-    }
 
 
 def deviation(values: PathOutput, reference: PathOutput) -> dict[str, float]:
@@ -232,11 +180,8 @@ def l1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
         scorer = make_scorer(model_dir, quantization, device, 16384)
         for case in L1_CASES:
             prepared = [scorer.prepare(r) for r in requests[:case]]
-            timings[f"{quantization}/{case}"] = step_ms(
-                lambda s=scorer, p=prepared: s.score_prepared(p),
-                device,
-                2 if args.quick else 10,
-                args.repeats,
+            timings[f"{quantization}/{case}"] = call_percentiles(
+                lambda s=scorer, p=prepared: s.score_prepared(p), 2 if args.quick else 10, args.repeats
             )
             print(
                 f"  L1 {quantization} {case} x {L1_TOKENS}: {timings[f'{quantization}/{case}']}", flush=True
@@ -270,11 +215,8 @@ def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         for _ in range(args.repeats):
-            synchronize(device)
-            started = time.perf_counter()
-            results = packed_path.run_scorer(scorer, requests, chunks)
-            synchronize(device)
-            seconds.append(time.perf_counter() - started)
+            results, elapsed = timed(lambda s=scorer: packed_path.run_scorer(s, requests, chunks))
+            seconds.append(elapsed)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
         runs[quantization] = {
             "seconds": seconds,
@@ -290,7 +232,7 @@ def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
     roofline: dict[str, Any] = {"flops_per_token": flops}
     if device == "cuda":
         roofline["bf16"] = matmul_tflops()
-        roofline["fp8"] = fp8_matmul_tflops()
+        roofline["fp8"] = matmul_tflops(fp8=True)
         for kind in ("bf16", "fp8"):
             roofline[kind]["tokens_per_s"] = roofline[kind]["tflops_median"] * 1e12 / flops["total"]
     checks = accuracy(model, work.token_ids, outputs, args.fp32_requests)

@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ import numpy as np
 import torch
 
 from bench import hf_paths, packed_path
-from bench.common import QWEN3_06B_SHAPES, environment, out_dir
+from bench.common import QWEN3_06B_SHAPES, call_percentiles, environment, out_dir
 from bench.hf_paths import PathOutput
 from bench.profiling import kernel_breakdown, print_breakdown
 
@@ -44,21 +42,6 @@ def build_model(dtype: torch.dtype) -> torch.nn.Module:
             config, dtype=dtype, attn_implementation="sdpa"
         )
     return model.eval()
-
-
-def percentiles(run: Callable[[], Any], warmup: int, repeats: int) -> dict[str, float]:
-    """Milliseconds per call (synchronised), p50 and p90 over `repeats` calls after `warmup` calls."""
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - started) * 1000)
-    times.sort()
-    return {"p50_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))]}
 
 
 def hf_forward(model: torch.nn.Module, rows: Sequence[torch.Tensor]) -> PathOutput:
@@ -101,16 +84,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     timings: dict[str, dict[str, Any]] = {}
     outputs: dict[str, PathOutput] = {"hf_bf16": hf_forward(model, rows)}
     for case in CASES:
-        timings[f"hf_bf16/{case}"] = percentiles(
+        timings[f"hf_bf16/{case}"] = call_percentiles(
             lambda m=model, c=case: hf_forward(m, rows[:c]), 10, args.repeats
         )
         for name, scorer in scorers.items():
-            timings[f"{name}/{case}"] = percentiles(
+            timings[f"{name}/{case}"] = call_percentiles(
                 lambda s=scorer, c=case: s.score(requests[:c]), 10, args.repeats
             )
         # The model step without the request checks and prompt building that score() also does.
         prepared = [graphed.prepare(r) for r in requests[:case]]
-        timings[f"scorer_graphs_prepared/{case}"] = percentiles(
+        timings[f"scorer_graphs_prepared/{case}"] = call_percentiles(
             lambda s=graphed, p=prepared: s.score_prepared(p), 10, args.repeats
         )
     for name, scorer in scorers.items():

@@ -21,8 +21,7 @@ import argparse
 import json
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,7 +29,7 @@ import numpy as np
 import torch
 
 from bench import packed_path
-from bench.common import environment, out_dir, token_budget_chunks, write_verdict
+from bench.common import environment, out_dir, timed, token_budget_chunks, write_verdict
 from bench.w1 import W1_SHAPES
 from bench.w2 import QUICK_SHAPES as W2_QUICK
 from bench.w2 import W2_SHAPES, build_model_dir, check_sample
@@ -113,15 +112,11 @@ def time_path(
     scorer: Scorer, requests: Sequence[ScoreRequest], cut: list[list[int]], repeats: int
 ) -> tuple[list[ScoreResult], float]:
     """Best wall time of `repeats` passes after one warm-up pass; the last pass's results."""
-    sync: Callable[[], None] = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     packed_path.run_scorer(scorer, requests, cut)
     best, results = float("inf"), []
     for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        results = packed_path.run_scorer(scorer, requests, cut)
-        sync()
-        best = min(best, time.perf_counter() - start)
+        results, elapsed = timed(lambda: packed_path.run_scorer(scorer, requests, cut))
+        best = min(best, elapsed)
     return results, best
 
 
