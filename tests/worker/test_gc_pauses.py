@@ -26,7 +26,9 @@ class Cycle:
 def test_freezing_takes_the_heap_out_of_full_collections(unfrozen: None) -> None:
     alive = [Cycle() for _ in range(1000)]
     frozen = freeze_startup_heap()
-    assert frozen >= len(alive) and gc.get_freeze_count() == frozen
+    # The count it returns is the collector's; frozen objects that other threads of this process free
+    # meanwhile leave it (the permanent generation only shrinks), so a later read may be a little lower.
+    assert frozen >= len(alive) and len(alive) <= gc.get_freeze_count() <= frozen
     assert not any(gc.is_tracked(x) and x in gc.get_objects(generation=2) for x in alive[:3])
     # What arrives later is collected as usual, frozen objects or not.
     later = Cycle()
