@@ -11,6 +11,9 @@ check.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -48,10 +51,17 @@ def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Fp8Linear(nn.Module):
     """An `nn.Linear` whose product runs in FP8: weight scaled per output channel (once, here), input per
-    token (each call), output in the input's dtype."""
+    token (each call), output in the input's dtype.
+
+    A float32 input (a float32 reference model holding the same projections) is multiplied as the
+    dequantized operands in float32: the same e4m3 values and scales, with no rounding of the product, which
+    FP8 kernels cannot give in float32 (row-wise scaled FP8 products return bfloat16 on CUDA).
+    `jitter` (0 normally) moves every input element by that relative amount, up and down alternately,
+    before it is rounded: how much that moves a model's results is how sensitive it is to FP8 rounding."""
 
     weight: torch.Tensor
     weight_scale: torch.Tensor
+    jitter: float = 0.0
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -65,16 +75,37 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.jitter:
+            signs = torch.ones(self.in_features, device=x.device, dtype=torch.float32)
+            signs[1::2] = -1.0
+            rows = rows.float() * (1.0 + self.jitter * signs)
         values, scale = quantize_rows(rows)
-        out = torch._scaled_mm(
-            values, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=x.dtype
-        )
+        if x.dtype == torch.float32:
+            out = (values.float() * scale) @ (self.weight.float() * self.weight_scale.t()).t()
+        else:
+            out = torch._scaled_mm(
+                values, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=x.dtype
+            )
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3"
+
+
+@contextlib.contextmanager
+def jittered(model: nn.Module, amount: float) -> Iterator[int]:
+    """Every `Fp8Linear` of `model` moves its inputs by `amount` (relative) before rounding, inside the
+    block; yields how many projections that touched (0: the model has none)."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for layer in layers:
+        layer.jitter = amount
+    try:
+        yield len(layers)
+    finally:
+        for layer in layers:
+            layer.jitter = 0.0
 
 
 def quantizable(linear: nn.Linear) -> bool:

@@ -28,7 +28,7 @@ from scoring_testkit import (
 from models import Scorer, ScorerConfig
 from models.engine import transformer_layers
 from models.errors import ModelLoadError
-from models.fp8 import FP8_MAX, Fp8Linear, fp8_supported, quantize_layers, quantize_rows
+from models.fp8 import FP8_MAX, Fp8Linear, fp8_supported, jittered, quantize_layers, quantize_rows
 from models.graphs import Recorder
 from models.selfcheck import run_self_check
 from models.tiny import DECODERS, ENCODERS, write_tiny_model
@@ -67,6 +67,36 @@ def test_the_product_is_that_of_the_dequantized_operands_with_a_scale_per_token(
     exact = linear(x).detach()
     relative = (out - exact).norm(dim=-1) / exact.norm(dim=-1)
     assert float(relative.max()) < 0.1, relative
+    # bfloat16 input takes the FP8 kernel (torch._scaled_mm, as on the GPU): the same product, rounded to
+    # bfloat16 once at the end.
+    assert fp8.bias is not None
+    fp8.bias.data = fp8.bias.data.bfloat16()  # a bfloat16 model's bias
+    half = fp8(x.bfloat16())
+    assert half.dtype == torch.bfloat16
+    half_rows = _dequantized(x.bfloat16().float().reshape(-1, 64))
+    half_expected = half_rows @ weight.T + fp8.bias.detach().double()
+    product = half_expected - fp8.bias.detach().double()  # rounded to bfloat16, then again with the bias
+    bf16_bound = 2**-8 * (product.abs() + half_expected.abs()) + 1e-6 * (half_rows.abs() @ weight.abs().T)
+    assert bool(((half.reshape(-1, 48).double() - half_expected).abs() <= bf16_bound).all())
+
+
+def test_jitter_moves_the_rounding_of_every_projection_and_is_undone() -> None:
+    """The self-check's measure of FP8 sensitivity: inside `jittered`, inputs move by a last bit before
+    rounding, so some elements round to the neighbouring e4m3 value; outside it the product is as before."""
+    generator = torch.Generator().manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    replaced, kept = quantize_layers(torch.nn.ModuleList([model]))
+    assert (replaced, kept) == (2, 0)
+    x = torch.randn(8, 64, generator=generator)
+    before = model(x).detach()
+    with jittered(model, 2.0**-8) as touched:
+        moved = model(x).detach()
+    assert touched == 2
+    # Some elements round to the neighbouring e4m3 value (a step of 6-12%): a small move of the whole.
+    assert 0 < float((moved - before).norm() / before.norm()) < 0.1
+    torch.testing.assert_close(model(x).detach(), before, rtol=0, atol=0)
+    with jittered(torch.nn.Linear(4, 4), 2.0**-8) as touched:
+        assert touched == 0
 
 
 def test_quantizing_rounds_to_e4m3_within_its_range() -> None:
