@@ -112,22 +112,26 @@ def test_fp8_benchmark_quick_run_reports_both_paths_side_by_side(tmp_path: Path)
 
 
 def test_fp8_benchmark_fails_a_broken_product() -> None:
+    """Each path against its own float32 reference (FP8: one holding the same FP8 projections), within
+    twice HF's own bf16 error against it: a product too far, a hidden state too far, a NaN each fail."""
     sys.path.insert(0, str(ROOT))
     from bench.fp8 import failures
 
-    def errors(diff: float, cosine: float = 0.999, finite: bool = True) -> dict[str, object]:
-        return {"max_abs_score_diff": diff, "hidden_min_cosine": cosine, "all_finite": finite}
+    def errors(diff: float, hidden: float = 0.05, finite: bool = True) -> dict[str, object]:
+        return {"max_abs_score_diff": diff, "hidden_rel_err_max": hidden, "all_finite": finite}
 
     fine = {
         "fp32_score_scale": 2.0,
-        "vs_fp32": {"hf_bf16": errors(0.1), "none": errors(0.1), "fp8": errors(0.3)},
+        "vs_fp32": {"hf_bf16": errors(0.1), "none": errors(0.1), "fp8": errors(1.4, hidden=0.7)},
+        "vs_fp8_fp32": {"hf_fp8_bf16": errors(1.2, hidden=0.5), "fp8": errors(0.9, hidden=0.4)},
     }
+    # FP8 far from the unquantized model but near its own reference (W1 on random weights) passes.
     assert failures("W1", fine) == []
-    scrambled = {**fine, "vs_fp32": {**fine["vs_fp32"], "fp8": errors(0.3, cosine=0.6)}}
-    assert [f.split(":")[0] for f in failures("W1", scrambled)] == ["W1 fp8"]
-    off = {**fine, "vs_fp32": {**fine["vs_fp32"], "fp8": errors(0.9)}}
+    off = {**fine, "vs_fp8_fp32": {**fine["vs_fp8_fp32"], "fp8": errors(2.6, hidden=0.4)}}
     assert [f.split(":")[0] for f in failures("W1", off)] == ["W1 fp8"]
+    scrambled = {**fine, "vs_fp8_fp32": {**fine["vs_fp8_fp32"], "fp8": errors(0.9, hidden=1.2)}}
+    assert [f.split(":")[0] for f in failures("W1", scrambled)] == ["W1 fp8"]
     nan = {**fine, "vs_fp32": {**fine["vs_fp32"], "none": errors(0.1, finite=False)}}
-    assert [f.split(":")[0] for f in failures("W1", nan)] == ["W1 bf16"]
+    assert [f.split(":")[0] for f in failures("W1", nan)] == ["W1 none"]
     wide = {**fine, "vs_fp32": {**fine["vs_fp32"], "none": errors(0.5)}}
-    assert [f.split(":")[0] for f in failures("W1", wide)] == ["W1 bf16"]
+    assert [f.split(":")[0] for f in failures("W1", wide)] == ["W1 none"]
