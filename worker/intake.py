@@ -240,7 +240,7 @@ class Intake:
         return results
 
     def encode(self, answers: Sequence[tuple[Accepted, ScoreResult]]) -> Outgoing:
-        """Results as records to publish (encoding large hidden states is not free: the encode thread)."""
+        """Results as records to publish (encoding large hidden states is not free: model thread)."""
         started = time.perf_counter()
         tally = ResultTally()
         records = []

@@ -113,9 +113,6 @@ class Pipeline:
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="score-model")
         # Tokenising off the loop keeps heartbeats timely; its own thread lets it overlap a forward pass.
         self._prepare_thread = ThreadPoolExecutor(1, thread_name_prefix="score-prepare")
-        # Encoding a batch's results (hidden states can be megabytes) runs here while the model thread
-        # already runs the next batch; one thread keeps the batches' records in order.
-        self._encode_thread = ThreadPoolExecutor(1, thread_name_prefix="score-encode")
         self.progress = asyncio.Event()  # set whenever a batch finishes or records were accepted
 
     @property
@@ -176,7 +173,6 @@ class Pipeline:
         self._closed = True
         self._model_thread.shutdown(wait=False, cancel_futures=True)
         self._prepare_thread.shutdown(wait=False, cancel_futures=True)
-        self._encode_thread.shutdown(wait=False, cancel_futures=True)
 
     def _dispatch(self, closed: Batch[Unit] | None = None) -> None:
         if closed is not None:
@@ -213,7 +209,7 @@ class Pipeline:
         future = loop.run_in_executor(self._model_thread, self._score, units)
         limit = self.watchdog.limit_s(tokens)
         try:
-            answers = await asyncio.wait_for(asyncio.shield(future), limit)
+            outgoing, done = await asyncio.wait_for(asyncio.shield(future), limit)
         except TimeoutError:
             # Not _model_done(): the thread is still in the call, and nothing may start behind it.
             ran_s = time.monotonic() - started
@@ -226,22 +222,12 @@ class Pipeline:
                 self._busy = False
             raise
         self.watchdog.observe(tokens, time.monotonic() - started)
-        self._model_done()  # the next batch starts now, while this one's results are encoded
-        outgoing = await loop.run_in_executor(self._encode_thread, self._encode, answers, units)
+        self._model_done()
         if outgoing.records:
-            await self._deliver(outgoing, [(a.tp, a.offset) for a, _ in answers])
+            await self._deliver(outgoing, done)
         self.progress.set()
 
-    def _encode(self, answers: list[tuple[Accepted, ScoreResult]], units: list[Unit]) -> Outgoing:
-        """Runs on the encode thread: the results as records, and now and then the heap trimmed."""
-        self._tokens_since_trim += sum(u.tokens for u in units)
-        large_done = any(u.assembly is not None and u.assembly.finished for u in units)
-        if large_done or self._tokens_since_trim >= 8 * self._settings.max_batch_tokens:
-            self._tokens_since_trim = 0
-            _trim_heap()
-        return self._intake.encode(answers)
-
-    def _score(self, units: list[Unit]) -> list[tuple[Accepted, ScoreResult]]:
+    def _score(self, units: list[Unit]) -> tuple[Outgoing, Done]:
         """Runs on the model thread: expired requests answered unscored, the rest scored, parts joined."""
         now_ms = time.time() * 1000
         answers: list[tuple[Accepted, ScoreResult]] = []
@@ -258,7 +244,13 @@ class Pipeline:
             results = self._intake.score([u.prepared for u in live])
             for unit, result in zip(live, results, strict=True):
                 self._complete(unit, result, answers)
-        return answers
+        self._tokens_since_trim += sum(u.tokens for u in live)
+        large_done = any(u.assembly is not None and u.assembly.finished for u in units)
+        if large_done or self._tokens_since_trim >= 8 * self._settings.max_batch_tokens:
+            self._tokens_since_trim = 0
+            _trim_heap()
+        outgoing = self._intake.encode(answers)
+        return outgoing, [(a.tp, a.offset) for a, _ in answers]
 
     @staticmethod
     def _complete(unit: Unit, result: ScoreResult, answers: list[tuple[Accepted, ScoreResult]]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,10 +10,10 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from worker_testkit import Names, WrappedScorer, fast_settings, finish, produce, request_record
+from worker_testkit import Names, WrappedScorer, fast_settings, finish, request_record
 
 from models import BatchObserver, Scorer, ScorerConfig
-from schemas import ScoreRequest, ScoreResult, decode_result
+from schemas import ScoreRequest, ScoreResult
 from worker.app import ScoreWorker
 from worker.topics import ensure_topics
 
@@ -75,56 +74,3 @@ def test_requests_arriving_during_a_forward_join_one_batch(
     # instead gives dozens of batches of one or two requests that queue behind each other.
     assert len(scorer.batch_sizes) <= 12, scorer.batch_sizes
     assert max(scorer.batch_sizes) >= 10, scorer.batch_sizes
-
-
-def test_the_next_batch_runs_while_the_previous_one_is_encoded(
-    kafka_bootstrap: str, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Encoding results (megabytes of hidden states on big batches) must not hold the model thread: the
-    first batch's encoding waits until the second batch has been scored, and both are answered."""
-    from worker import intake
-
-    names = Names.unique("overlap")
-    settings = fast_settings(kafka_bootstrap, tiny_llama_dir, names, max_batch_requests=1, max_wait_ms=0)
-    scorer = CountingScorer(tiny_llama_dir)
-    second_scored_first: list[bool] = []
-    real_encode = intake.Intake.encode
-
-    def encode(self: intake.Intake, answers: Any) -> Any:
-        if not second_scored_first:  # the first batch's results: wait (bounded) for the next forward
-            second_scored_first.append(scorer.second_batch.wait(10))
-        return real_encode(self, answers)
-
-    monkeypatch.setattr(intake.Intake, "encode", encode)
-    requests = [ScoreRequest(request_id=f"overlap-{n}", items=((5, 6, 7, n + 8),)) for n in range(2)]
-
-    async def scenario() -> Any:
-        await ensure_topics(settings)
-        worker = ScoreWorker(settings, scorer)
-        task = asyncio.create_task(worker.run())
-        await produce(kafka_bootstrap, names.requests, [request_record(r) for r in requests])
-        return await finish(settings, [(worker, task)], len(requests), len(requests))
-
-    outcome = asyncio.run(scenario())
-    results = [decode_result(record.value or b"") for record in outcome.results]
-    assert sorted(r.request_id for r in results) == ["overlap-0", "overlap-1"]
-    assert all(r.ok for r in results)
-    assert second_scored_first == [True], "the model thread waited for the first batch's encoding"
-
-
-class CountingScorer(WrappedScorer):
-    """The real Scorer; `second_batch` is set once a second batch has been scored."""
-
-    def __init__(self, model_dir: Path) -> None:
-        super().__init__(Scorer(model_dir, ScorerConfig(device="cpu")))
-        self.batches = 0
-        self.second_batch = threading.Event()
-
-    def score_prepared(
-        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
-    ) -> list[ScoreResult]:
-        results = self._scorer.score_prepared(prepared, on_batch)
-        self.batches += 1
-        if self.batches >= 2:
-            self.second_batch.set()
-        return results
