@@ -199,10 +199,11 @@ class WorkerSettings(KafkaSecurity):
         8192, ge=1, description="the largest batch (tokens) that CUDA graphs replay; larger ones run as usual"
     )
     share_prefix_min_tokens: int = Field(
-        0,
+        32,
         ge=0,
         description="compute a token prefix that prompts of one batch share (a multi-item request's query, "
-        "one prompt sent with several responses) once when it is at least this long; 0: never",
+        "one prompt sent with several responses) once when it is at least this long; 0: never. Causal "
+        "decoders on the packed path; looking for them costs little on batches that share nothing",
     )
     quantization: Literal["none", "fp8"] = Field(
         "none",
