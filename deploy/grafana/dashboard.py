@@ -128,8 +128,8 @@ def throughput(d: Layout) -> None:
         (f"{rate('tokens_total')} - {rate('shared_prefix_tokens_saved_total')}", "computed"),
         (rate("shared_prefix_tokens_saved_total"), "saved by shared prefixes"),
     ], "short", description="Saved tokens are prefixes that prompts of one batch share (a multi-item "
-       "request's query, one prompt sent with several responses), computed once; zero unless "
-       "share_prefix_min_tokens is set.")  # fmt: skip
+       "request's query, one prompt sent with several responses), computed once; zero when "
+       "share_prefix_min_tokens is 0.")  # fmt: skip
 
 
 def latency(d: Layout) -> None:
