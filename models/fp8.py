@@ -105,7 +105,7 @@ def jittered(model: nn.Module, amount: float) -> Iterator[int]:
         yield len(layers)
     finally:
         for layer in layers:
-            layer.jitter = 0.0
+            del layer.jitter  # back to the class's 0.0, as compiled layers saw it before
 
 
 def quantizable(linear: nn.Linear) -> bool:
