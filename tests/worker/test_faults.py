@@ -458,7 +458,7 @@ def test_time_to_first_result_at_start_and_after_a_kill(
     rate = 100.0
 
     async def scenario() -> tuple[StartFigures, StartFigures, Accounting, Stream]:
-        stream = await Stream.open(kafka_bootstrap, "first-result", 2500, rate)  # 25 s of traffic
+        stream = await Stream.open(kafka_bootstrap, "first-result", 5000, rate)  # 50 s of traffic
         # The real start-up, the self-check included.
         env = worker_env(
             kafka_bootstrap, tiny_llama_dir, stream.names, self_check=True, max_inflight_requests=MAX_INFLIGHT
