@@ -124,7 +124,7 @@ def test_kill9_twice_mid_stream_loses_nothing(
     rate = 150.0
 
     async def scenario() -> tuple[Accounting, list[KillReport], Stream]:
-        stream = await Stream.open(kafka_bootstrap, "kill9", 2400, rate)  # 16 s of traffic
+        stream = await Stream.open(kafka_bootstrap, "kill9", 4800, rate)  # 32 s of traffic
         # max_wait_ms holds each batch open a little, so that a kill finds requests in flight.
         env = worker_env(
             kafka_bootstrap, tiny_llama_dir, stream.names, max_inflight_requests=MAX_INFLIGHT, max_wait_ms=50
@@ -211,7 +211,7 @@ def test_second_worker_joins_under_load_then_the_first_is_killed(
     rate = 120.0
 
     async def scenario() -> tuple[Accounting, KillReport, float, set[int], Stream]:
-        stream = await Stream.open(kafka_bootstrap, "pair", 2400, rate)  # 20 s of traffic
+        stream = await Stream.open(kafka_bootstrap, "pair", 4800, rate)  # 40 s of traffic
         env = worker_env(
             kafka_bootstrap, tiny_llama_dir, stream.names, max_inflight_requests=MAX_INFLIGHT, max_wait_ms=50
         )
