@@ -5,8 +5,9 @@ The scales are per row of each operand, so a token's output depends on that toke
 batch-mates and padding change nothing (the property the packed engine relies on). Only the projections of
 the layers are quantized (decoders' and encoders' alike); the embeddings, the norms, attention itself and
 the task head keep the model's dtype. Hopper and Ada GPUs (compute capability 8.9 and later) run it on
-their FP8 tensor cores; torch's CPU build runs the same arithmetic, slowly, which is what the CPU tests
-check.
+their FP8 tensor cores; torch's CPU build runs the same kernel path in bfloat16, slowly, which is what
+the CPU tests check. A float32 model (the CPU's default, or a float32 reference holding the same
+projections) multiplies the dequantized operands in float32: the same e4m3 values and scales.
 """
 
 from __future__ import annotations
