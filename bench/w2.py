@@ -97,6 +97,16 @@ RESTARTS: dict[str, dict[str, int]] = {
     "short_fetch": {"fetch_max_wait_ms": 10},
     "low_latency": {"fetch_max_wait_ms": 2, "max_wait_ms": 0},
 }
+# Saturation again after a restart with other settings (--saturation-variants): worker settings, and
+# `switch_interval_us`, the interpreter's thread switch interval for that run (sys.setswitchinterval).
+VARIANTS: dict[str, dict[str, int]] = {
+    "depth1": {"model_queue_depth": 1},
+    "encode_on_model_thread": {"encode_thread": False},
+    "switch1ms": {"switch_interval_us": 1000},
+    "switch200us": {"switch_interval_us": 200},
+    "switch20ms": {"switch_interval_us": 20_000},
+}
+DEFAULT_SWITCH_INTERVAL_S = sys.getswitchinterval()
 
 
 class NullMetrics(WorkerMetrics):
@@ -196,9 +206,12 @@ async def _await_report(
         if message is not None and "mark" in message:
             run.mark()
             continue
-        if message is not None and message.get("restart") in RESTARTS:
+        if message is not None and message.get("restart") in RESTARTS | VARIANTS:
             await run.stop()
-            run.start(message["restart"], **RESTARTS[message["restart"]])
+            changes = dict((RESTARTS | VARIANTS)[message["restart"]])
+            switch_us = changes.pop("switch_interval_us", None)
+            sys.setswitchinterval(DEFAULT_SWITCH_INTERVAL_S if switch_us is None else switch_us / 1e6)
+            run.start(message["restart"], **changes)
             control.put("go")
             continue
         if message is not None:
@@ -296,6 +309,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--latency-seconds", type=float, default=None, help="paced phase length (20; quick 3)"
     )
     parser.add_argument("--saturation-timeout", type=float, default=150.0)
+    parser.add_argument(
+        "--saturation-variants",
+        default="",
+        help=f"comma-separated restarts, each followed by saturation again: {', '.join(VARIANTS)}",
+    )
     parser.add_argument("--budget-s", type=float, default=370.0, help="wall-clock bound on the whole run")
     parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/w2.json)")
     return parser.parse_args(argv)
@@ -338,6 +356,7 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
         latency_seconds=args.latency_seconds or (3.0 if args.quick else 20.0),
         # The model-step timings after the load need about a minute; the load must end before that.
         deadline=deadline - 60,
+        variants=tuple(v for v in args.saturation_variants.split(",") if v),
     )
     # Kernels and allocator warm before the clock: two full batches straight through the scorer.
     scorer.score_prepared([scorer.prepare(r) for r in w2_load.make_workload(load, count=48)])
@@ -361,7 +380,8 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
         report["worker_whole_run"] = window_stats(a, b, recorder.batches, loop, args.max_batch_tokens)
     if "saturation" not in report:
         return report
-    for phase in (report[name] for name in PHASES if name in report):
+    variants = [f"saturation_{v}" for v in load.variants]
+    for phase in (report[name] for name in (*PHASES, *variants) if name in report):
         a, b = phase["t_first_send"], phase.get("t_last_result", phase["t_end"])
         phase["worker"] = window_stats(a, b, recorder.batches, loop, args.max_batch_tokens)
         phase["worker"].update(**sampler.window(a, b), **gc_log.window(a, b))
@@ -455,6 +475,7 @@ def print_summary(report: dict[str, Any]) -> None:
         f"  per phase: score_prepared {w['scorer_s']:.2f} s = forward {w['forward_s']:.2f} + copy "
         f"{w['copy_s']:.3f} ({w['copy_share_pct']:.1f}%, {w['hidden_bytes'] / 1e6:.0f} MB) + host "
         f"{w['host_in_scorer_s']:.2f}; gap between batches p50 {_ms(w['gap_between_batches_ms'], 'p50')} ms "
+        f"(model thread CPU in it p50 {_ms(w['gap_cpu_ms'], 'p50')} ms) "
         f"max {_ms(w['gap_between_batches_ms'], 'max')}; loop lag p90 {_ms(w['loop_lag_ms'], 'p90')} ms "
         f"max {_ms(w['loop_lag_ms'], 'max')}; in flight p50 {w['in_flight'].get('p50', 0):.0f}"
     )
@@ -490,6 +511,18 @@ def print_summary(report: dict[str, Any]) -> None:
             f"producer ack {one['producer_ack'].get('p50_ms', math.nan):.1f} ms, send to result created "
             f"{one['send_to_result_created'].get('p50_ms', math.nan):.1f}, result created to read "
             f"{one['result_created_to_read'].get('p50_ms', math.nan):.1f}"
+        )
+    for name in (k for k in report if k.startswith("saturation_") and not k.endswith("_skipped")):
+        variant, vw = report[name], report[name]["worker"]
+        v_items, v_tokens = e2e_rates(variant)
+        v_cores = {k[len("cpu_cores_") :]: round(v, 2) for k, v in vw.items() if k.startswith("cpu_cores_")}
+        print(
+            f"saturation again, {name.removeprefix('saturation_')} "
+            f"({variant['completed']}/{variant['requests']} done): {v_items:.0f} items/s, "
+            f"{100 * v_tokens / step['tokens_per_s']:.1f}% of the model step; forward inside the worker "
+            f"{100 * vw['forward_tokens_per_s'] / step['tokens_per_s']:.1f}%; gap between batches p50 "
+            f"{_ms(vw['gap_between_batches_ms'], 'p50')} ms (its CPU {_ms(vw['gap_cpu_ms'], 'p50')}); "
+            f"model thread in score_prepared {vw['model_thread_busy_pct']:.0f}%; CPU cores {v_cores}"
         )
     low = report.get("worker_stages", {}).get("low_latency")
     if low:  # that worker's figures from after its warm-up: one request at a time

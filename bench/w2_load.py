@@ -44,6 +44,9 @@ class LoadConfig:
     latency_timeout_s: float = 30.0
     sample: int = 24  # saturation results returned whole, for the float32 check
     one_in_flight: int = 200  # requests sent one after another's result, after each restart
+    # Worker restarts (names in bench/w2.py's VARIANTS) each followed by the saturation phase again, after
+    # the other phases: the same load against other settings of the same worker, in the same run.
+    variants: tuple[str, ...] = ()
     # Absolute time.monotonic() by which every phase must be over (results included): bounds the run.
     deadline: float = math.inf
 
@@ -391,6 +394,16 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
         low = await loader.one_at_a_time(requests[: config.one_in_flight], "one-low")
         report["one_in_flight_low_latency"] = low
         _progress("one request in flight, worker fetch_max_wait_ms 2 and max_wait_ms 0", low)
+        for variant in config.variants:
+            if config.deadline - time.monotonic() < 2 * (sat["t_last_result"] - sat["t_first_send"]) + 30:
+                report[f"saturation_{variant}_skipped"] = "no time left"
+                continue
+            queue.put({"restart": variant})
+            await asyncio.to_thread(control.get, True, 90)
+            await loader.burst(warm, f"warm-{variant}", config.warmup_timeout_s)
+            timeout = config.deadline - time.monotonic() - 5
+            report[f"saturation_{variant}"] = await loader.burst(requests, f"sat-{variant}", timeout)
+            _progress(f"saturation, {variant}", report[f"saturation_{variant}"])
     finally:
         await loader.stop()
     return report

@@ -38,6 +38,8 @@ class BatchRecord:
     kernels_built: int = 0  # Triton kernels compiled during this call (a new shape variant, say)
     graph: str = "none"  # "recorded", "replayed" or "none" (the ordinary forward)
     dynamo_frames: int = 0  # frames torch.compile compiled during this call (a recompile when above 0)
+    cpu_start: float = 0.0  # the model thread's CPU time (time.thread_time) at start and end: what it ran
+    cpu_end: float = 0.0  # between two calls, against the wall time, tells work from waiting
     reserved_grew_mib: float = 0.0  # how much the CUDA caching allocator reserved during this call
 
 
@@ -64,9 +66,9 @@ class RecordingScorer:
         graphs = self.scorer.graphs
         recorded, replays = (graphs.recorded, graphs.replays) if graphs is not None else (0, 0)
         frames, reserved = _dynamo_frames(), _reserved_bytes()
-        start = time.monotonic()
+        cpu_start, start = time.thread_time(), time.monotonic()
         results = self.scorer.score_prepared(prepared, on_batch)
-        end = time.monotonic()
+        end, cpu_end = time.monotonic(), time.thread_time()
         kernels_built = _entries(self._kernel_dir) - kernels_before
         graph = "none"
         if graphs is not None:
@@ -95,6 +97,8 @@ class RecordingScorer:
                 graph=graph,
                 dynamo_frames=_dynamo_frames() - frames,
                 reserved_grew_mib=(_reserved_bytes() - reserved) / 2**20,
+                cpu_start=cpu_start,
+                cpu_end=cpu_end,
             )
         )
         return results
@@ -278,6 +282,7 @@ def window_stats(
     # Model-thread time between one score_prepared and the next: result encoding, the executor hand-over,
     # and waiting for the next batch to be formed.
     gaps = [nxt.start - cur.end for cur, nxt in itertools.pairwise(inside)]
+    gaps_cpu = [nxt.cpu_start - cur.cpu_end for cur, nxt in itertools.pairwise(inside)]
     lags = [lag for t, lag, _ in loop if a <= t <= b]
     flight = [n for t, _, n in loop if a <= t <= b]
     return {
@@ -304,6 +309,9 @@ def window_stats(
         "hidden_rows": sum(r.hidden_rows for r in inside),
         "hidden_bytes": sum(r.hidden_bytes for r in inside),
         "gap_between_batches_ms": {k: 1000.0 * v for k, v in _spread(gaps).items()},
+        # The model thread's own CPU time in those gaps: the rest it spent waiting (for the interpreter
+        # lock, or for a batch to be handed over).
+        "gap_cpu_ms": {k: 1000.0 * v for k, v in _spread(gaps_cpu).items()},
         "loop_lag_ms": {k: 1000.0 * v for k, v in _spread(lags).items()},
         "in_flight": _spread(flight),
     }

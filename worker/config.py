@@ -221,6 +221,19 @@ class WorkerSettings(KafkaSecurity):
     max_batch_tokens: int = Field(8192, gt=0, description="token budget of one model batch")
     max_batch_requests: int = Field(64, gt=0, description="most requests in one model batch")
     max_wait_ms: int = Field(5, ge=0, le=60_000, description="longest wait after a batch's first request")
+    model_queue_depth: int = Field(
+        2,
+        ge=1,
+        le=8,
+        description="model batches handed to the model thread at once: the running one and closed batches "
+        "queued behind it, which then start as it ends instead of after an event-loop turn; 1 hands each "
+        "batch over only once the last one has ended",
+    )
+    encode_thread: bool = Field(
+        True,
+        description="encode results (msgpack, hidden states) on a thread of their own while the model "
+        "thread runs the next batch; off, they are encoded on the model thread between batches",
+    )
     gc_freeze: bool = Field(
         True,
         description="at start, move the objects alive then (the model, its libraries) out of the garbage "

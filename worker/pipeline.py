@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
@@ -26,6 +26,7 @@ from worker.metrics import ResultTally, WorkerMetrics
 log = logging.getLogger(__name__)
 
 Done = list[tuple[TopicPartition, int]]
+Answers = list[tuple[Accepted, ScoreResult]]
 Deliver = Callable[[Outgoing, Done], Awaitable[None]]
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
@@ -36,6 +37,13 @@ class _Assembly:
 
     results: list[ScoreResult | None]
     finished: bool = False
+
+
+class _Scored(NamedTuple):
+    """A model call's answers, and their records when the model thread encoded them."""
+
+    answers: Answers
+    outgoing: Outgoing | None
 
 
 @dataclass(eq=False)
@@ -78,6 +86,11 @@ class Pipeline:
 
     Requests larger than one batch are cut into parts (models.chunks) that take turns with ordinary
     batches, so small requests behind a large one wait for about one batch, not for all of it.
+
+    Up to `model_queue_depth` batches are on the model thread at once: the running one and closed batches
+    queued behind it. A batch closed full while the model runs is handed over at once, so it starts as the
+    running one ends, not after the event loop (busy publishing and fetching) gets round to it. Only closed
+    batches queue: the open batch keeps filling until the thread has nothing left to run.
     """
 
     def __init__(
@@ -101,27 +114,37 @@ class Pipeline:
             settings.max_wait_ms / 1000,
             measure=None if self._measure is None else self._units_tokens,
         )
-        # Closed batches waiting for the model thread, which takes one at a time: while it is busy, arriving
-        # requests keep filling the open batch instead of being cut into small batches queued behind it.
+        # Closed batches not yet handed to the model thread. While it is busy, arriving requests keep filling
+        # the open batch instead of being cut into small batches queued behind it.
         self._ready: deque[list[Unit]] = deque()
         self._large: deque[Unit] = deque()  # parts of large requests, in order
         self._large_turn = False
-        self._busy = False
+        self._depth = settings.model_queue_depth
+        self._submitted = 0  # batches handed to the model thread and not yet finished (running or queued)
+        self._last_call: asyncio.Future[_Scored] | None = None  # the call the next one queues behind
+        self._running = 0  # model calls executing on the thread right now (0 or 1; set by the thread)
         self._closed = False
         self.watchdog = Watchdog(settings.watchdog_ms / 1000, settings.watchdog_multiple)
         self._tokens_since_trim = 0
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="score-model")
         # Tokenising off the loop keeps heartbeats timely; its own thread lets it overlap a forward pass.
         self._prepare_thread = ThreadPoolExecutor(1, thread_name_prefix="score-prepare")
+        # Encoding a batch's results (hidden states can be megabytes) runs here while the model thread
+        # runs the next batch; one thread keeps the batches' records in order.
+        self._encode_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="score-encode") if settings.encode_thread else None
+        )
         self.progress = asyncio.Event()  # set whenever a batch finishes or records were accepted
 
     @property
     def model_busy(self) -> bool:
-        return self._busy
+        """A model call is executing on the model thread (queued batches not counted: closing the pipeline
+        cancels them)."""
+        return self._running > 0
 
     def due_in(self) -> float | None:
         """Seconds until the open batch must close; None when nothing waits for the clock."""
-        return None if self._busy else self._batcher.due_in()
+        return None if self._submitted else self._batcher.due_in()
 
     async def accept(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
         """Decode and tokenise on the prepare thread; answer the rejected; queue the rest for the model."""
@@ -160,12 +183,12 @@ class Pipeline:
 
     def dispatch_due(self) -> None:
         """Close the open batch if its wait is over and start it when the model thread is free."""
-        if not self._busy:
+        if not self._submitted:
             self._dispatch(self._batcher.take_due())
 
     def flush(self) -> None:
-        """Close the open batch now (stopping, revoking) and start it when the model thread is free."""
-        if not self._busy:
+        """Close the open batch now (stopping, revoking) and hand it over if the model thread has room."""
+        if self._submitted < self._depth:
             self._dispatch(self._batcher.flush())
 
     def close(self) -> None:
@@ -173,16 +196,21 @@ class Pipeline:
         self._closed = True
         self._model_thread.shutdown(wait=False, cancel_futures=True)
         self._prepare_thread.shutdown(wait=False, cancel_futures=True)
+        if self._encode_thread is not None:
+            self._encode_thread.shutdown(wait=False, cancel_futures=True)
 
     def _dispatch(self, closed: Batch[Unit] | None = None) -> None:
         if closed is not None:
             self._ready.append(list(closed.items))
-        if self._busy or self._closed:
-            return
-        units = self._next_batch()
-        if units:
-            self._busy = True
-            self._spawn(self._run(units))
+        while not self._closed and self._submitted < self._depth:
+            if self._submitted and not self._ready and len(self._batcher):
+                # Requests wait in the open batch: it closes when the thread has nothing left and then
+                # takes its turn with the parts of large requests, which must not queue ahead of it.
+                return
+            units = self._next_batch()
+            if not units:
+                return
+            self._submit(units)
 
     def _next_batch(self) -> list[Unit] | None:
         """Ordinary batches and parts of large requests take turns when both are waiting."""
@@ -195,21 +223,37 @@ class Pipeline:
         return None
 
     def _model_done(self) -> None:
-        """The model thread is free: what gathered while it was busy has waited a whole forward pass, so
-        the open batch closes now rather than after max_wait (keeps batches as large as arrivals allow)."""
-        self._busy = False
-        if not self._closed:
+        """A model call ended. When the thread has nothing left, what gathered while it was busy has waited
+        a whole forward pass, so the open batch closes now rather than after max_wait (keeps batches as
+        large as arrivals allow); while a queued batch runs, the open batch keeps filling."""
+        self._submitted -= 1
+        if self._closed:
+            return
+        if self._submitted:
+            self._dispatch()
+        else:
             self._dispatch(None if self._ready else self._batcher.flush())
 
-    async def _run(self, units: list[Unit]) -> None:
-        loop = asyncio.get_running_loop()
+    def _submit(self, units: list[Unit]) -> None:
+        """Hand a batch to the model thread now; it runs after the calls already there."""
+        future = asyncio.get_running_loop().run_in_executor(self._model_thread, self._score, units)
+        before, self._last_call = self._last_call, future
+        self._submitted += 1
+        self._spawn(self._run(units, future, before))
+
+    async def _run(
+        self, units: list[Unit], future: asyncio.Future[_Scored], before: asyncio.Future[_Scored] | None
+    ) -> None:
+        if before is not None and not before.done():
+            # Queued behind it: this call's clock (watchdog, wait metrics) starts when that one ends. Its own
+            # task reports how it ended.
+            await asyncio.wait([before])
         tokens = self._units_tokens(units)
         started = time.monotonic()
         self._metrics.batch_started(len(units), tokens, (started - u.accepted.ready_at for u in units))
-        future = loop.run_in_executor(self._model_thread, self._score, units)
         limit = self.watchdog.limit_s(tokens)
         try:
-            outgoing, done = await asyncio.wait_for(asyncio.shield(future), limit)
+            answers, outgoing = await asyncio.wait_for(asyncio.shield(future), limit)
         except TimeoutError:
             # Not _model_done(): the thread is still in the call, and nothing may start behind it.
             ran_s = time.monotonic() - started
@@ -218,17 +262,29 @@ class Pipeline:
                 f"limit of {limit:.1f} s (watchdog_ms, watchdog_multiple); stopping without committing it"
             ) from None
         except BaseException:  # a fatal error, or cancelled at exit: nothing more starts on this thread
-            if future.done():
-                self._busy = False
+            self._closed = True
             raise
         self.watchdog.observe(tokens, time.monotonic() - started)
         self._model_done()
+        if outgoing is None:
+            outgoing = await asyncio.get_running_loop().run_in_executor(
+                self._encode_thread, self._encode, answers, units
+            )
         if outgoing.records:
-            await self._deliver(outgoing, done)
+            await self._deliver(outgoing, [(a.tp, a.offset) for a, _ in answers])
         self.progress.set()
 
-    def _score(self, units: list[Unit]) -> tuple[Outgoing, Done]:
-        """Runs on the model thread: expired requests answered unscored, the rest scored, parts joined."""
+    def _score(self, units: list[Unit]) -> _Scored:
+        """Runs on the model thread: expired requests answered unscored, the rest scored, parts joined;
+        the answers encoded here too when there is no encode thread."""
+        self._running += 1
+        try:
+            answers = self._score_units(units)
+            return _Scored(answers, None if self._encode_thread else self._encode(answers, units))
+        finally:
+            self._running -= 1
+
+    def _score_units(self, units: list[Unit]) -> Answers:
         now_ms = time.time() * 1000
         answers: list[tuple[Accepted, ScoreResult]] = []
         live: list[Unit] = []
@@ -244,13 +300,16 @@ class Pipeline:
             results = self._intake.score([u.prepared for u in live])
             for unit, result in zip(live, results, strict=True):
                 self._complete(unit, result, answers)
-        self._tokens_since_trim += sum(u.tokens for u in live)
+        return answers
+
+    def _encode(self, answers: Answers, units: list[Unit]) -> Outgoing:
+        """The answers as records to publish, and now and then the heap trimmed (one thread at a time)."""
+        self._tokens_since_trim += sum(u.tokens for u in units)
         large_done = any(u.assembly is not None and u.assembly.finished for u in units)
         if large_done or self._tokens_since_trim >= 8 * self._settings.max_batch_tokens:
             self._tokens_since_trim = 0
             _trim_heap()
-        outgoing = self._intake.encode(answers)
-        return outgoing, [(a.tp, a.offset) for a, _ in answers]
+        return self._intake.encode(answers)
 
     @staticmethod
     def _complete(unit: Unit, result: ScoreResult, answers: list[tuple[Accepted, ScoreResult]]) -> None:

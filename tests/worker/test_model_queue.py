@@ -1,0 +1,192 @@
+"""Batches queued on the model thread: a full batch starts as the running one ends, without waiting for the
+event loop; the watchdog times each call from its own start; the open batch never queues; results are
+encoded on a thread of their own while the next batch runs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from aiokafka.structs import TopicPartition
+from prometheus_client import CollectorRegistry
+
+from schemas import ResultStatus, ScoreRequest, ScoreResult
+from worker.config import WorkerSettings
+from worker.errors import ModelStuckError
+from worker.intake import Accepted, Outgoing
+from worker.metrics import ResultTally, WorkerMetrics
+from worker.pipeline import Pipeline
+
+_TP = TopicPartition("score.requests", 0)
+
+
+class _ModelThreadScorer:
+    """Stands in for the Intake: each model call is recorded, optionally held, and timed on the thread."""
+
+    def __init__(
+        self,
+        hold: Callable[[int], None] = lambda call: None,
+        hold_encode: Callable[[int], None] = lambda n: None,
+    ) -> None:
+        self.calls: list[list[str]] = []
+        self.encodes = 0
+        self._hold_encode = hold_encode
+        self.answered: list[int] = []  # offsets, in the order their results were encoded
+        self.started = [threading.Event() for _ in range(8)]
+        self._hold = hold
+        self.batch_measure = None
+
+    def prepare_all(self, records: Sequence[Any]) -> list[Accepted]:
+        return [_accepted(record) for record in records]
+
+    def score(self, prepared: Sequence[Any]) -> list[ScoreResult]:
+        call = len(self.calls)
+        self.calls.append([p.request.request_id for p in prepared])
+        self.started[call].set()
+        self._hold(call)
+        return [ScoreResult(p.request.request_id, ResultStatus.OK, scores=((0.0,),)) for p in prepared]
+
+    def encode(self, answers: Sequence[tuple[Accepted, ScoreResult]]) -> Outgoing:
+        self._hold_encode(self.encodes)
+        self.encodes += 1
+        self.answered.extend(accepted.offset for accepted, _ in answers)
+        return Outgoing([], ResultTally())
+
+
+def _accepted(offset: int) -> Accepted:
+    request = ScoreRequest(request_id=f"r{offset}", items=("a",), query="q")
+    prepared = SimpleNamespace(request=request, prompts=[[1, 2]], num_tokens=2)
+    return Accepted(_TP, offset, None, request, prepared, 0, 10, time.monotonic())
+
+
+class _Harness:
+    def __init__(self, tmp_path: Path, scorer: _ModelThreadScorer, **settings: Any) -> None:
+        values: dict[str, Any] = {"bootstrap_servers": "unused:9092", "model_dir": tmp_path}
+        values |= {"max_batch_requests": 2, "max_wait_ms": 60_000, "watchdog_ms": 0} | settings
+        self.tasks: list[asyncio.Task[None]] = []
+        self.pipeline = Pipeline(
+            WorkerSettings(**values),
+            scorer,  # type: ignore[arg-type]
+            WorkerMetrics("test", registry=CollectorRegistry()),
+            _deliver,
+            lambda coro: self.tasks.append(asyncio.get_running_loop().create_task(coro)),
+        )
+
+    async def settle(self) -> list[BaseException]:
+        """Until every spawned task has ended (tasks spawn more); their errors."""
+        while pending := [task for task in self.tasks if not task.done()]:
+            await asyncio.wait(pending, timeout=10)
+        return [error for task in self.tasks if (error := task.exception()) is not None]
+
+
+async def _deliver(outgoing: Outgoing, done: list[tuple[TopicPartition, int]]) -> None:
+    """Publishing is not what these tests look at: the scorer records what was answered."""
+
+
+def _wait(event: threading.Event, timeout_s: float = 10.0) -> bool:
+    return event.wait(timeout_s)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_full_batch_starts_as_the_running_one_ends_without_an_event_loop_turn(
+    tmp_path: Path, depth: int
+) -> None:
+    asyncio.run(_full_batch_starts_at_once(tmp_path, depth))
+
+
+async def _full_batch_starts_at_once(tmp_path: Path, depth: int) -> None:
+    release = threading.Event()
+    scorer = _ModelThreadScorer(hold=lambda call: _wait(release) if call == 0 else None)
+    harness = _Harness(tmp_path, scorer, model_queue_depth=depth)
+    await harness.pipeline.accept([0, 1])  # type: ignore[list-item]  # closes full: runs, held
+    assert await asyncio.to_thread(_wait, scorer.started[0])
+    await harness.pipeline.accept([2, 3])  # type: ignore[list-item]  # closes full while the model runs
+    # The event loop is blocked from here on: only a batch already on the model thread can start.
+    release.set()
+    started_blocked = scorer.started[1].wait(1.0)
+    assert started_blocked is (depth == 2)
+    assert await harness.settle() == []
+    assert scorer.calls == [["r0", "r1"], ["r2", "r3"]]
+    assert scorer.answered == [0, 1, 2, 3]
+    assert not harness.pipeline.model_busy
+
+
+def test_the_open_batch_keeps_filling_while_the_model_runs_and_closes_when_it_ends(tmp_path: Path) -> None:
+    asyncio.run(_open_batch_keeps_filling(tmp_path))
+
+
+async def _open_batch_keeps_filling(tmp_path: Path) -> None:
+    release = threading.Event()
+    scorer = _ModelThreadScorer(hold=lambda call: _wait(release) if call == 0 else None)
+    harness = _Harness(tmp_path, scorer, max_batch_requests=3, model_queue_depth=2)
+    await harness.pipeline.accept([0, 1, 2])  # type: ignore[list-item]
+    assert await asyncio.to_thread(_wait, scorer.started[0])
+    await harness.pipeline.accept([3])  # type: ignore[list-item]  # open, not full: it must not queue
+    await harness.pipeline.accept([4])  # type: ignore[list-item]
+    assert harness.pipeline.due_in() is None  # no clock while the model runs: it closes when that ends
+    assert not scorer.started[1].wait(0.3)
+    assert harness.pipeline.model_busy
+    release.set()
+    assert await harness.settle() == []
+    assert scorer.calls == [["r0", "r1", "r2"], ["r3", "r4"]]
+
+
+def test_the_watchdog_times_a_queued_batch_from_its_own_start(tmp_path: Path) -> None:
+    asyncio.run(_watchdog_from_own_start(tmp_path))
+
+
+async def _watchdog_from_own_start(tmp_path: Path) -> None:
+    # Each call takes 0.5 s against a 0.9 s limit; the queued one ends 1.0 s after it was handed over.
+    scorer = _ModelThreadScorer(hold=lambda call: time.sleep(0.5))
+    harness = _Harness(tmp_path, scorer, model_queue_depth=2, watchdog_ms=900, watchdog_multiple=1.0)
+    await harness.pipeline.accept([0, 1])  # type: ignore[list-item]
+    await harness.pipeline.accept([2, 3])  # type: ignore[list-item]
+    assert await harness.settle() == []
+    assert len(scorer.calls) == 2
+
+
+def test_a_queued_batch_that_hangs_is_still_caught_by_the_watchdog(tmp_path: Path) -> None:
+    asyncio.run(_queued_hang_caught(tmp_path))
+
+
+async def _queued_hang_caught(tmp_path: Path) -> None:
+    release = threading.Event()
+    scorer = _ModelThreadScorer(hold=lambda call: _wait(release) if call == 1 else None)
+    harness = _Harness(tmp_path, scorer, model_queue_depth=2, watchdog_ms=500, watchdog_multiple=1.0)
+    try:
+        await harness.pipeline.accept([0, 1])  # type: ignore[list-item]
+        await harness.pipeline.accept([2, 3])  # type: ignore[list-item]
+        errors = await harness.settle()
+        assert [type(error) for error in errors] == [ModelStuckError]
+        assert "2 requests" in str(errors[0])
+        assert harness.pipeline.model_busy  # the thread is still in the hung call
+        assert scorer.answered == [0, 1]
+    finally:
+        release.set()
+        harness.pipeline.close()
+
+
+@pytest.mark.parametrize("encode_thread", [True, False])
+def test_results_are_encoded_while_the_next_batch_runs(tmp_path: Path, encode_thread: bool) -> None:
+    asyncio.run(_encoded_beside_the_next_batch(tmp_path, encode_thread))
+
+
+async def _encoded_beside_the_next_batch(tmp_path: Path, encode_thread: bool) -> None:
+    release = threading.Event()
+    scorer = _ModelThreadScorer(hold_encode=lambda n: _wait(release) if n == 0 else None)
+    harness = _Harness(tmp_path, scorer, model_queue_depth=2, encode_thread=encode_thread)
+    try:
+        await harness.pipeline.accept([0, 1])  # type: ignore[list-item]
+        await harness.pipeline.accept([2, 3])  # type: ignore[list-item]
+        # The first batch's encoding is held: the second batch runs beside it only on an encode thread.
+        assert await asyncio.to_thread(scorer.started[1].wait, 1.0) is encode_thread
+    finally:
+        release.set()
+    assert await harness.settle() == []
+    assert scorer.answered == [0, 1, 2, 3]
