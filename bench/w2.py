@@ -101,7 +101,6 @@ RESTARTS: dict[str, dict[str, int]] = {
 # `switch_interval_us`, the interpreter's thread switch interval for that run (sys.setswitchinterval).
 VARIANTS: dict[str, dict[str, int]] = {
     "depth1": {"model_queue_depth": 1},
-    "encode_on_model_thread": {"encode_thread": False},
     "switch1ms": {"switch_interval_us": 1000},
     "switch200us": {"switch_interval_us": 200},
     "switch20ms": {"switch_interval_us": 20_000},

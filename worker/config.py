@@ -229,11 +229,6 @@ class WorkerSettings(KafkaSecurity):
         "queued behind it, which then start as it ends instead of after an event-loop turn; 1 hands each "
         "batch over only once the last one has ended",
     )
-    encode_thread: bool = Field(
-        True,
-        description="encode results (msgpack, hidden states) on a thread of their own while the model "
-        "thread runs the next batch; off, they are encoded on the model thread between batches",
-    )
     gc_freeze: bool = Field(
         True,
         description="at start, move the objects alive then (the model, its libraries) out of the garbage "

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
@@ -37,13 +37,6 @@ class _Assembly:
 
     results: list[ScoreResult | None]
     finished: bool = False
-
-
-class _Scored(NamedTuple):
-    """A model call's answers, and their records when the model thread encoded them."""
-
-    answers: Answers
-    outgoing: Outgoing | None
 
 
 @dataclass(eq=False)
@@ -121,7 +114,7 @@ class Pipeline:
         self._large_turn = False
         self._depth = settings.model_queue_depth
         self._submitted = 0  # batches handed to the model thread and not yet finished (running or queued)
-        self._last_call: asyncio.Future[_Scored] | None = None  # the call the next one queues behind
+        self._last_call: asyncio.Future[tuple[Outgoing, Done]] | None = None  # the next queues behind it
         self._running = 0  # model calls executing on the thread right now (0 or 1; set by the thread)
         self._closed = False
         self.watchdog = Watchdog(settings.watchdog_ms / 1000, settings.watchdog_multiple)
@@ -129,11 +122,6 @@ class Pipeline:
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="score-model")
         # Tokenising off the loop keeps heartbeats timely; its own thread lets it overlap a forward pass.
         self._prepare_thread = ThreadPoolExecutor(1, thread_name_prefix="score-prepare")
-        # Encoding a batch's results (hidden states can be megabytes) runs here while the model thread
-        # runs the next batch; one thread keeps the batches' records in order.
-        self._encode_thread = (
-            ThreadPoolExecutor(1, thread_name_prefix="score-encode") if settings.encode_thread else None
-        )
         self.progress = asyncio.Event()  # set whenever a batch finishes or records were accepted
 
     @property
@@ -196,8 +184,6 @@ class Pipeline:
         self._closed = True
         self._model_thread.shutdown(wait=False, cancel_futures=True)
         self._prepare_thread.shutdown(wait=False, cancel_futures=True)
-        if self._encode_thread is not None:
-            self._encode_thread.shutdown(wait=False, cancel_futures=True)
 
     def _dispatch(self, closed: Batch[Unit] | None = None) -> None:
         if closed is not None:
@@ -242,7 +228,10 @@ class Pipeline:
         self._spawn(self._run(units, future, before))
 
     async def _run(
-        self, units: list[Unit], future: asyncio.Future[_Scored], before: asyncio.Future[_Scored] | None
+        self,
+        units: list[Unit],
+        future: asyncio.Future[tuple[Outgoing, Done]],
+        before: asyncio.Future[tuple[Outgoing, Done]] | None,
     ) -> None:
         if before is not None and not before.done():
             # Queued behind it: this call's clock (watchdog, wait metrics) starts when that one ends. Its own
@@ -253,7 +242,7 @@ class Pipeline:
         self._metrics.batch_started(len(units), tokens, (started - u.accepted.ready_at for u in units))
         limit = self.watchdog.limit_s(tokens)
         try:
-            answers, outgoing = await asyncio.wait_for(asyncio.shield(future), limit)
+            outgoing, done = await asyncio.wait_for(asyncio.shield(future), limit)
         except TimeoutError:
             # Not _model_done(): the thread is still in the call, and nothing may start behind it.
             ran_s = time.monotonic() - started
@@ -266,21 +255,18 @@ class Pipeline:
             raise
         self.watchdog.observe(tokens, time.monotonic() - started)
         self._model_done()
-        if outgoing is None:
-            outgoing = await asyncio.get_running_loop().run_in_executor(
-                self._encode_thread, self._encode, answers, units
-            )
         if outgoing.records:
-            await self._deliver(outgoing, [(a.tp, a.offset) for a, _ in answers])
+            await self._deliver(outgoing, done)
         self.progress.set()
 
-    def _score(self, units: list[Unit]) -> _Scored:
-        """Runs on the model thread: expired requests answered unscored, the rest scored, parts joined;
-        the answers encoded here too when there is no encode thread."""
+    def _score(self, units: list[Unit]) -> tuple[Outgoing, Done]:
+        """Runs on the model thread: expired requests answered unscored, the rest scored, parts joined,
+        the answers encoded (a fraction of a millisecond a batch: no thread of its own, which would only
+        contend for the interpreter lock with this one)."""
         self._running += 1
         try:
             answers = self._score_units(units)
-            return _Scored(answers, None if self._encode_thread else self._encode(answers, units))
+            return self._encode(answers, units), [(a.tp, a.offset) for a, _ in answers]
         finally:
             self._running -= 1
 
@@ -303,7 +289,7 @@ class Pipeline:
         return answers
 
     def _encode(self, answers: Answers, units: list[Unit]) -> Outgoing:
-        """The answers as records to publish, and now and then the heap trimmed (one thread at a time)."""
+        """The answers as records to publish, and now and then the heap trimmed."""
         self._tokens_since_trim += sum(u.tokens for u in units)
         large_done = any(u.assembly is not None and u.assembly.finished for u in units)
         if large_done or self._tokens_since_trim >= 8 * self._settings.max_batch_tokens:

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
@@ -55,12 +55,16 @@ class OutRecord:
     # What the record carries, for the metrics: the result encoded in it, or the dead-letter reason.
     result: ScoreResult | None = None
     dead_letter_reason: str | None = None
-    # The smallest form of the same answer (error result without metadata, dead letter without value), sent
-    # instead when the broker refuses this one as too large.
-    fallback: OutRecord | None = None
+    # Builds the smallest form of the same answer (error result without metadata, dead letter without
+    # value), sent instead when the broker refuses this one as too large: built only then.
+    make_fallback: Callable[[], OutRecord] | None = None
     # For a result bound for a reply topic: what is sent instead when that topic does not exist (an error
     # result on the results topic).
     if_topic_missing: OutRecord | None = None
+
+    def fallback(self) -> OutRecord | None:
+        """The smallest form of the same answer; None when this is it."""
+        return None if self.make_fallback is None else self.make_fallback()
 
 
 def record_size(key: bytes | None, value: bytes | None, headers: Headers) -> int:
@@ -75,9 +79,7 @@ def result_record(
     a RESULT_TOO_LARGE error."""
     headers = result_headers(result.request_id) + route.headers
     topic = route.topic or settings.results_topic
-    record = _first_within(
-        settings.max_record_bytes, _result_candidates(settings, key, result, headers, topic)
-    )
+    record = _sized_result(settings, key, result, headers, topic)
     if route.topic is None:
         return record
     message = (
@@ -95,27 +97,41 @@ def result_record(
     return dataclasses.replace(record, if_topic_missing=missing)
 
 
-def _result_candidates(
+def _sized_result(
     settings: WorkerSettings, key: bytes | None, result: ScoreResult, headers: Headers, topic: str
-) -> Iterator[OutRecord]:
+) -> OutRecord:
+    """The result's record, or in its place the first of ever smaller error records within the limit."""
     value = encode_result(result)
-    yield OutRecord(topic, key, value, headers, result)
-    size, limit = record_size(key, value, headers), settings.max_record_bytes
-    message = (
-        f"the result is {size} bytes, above the record limit of {limit} bytes (max_record_bytes); "
-        "send fewer items or less metadata per request, ask for float16/bfloat16 hidden states, "
-        "or raise the limit"
+
+    def smaller() -> list[OutRecord]:
+        size, limit = record_size(key, value, headers), settings.max_record_bytes
+        message = (
+            f"the result is {size} bytes, above the record limit of {limit} bytes (max_record_bytes); "
+            "send fewer items or less metadata per request, ask for float16/bfloat16 hidden states, "
+            "or raise the limit"
+        )
+        failure = ScoreResult.failure(
+            result.request_id,
+            ErrorCode.RESULT_TOO_LARGE,
+            message,
+            model=result.model,
+            metadata=result.metadata,
+        )
+        # The echoed metadata, then the key, can be what breaks the limit on their own. Without them the
+        # result always fits; a record that can never be sent would stop the worker at it on every restart.
+        bare_failure = dataclasses.replace(failure, metadata=None)
+        bare = encode_result(bare_failure)
+        return [
+            OutRecord(topic, key, encode_result(failure), headers, failure),
+            OutRecord(topic, key, bare, headers, bare_failure),
+            OutRecord(topic, None, bare, headers, bare_failure),
+        ]
+
+    return _first_within(
+        settings.max_record_bytes,
+        lambda fallback: OutRecord(topic, key, value, headers, result, make_fallback=fallback),
+        smaller,
     )
-    failure = ScoreResult.failure(
-        result.request_id, ErrorCode.RESULT_TOO_LARGE, message, model=result.model, metadata=result.metadata
-    )
-    yield OutRecord(topic, key, encode_result(failure), headers, failure)
-    # The echoed metadata, then the key, can be what breaks the limit on their own. Without them the
-    # result always fits; a record that can never be sent would stop the worker at it on every restart.
-    bare_failure = dataclasses.replace(failure, metadata=None)
-    bare = encode_result(bare_failure)
-    yield OutRecord(topic, key, bare, headers, bare_failure)
-    yield OutRecord(topic, None, bare, headers, bare_failure)
 
 
 def dead_letter_record(
@@ -138,14 +154,18 @@ def dead_letter_record(
     header_bytes = sum(len(name.encode()) + len(data or b"") for name, data in headers)
     no_headers = [("x-headers-omitted-bytes", str(header_bytes).encode())]
     why = str(code)
-    candidates = [
-        OutRecord(topic, key, value, headers + reason, dead_letter_reason=why),
+    return _first_within(
+        settings.max_record_bytes,
+        lambda fallback: OutRecord(
+            topic, key, value, headers + reason, dead_letter_reason=why, make_fallback=fallback
+        ),
         # An empty value, not none: a Kafka record needs a key or a value, and the source may have no key.
-        OutRecord(topic, key, b"", headers + reason + no_value, dead_letter_reason=why),
-        OutRecord(topic, key, b"", reason + no_value + no_headers, dead_letter_reason=why),
-        OutRecord(topic, None, b"", reason + no_value + no_headers, dead_letter_reason=why),
-    ]
-    return _first_within(settings.max_record_bytes, candidates)
+        lambda: [
+            OutRecord(topic, key, b"", headers + reason + no_value, dead_letter_reason=why),
+            OutRecord(topic, key, b"", reason + no_value + no_headers, dead_letter_reason=why),
+            OutRecord(topic, None, b"", reason + no_value + no_headers, dead_letter_reason=why),
+        ],
+    )
 
 
 def _shorten_utf8(text: str, max_bytes: int) -> bytes:
@@ -153,14 +173,32 @@ def _shorten_utf8(text: str, max_bytes: int) -> bytes:
     return text.encode("utf-8", errors="replace")[:max_bytes].decode("utf-8", errors="ignore").encode()
 
 
-def _first_within(limit: int, candidates: Iterable[OutRecord]) -> OutRecord:
-    """The first candidate within the size limit, else the last (smallest) one; the smallest is kept as the
-    fallback of a larger choice."""
-    options = list(candidates)
-    smallest = options[-1]
-    for candidate in options:
+def _first_within(
+    limit: int,
+    first: Callable[[Callable[[], OutRecord]], OutRecord],
+    smaller: Callable[[], list[OutRecord]],
+) -> OutRecord:
+    """The first record (built by `first`, given its fallback) if within the size limit, else the first of
+    the `smaller` ones within it, else the last (smallest). The smaller ones are built only when needed:
+    for a record that fits, once the broker refuses it; nearly every record fits, and a batch's results
+    are encoded between two forward passes."""
+    built: list[OutRecord] = []
+
+    def options() -> list[OutRecord]:
+        if not built:
+            built.extend(smaller())
+        return built
+
+    def fallback() -> OutRecord:
+        return options()[-1]
+
+    record = first(fallback)
+    if record_size(record.key, record.value, record.headers) <= limit:
+        return record
+    *larger, smallest = options()
+    for candidate in larger:
         if record_size(candidate.key, candidate.value, candidate.headers) <= limit:
-            return candidate if candidate is smallest else dataclasses.replace(candidate, fallback=smallest)
+            return dataclasses.replace(candidate, make_fallback=fallback)
     return smallest
 
 
@@ -283,8 +321,8 @@ def _smaller(record: OutRecord, error: BaseException) -> OutRecord | None:
     stop the worker on it on every restart)."""
     if _retriable(error):
         return record
-    if record.fallback is not None:
+    if (fallback := record.fallback()) is not None:
         log.warning("a %s record was refused (%r); sending its smallest form", record.topic, error)
-        return record.fallback
+        return fallback
     log.error("even the smallest %s record is refused (%r); it is dropped", record.topic, error)
     return None

@@ -14,7 +14,7 @@ from worker_testkit import Names, fast_settings
 
 from models import Scorer, ScorerConfig
 from schemas import ErrorCode, ScoreResult, decode_result
-from worker import topics
+from worker import publisher, topics
 from worker.app import ScoreWorker
 from worker.cli import torch_threads
 from worker.logs import PAUSING, RESUMING, RepeatFilter
@@ -68,13 +68,29 @@ def test_a_record_the_broker_refuses_as_too_large_is_sent_in_its_smallest_form(
     settings = fast_settings("127.0.0.1:9092", tiny_llama_dir, Names.unique("units"), max_record_bytes=8192)
     result = ScoreResult("r1", "ok", scores=((0.5,),), metadata={"note": "n" * 3000}, model="m")
     record = result_record(settings, b"r1", result)
-    assert record.result is result and record.fallback is not None
+    assert record.result is result and record.fallback() is not None
     smaller = _smaller(record, MessageSizeTooLargeError())
-    assert smaller is record.fallback
+    assert smaller is record.fallback()
     answer = decode_result(smaller.value or b"")
     assert answer.error is not None and answer.error.code is ErrorCode.RESULT_TOO_LARGE
     assert _smaller(record, KafkaConnectionError()) is record  # other errors: retried as it is
     assert _smaller(smaller, MessageSizeTooLargeError()) is None  # nothing smaller: dropped, logged
+
+
+def test_a_result_that_fits_is_encoded_once_and_its_smaller_forms_only_when_refused(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A batch's results are encoded between two forward passes: the error forms that stand in for a result
+    # the broker refuses must cost nothing until then.
+    settings = fast_settings("127.0.0.1:9092", tiny_llama_dir, Names.unique("units"), max_record_bytes=8192)
+    encoded: list[str] = []
+    real = publisher.encode_result
+    monkeypatch.setattr(publisher, "encode_result", lambda r: encoded.append(r.status.value) or real(r))
+    record = result_record(settings, b"r1", ScoreResult("r1", "ok", scores=((0.5,),), model="m"))
+    assert encoded == ["ok"]
+    smallest = record.fallback()
+    assert smallest is not None and smallest is record.fallback()  # built once, when first asked for
+    assert encoded == ["ok", "error", "error"] and smallest.key is None
 
 
 @pytest.mark.parametrize(("device", "setting", "expected"), [("cuda", 0, 2), ("cpu", 3, 3), ("cuda", 5, 5)])

@@ -1,6 +1,5 @@
 """Batches queued on the model thread: a full batch starts as the running one ends, without waiting for the
-event loop; the watchdog times each call from its own start; the open batch never queues; results are
-encoded on a thread of their own while the next batch runs."""
+event loop; the watchdog times each call from its own start; the open batch never queues."""
 
 from __future__ import annotations
 
@@ -53,8 +52,6 @@ class _ModelThreadScorer:
         return [ScoreResult(p.request.request_id, ResultStatus.OK, scores=((0.0,),)) for p in prepared]
 
     def encode(self, answers: Sequence[tuple[Accepted, ScoreResult]]) -> Outgoing:
-        self._hold_encode(self.encodes)
-        self.encodes += 1
         self.answered.extend(accepted.offset for accepted, _ in answers)
         return Outgoing([], ResultTally())
 
@@ -170,23 +167,3 @@ async def _queued_hang_caught(tmp_path: Path) -> None:
     finally:
         release.set()
         harness.pipeline.close()
-
-
-@pytest.mark.parametrize("encode_thread", [True, False])
-def test_results_are_encoded_while_the_next_batch_runs(tmp_path: Path, encode_thread: bool) -> None:
-    asyncio.run(_encoded_beside_the_next_batch(tmp_path, encode_thread))
-
-
-async def _encoded_beside_the_next_batch(tmp_path: Path, encode_thread: bool) -> None:
-    release = threading.Event()
-    scorer = _ModelThreadScorer(hold_encode=lambda n: _wait(release) if n == 0 else None)
-    harness = _Harness(tmp_path, scorer, model_queue_depth=2, encode_thread=encode_thread)
-    try:
-        await harness.pipeline.accept([0, 1])  # type: ignore[list-item]
-        await harness.pipeline.accept([2, 3])  # type: ignore[list-item]
-        # The first batch's encoding is held: the second batch runs beside it only on an encode thread.
-        assert await asyncio.to_thread(scorer.started[1].wait, 1.0) is encode_thread
-    finally:
-        release.set()
-    assert await harness.settle() == []
-    assert scorer.answered == [0, 1, 2, 3]
