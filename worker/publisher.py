@@ -86,15 +86,14 @@ def result_record(
         f"the reply topic {route.topic!r} does not exist on the brokers; create it before sending requests "
         f"that name it (the worker never creates it), or leave {HEADER_REPLY_TOPIC} out"
     )
-    failure = ScoreResult.failure(
-        result.request_id,
-        ErrorCode.REPLY_TOPIC_NOT_ALLOWED,
-        message,
-        model=result.model,
-        metadata=result.metadata,
-    )
+    failure = _failure_instead(result, ErrorCode.REPLY_TOPIC_NOT_ALLOWED, message)
     missing = result_record(settings, key, failure, dataclasses.replace(route, topic=None))
     return dataclasses.replace(record, if_topic_missing=missing)
+
+
+def _failure_instead(result: ScoreResult, code: ErrorCode, message: str) -> ScoreResult:
+    """The error result sent in place of `result`, for the same request, model and metadata."""
+    return ScoreResult.failure(result.request_id, code, message, model=result.model, metadata=result.metadata)
 
 
 def _sized_result(
@@ -110,13 +109,7 @@ def _sized_result(
             "send fewer items or less metadata per request, ask for float16/bfloat16 hidden states, "
             "or raise the limit"
         )
-        failure = ScoreResult.failure(
-            result.request_id,
-            ErrorCode.RESULT_TOO_LARGE,
-            message,
-            model=result.model,
-            metadata=result.metadata,
-        )
+        failure = _failure_instead(result, ErrorCode.RESULT_TOO_LARGE, message)
         # The echoed metadata, then the key, can be what breaks the limit on their own. Without them the
         # result always fits; a record that can never be sent would stop the worker at it on every restart.
         bare_failure = dataclasses.replace(failure, metadata=None)
