@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
@@ -28,6 +29,7 @@ from worker.errors import PublishError
 from worker.replies import DEFAULT_ROUTE, Route
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Headers = list[tuple[str, bytes]]
 
@@ -58,9 +60,9 @@ class OutRecord:
     # Builds the smallest form of the same answer (error result without metadata, dead letter without
     # value), sent instead when the broker refuses this one as too large: built only then.
     make_fallback: Callable[[], OutRecord] | None = None
-    # For a result bound for a reply topic: what is sent instead when that topic does not exist (an error
-    # result on the results topic).
-    if_topic_missing: OutRecord | None = None
+    # For a result bound for a reply topic: builds what is sent instead when that topic does not exist (an
+    # error result on the results topic), only then.
+    make_if_topic_missing: Callable[[], OutRecord] | None = None
 
     def fallback(self) -> OutRecord | None:
         """The smallest form of the same answer; None when this is it."""
@@ -82,13 +84,28 @@ def result_record(
     record = _sized_result(settings, key, result, headers, topic)
     if route.topic is None:
         return record
-    message = (
-        f"the reply topic {route.topic!r} does not exist on the brokers; create it before sending requests "
-        f"that name it (the worker never creates it), or leave {HEADER_REPLY_TOPIC} out"
-    )
-    failure = _failure_instead(result, ErrorCode.REPLY_TOPIC_NOT_ALLOWED, message)
-    missing = result_record(settings, key, failure, dataclasses.replace(route, topic=None))
-    return dataclasses.replace(record, if_topic_missing=missing)
+
+    def missing() -> OutRecord:
+        message = (
+            f"the reply topic {route.topic!r} does not exist on the brokers; create it before sending "
+            f"requests that name it (the worker never creates it), or leave {HEADER_REPLY_TOPIC} out"
+        )
+        failure = _failure_instead(result, ErrorCode.REPLY_TOPIC_NOT_ALLOWED, message)
+        return result_record(settings, key, failure, dataclasses.replace(route, topic=None))
+
+    return dataclasses.replace(record, make_if_topic_missing=_once(missing))
+
+
+def _once(build: Callable[[], T]) -> Callable[[], T]:
+    """`build`, called the first time the result is asked for; the same result every time after."""
+    built: list[T] = []
+
+    def get() -> T:
+        if not built:
+            built.append(build())
+        return built[0]
+
+    return get
 
 
 def _failure_instead(result: ScoreResult, code: ErrorCode, message: str) -> ScoreResult:
@@ -175,12 +192,7 @@ def _first_within(
     the `smaller` ones within it, else the last (smallest). The smaller ones are built only when needed:
     for a record that fits, once the broker refuses it; nearly every record fits, and a batch's results
     are encoded between two forward passes."""
-    built: list[OutRecord] = []
-
-    def options() -> list[OutRecord]:
-        if not built:
-            built.extend(smaller())
-        return built
+    options = _once(smaller)
 
     def fallback() -> OutRecord:
         return options()[-1]
@@ -229,9 +241,10 @@ class Publisher:
         pending: list[OutRecord] = []
         swapped: list[tuple[OutRecord, OutRecord]] = []
         for record in records:
-            if record.if_topic_missing is not None and not await self._topic_exists(record.topic):
-                swapped.append((record.if_topic_missing, record))
-                record = record.if_topic_missing
+            instead = record.make_if_topic_missing
+            if instead is not None and not await self._topic_exists(record.topic):
+                swapped.append((instead(), record))
+                record = instead()
             pending.append(record)
         give_up_at = time.monotonic() + self._retry_s
         attempt = 0
@@ -243,11 +256,12 @@ class Publisher:
             for record, outcome in failed:
                 # A reply topic deleted since it was checked: its results go to the results topic, instead
                 # of being retried until publish_timeout_ms stops the worker.
-                if record.if_topic_missing is not None and _retriable(outcome):
+                instead = record.make_if_topic_missing
+                if instead is not None and _retriable(outcome):
                     self._topics.pop(record.topic, None)
                     if not await self._topic_exists(record.topic):
-                        swapped.append((record.if_topic_missing, record))
-                        retry.append(record.if_topic_missing)
+                        swapped.append((instead(), record))
+                        retry.append(instead())
                         continue
                 retry.append(_smaller(record, outcome))
             pending = [record for record in retry if record is not None]

@@ -20,6 +20,7 @@ from worker.cli import torch_threads
 from worker.logs import PAUSING, RESUMING, RepeatFilter
 from worker.pipeline import Watchdog
 from worker.publisher import _smaller, result_record
+from worker.replies import Route
 
 
 def _record(name: str, message: str) -> logging.LogRecord:
@@ -91,6 +92,17 @@ def test_a_result_that_fits_is_encoded_once_and_its_smaller_forms_only_when_refu
     smallest = record.fallback()
     assert smallest is not None and smallest is record.fallback()  # built once, when first asked for
     assert encoded == ["ok", "error", "error"] and smallest.key is None
+    # A result for a reply topic: the error result that replaces it if that topic is missing, likewise.
+    encoded.clear()
+    routed = result_record(
+        settings, b"r2", ScoreResult("r2", "ok", scores=((0.5,),), model="m"), Route("score.results.me")
+    )
+    assert encoded == ["ok"] and routed.make_if_topic_missing is not None
+    instead = routed.make_if_topic_missing()
+    assert instead is routed.make_if_topic_missing() and instead.topic == settings.results_topic
+    answer = decode_result(instead.value or b"")
+    assert answer.error is not None and answer.error.code is ErrorCode.REPLY_TOPIC_NOT_ALLOWED
+    assert encoded == ["ok", "error"]
 
 
 @pytest.mark.parametrize(("device", "setting", "expected"), [("cuda", 0, 2), ("cpu", 3, 3), ("cuda", 5, 5)])
