@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -258,6 +259,27 @@ def encode_result(result: ScoreResult) -> bytes:
 _HEADER, _FLOAT, _INT, _TENSOR_MAP = 5, 9, 9, 48
 
 
+_SKELETON_ID = "x"
+
+
+@functools.lru_cache(maxsize=64)
+def _skeleton_size(model: str, pooled: bool) -> int:
+    """Encoded size of an OK result of `model` with no items, the id `_SKELETON_ID` and no metadata."""
+    skeleton = ScoreResult(
+        _SKELETON_ID,
+        ResultStatus.OK,
+        pooled_hidden_states=() if pooled else None,
+        model=model,
+        timings={"tokenize_s": 0.0, "forward_s": 0.0, "copy_s": 0.0},
+    )
+    return len(encode_result(skeleton))
+
+
+def _packed_size(value: object) -> int:
+    """Bytes of one value as `_pack` writes it inside a message."""
+    return len(msgpack.packb(value, use_bin_type=True, use_single_float=False, datetime=False))
+
+
 def result_size_bound(
     request: ScoreRequest, model: str, items: int, floats_per_item: int, hidden_size: int
 ) -> int:
@@ -268,15 +290,13 @@ def result_size_bound(
     grow with the items are bounded. Lets a worker refuse a result that cannot fit its record limit before
     spending model time on it.
     """
-    skeleton = ScoreResult(
-        request.request_id,
-        ResultStatus.OK,
-        pooled_hidden_states=() if request.return_pooled_hidden_states else None,
-        model=model,
-        timings={"tokenize_s": 0.0, "forward_s": 0.0, "copy_s": 0.0},
-        metadata=request.metadata,
-    )
-    size = len(encode_result(skeleton)) + _INT + 3 * _HEADER  # prompt_tokens; the arrays' own headers
+    # Every field of a result is always written, so swapping one value changes the encoding by exactly the
+    # difference of that value's own encodings: the skeleton of this model is encoded once, not per request.
+    size = _skeleton_size(model, request.return_pooled_hidden_states)
+    size += _packed_size(request.request_id) - _packed_size(_SKELETON_ID)
+    if request.metadata is not None:
+        size += _packed_size(request.metadata) - _packed_size(None)
+    size += _INT + 3 * _HEADER  # prompt_tokens; the arrays' own headers
     size += items * (_HEADER + floats_per_item * _FLOAT)
     if request.return_pooled_hidden_states:
         size += items * (_TENSOR_MAP + hidden_size * ITEMSIZE[request.hidden_states_dtype.value])

@@ -36,7 +36,7 @@ from schemas import (
     result_headers,
     result_size_bound,
 )
-from schemas.codec import _REQUEST_FIELDS, _RESULT_FIELDS
+from schemas.codec import _HEADER, _INT, _REQUEST_FIELDS, _RESULT_FIELDS
 from schemas.request import REQUEST_FIELDS
 
 NESTED_METADATA = {
@@ -525,3 +525,28 @@ def test_result_size_bound_is_an_upper_bound_and_a_close_one(dtype: HiddenDType,
     actual = len(encode_result(result))
     bound = result_size_bound(request, "some/model", items, labels, hidden)
     assert actual <= bound <= actual + 64 + 40 * items
+
+
+@pytest.mark.parametrize("id_chars", [1, 31, 32, 255, 256])
+@pytest.mark.parametrize(
+    "metadata", [None, {}, {"trace": "é" * 40, "n": [1, 2.5, None, True], b"raw": b"\x00" * 300}]
+)
+@pytest.mark.parametrize("pooled", [False, True])
+def test_result_size_bound_counts_each_requests_id_and_metadata_exactly(
+    id_chars: int, metadata: dict[Any, Any] | None, pooled: bool
+) -> None:
+    """The bound reuses one encoded skeleton per model; the id and metadata (whose msgpack headers grow
+    with their size) must come out as if that request's own skeleton had been encoded."""
+    request = ScoreRequest(
+        "ü" * id_chars, items=("a",), return_pooled_hidden_states=pooled, metadata=metadata
+    )
+    skeleton = ScoreResult(
+        request.request_id,
+        ResultStatus.OK,
+        pooled_hidden_states=() if pooled else None,
+        model="org/model-" + "m" * 40,
+        timings={"tokenize_s": 0.0, "forward_s": 0.0, "copy_s": 0.0},
+        metadata=metadata,
+    )
+    expected = len(encode_result(skeleton)) + _INT + 3 * _HEADER
+    assert result_size_bound(request, skeleton.model, 0, 1, 8) == expected
