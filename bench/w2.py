@@ -45,6 +45,7 @@ from models import Scorer, ScorerConfig
 from worker.app import ScoreWorker
 from worker.broker import EmbeddedBroker
 from worker.config import WorkerSettings
+from worker.intake_processes import process_count
 from worker.metrics import WorkerMetrics
 from worker.publisher import result_record
 from worker.topics import ensure_topics
@@ -101,6 +102,8 @@ RESTARTS: dict[str, dict[str, int]] = {
 # `switch_interval_us`, the interpreter's thread switch interval for that run (sys.setswitchinterval).
 VARIANTS: dict[str, dict[str, int]] = {
     "depth1": {"model_queue_depth": 1},
+    "thread_intake": {"intake_processes": 0},  # decode and tokenise on the worker's own thread
+    "intake1": {"intake_processes": 1},  # one intake process (the CPU's default is none)
     "switch1ms": {"switch_interval_us": 1000},
     "switch200us": {"switch_interval_us": 200},
     "switch20ms": {"switch_interval_us": 20_000},
@@ -134,8 +137,10 @@ class WorkerRun:
 
     def __init__(self, settings: WorkerSettings, scorer: RecordingScorer, no_metrics: bool = False) -> None:
         self._settings, self._scorer, self._no_metrics = settings, scorer, no_metrics
+        self._current = settings  # of the worker running now
         self.loop_samples: list[tuple[float, float, int]] = []
         self.stages: dict[str, dict[str, dict[str, float]]] = {}  # run label -> stage -> mean ms, count
+        self.intake_processed: dict[str, int] = {}  # run label -> requests prepared in intake processes
         self.task: asyncio.Task[None] | None = None
         self._worker: ScoreWorker | None = None
         self._label = ""
@@ -144,6 +149,7 @@ class WorkerRun:
 
     def start(self, label: str = "as_configured", **changes: int) -> None:
         settings = self._settings.model_copy(update=changes) if changes else self._settings
+        self._current = settings
         metrics = NullMetrics(settings.worker_id) if self._no_metrics else None
         self._worker = ScoreWorker(settings, self._scorer, metrics)
         self._label = label
@@ -159,7 +165,28 @@ class WorkerRun:
         if not self._no_metrics:
             totals = stage_totals(self._worker.metrics)
             self.stages[self._label] = stage_means(totals, self._baseline)
+            # How many requests the intake processes prepared (the rest: the worker's own thread).
+            counted = self._worker.metrics.registry.get_sample_value(
+                "score_worker_intake_process_requests_total",
+                {"model": self._scorer.model_name, "worker": self._settings.worker_id},
+            )
+            self.intake_processed[self._label] = int(counted or 0)
         self._worker, self._baseline = None, {}
+
+    async def settled(self, timeout_s: float = 120.0) -> None:
+        """Wait until the worker's intake processes (if it has any) are up, so that a phase compares
+        settings, not the seconds the processes take to start."""
+        if self._worker is None:
+            return
+        if process_count(self._current.intake_processes, str(self._scorer.device)) == 0:
+            return
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            processes = self._worker.intake_processes
+            if processes is not None and processes.ready:
+                return
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"the worker's intake processes were not up within {timeout_s:.0f} s")
 
     def mark(self) -> None:
         """Stage figures of this worker run count only from here (after its warm-up)."""
@@ -211,6 +238,7 @@ async def _await_report(
             switch_us = changes.pop("switch_interval_us", None)
             sys.setswitchinterval(DEFAULT_SWITCH_INTERVAL_S if switch_us is None else switch_us / 1e6)
             run.start(message["restart"], **changes)
+            await run.settled()
             control.put("go")
             continue
         if message is not None:
@@ -235,6 +263,7 @@ async def serve(
     await ensure_topics(settings)  # the load process reads the results topic from its start
     run = WorkerRun(settings, scorer, no_metrics)
     run.start()
+    await run.settled()
     context = multiprocessing.get_context("spawn")  # never fork a process that holds a CUDA context
     queue, control = context.Queue(), context.Queue()
     process = context.Process(target=w2_load.main, args=(load, queue, control), daemon=True)
@@ -249,6 +278,7 @@ async def serve(
     if "error" in report:
         raise RuntimeError(f"load process failed:\n{report['error']}")
     report["worker_stages"] = run.stages
+    report["intake_process_requests"] = run.intake_processed
     return report, run.loop_samples
 
 
@@ -489,6 +519,8 @@ def print_summary(report: dict[str, Any]) -> None:
         + f"graphs {w['graphs']}; slowest batches {w['slowest_batches']}"
     )
     print(f"  CPU cores: {cores}; load process {sat['loader_cpu_s'] / w['seconds']:.2f}")
+    processed = report.get("intake_process_requests")
+    print(f"  requests prepared in intake processes, per worker run: {processed}")
     for name, label in (("latency", "worker as configured"), ("latency_short_fetch", "fetch_max_wait_ms 10")):
         if name in report:
             print_latency(report[name], items_s, label)

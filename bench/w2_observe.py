@@ -52,6 +52,10 @@ class RecordingScorer:
         self._kernel_dir = _triton_cache_dir()
         self.thread_ids: dict[str, int] = {"loop": threading.get_native_id()}
 
+    def __getattr__(self, name: str) -> Any:
+        # What the worker reads of its scorer besides these (device, prompt builder, sizes): the scorer's.
+        return getattr(self.scorer, name)
+
     @property
     def model_name(self) -> str:
         return self.scorer.model_name

@@ -139,7 +139,9 @@ class Scorer:
             max_request_tokens=self.config.max_request_tokens,
         )
         self.pooling = self.config.resolve_pooling(self._loaded.default_pooling)
-        # Read once here: the worker's prepare thread asks for it while the model thread runs.
+        # Read once here: the worker's prepare thread asks for both while the model thread runs, and a
+        # transformers config's attribute lookup costs tens of microseconds per request.
+        self._hidden_size = int(self._loaded.model.config.get_text_config().hidden_size)
         self._num_labels = self._head_width()
         if self.config.quantization == "fp8":
             self._quantize_fp8(Path(model_dir).name)
@@ -194,6 +196,11 @@ class Scorer:
     def model_name(self) -> str:
         """The model's name in results: its directory name."""
         return self._loaded.name
+
+    @property
+    def prompt_builder(self) -> PromptBuilder:
+        """What `prepare` runs (picklable, tokenizer included): intake processes run copies of it."""
+        return self._prompts
 
     @property
     def max_input_tokens(self) -> int:
@@ -265,7 +272,7 @@ class Scorer:
     @property
     def hidden_size(self) -> int:
         """Length of a pooled hidden state vector."""
-        return int(self._loaded.model.config.get_text_config().hidden_size)
+        return self._hidden_size
 
     @property
     def info(self) -> ModelInfo:

@@ -16,6 +16,7 @@ from worker.errors import ModelStuckError
 from worker.gc_pauses import GcPauses, freeze_startup_heap
 from worker.health import Readiness
 from worker.intake import Intake, ScorerLike, record_size
+from worker.intake_processes import IntakeProcesses, builder_of, process_count
 from worker.metrics import WorkerMetrics
 from worker.pipeline import Pipeline
 from worker.sink import Sink
@@ -67,6 +68,11 @@ class ScoreWorker:
         return self._sink.pending() if self._sink is not None else 0
 
     @property
+    def intake_processes(self) -> IntakeProcesses | None:
+        """The processes that decode and tokenise requests, once the worker runs (None when it has none)."""
+        return None if self._pipeline is None else self._pipeline.intake_processes
+
+    @property
     def model_call_stuck(self) -> bool:
         """A model call is still running after the worker stopped (watchdog, or a drain that timed out):
         the process must exit without waiting for that thread."""
@@ -98,7 +104,8 @@ class ScoreWorker:
         settings = await self._effective_settings()
         self._sink = Sink(settings, self.metrics)
         intake = Intake(settings, self._scorer, self.metrics)
-        self._pipeline = Pipeline(settings, intake, self.metrics, self._sink.deliver, self._spawn)
+        processes = self._intake_processes(settings)
+        self._pipeline = Pipeline(settings, intake, self.metrics, self._sink.deliver, self._spawn, processes)
         self._source = Source(settings, self.metrics, self.readiness, self._on_revoked)
         if settings.gc_freeze:
             frozen = freeze_startup_heap()
@@ -118,6 +125,17 @@ class ScoreWorker:
         if self._fatal is not None:
             raise self._fatal
         log.info("worker stopped")
+
+    def _intake_processes(self, settings: WorkerSettings) -> IntakeProcesses | None:
+        """Started here: they import their libraries while the worker joins its group."""
+        count = process_count(settings.intake_processes, str(getattr(self._scorer, "device", "cpu")))
+        builder = builder_of(self._scorer)
+        if count == 0 or builder is None:
+            return None
+        metrics = self.metrics
+        processes = IntakeProcesses(builder, count, metrics.prepared_in_processes, metrics.intake_restarted)
+        processes.start()
+        return processes
 
     async def _effective_settings(self) -> WorkerSettings:
         """Create missing topics; lower the record limit to the brokers' own where they report a lower one

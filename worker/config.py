@@ -229,6 +229,15 @@ class WorkerSettings(KafkaSecurity):
         "queued behind it, which then start as it ends instead of after an event-loop turn; 1 hands each "
         "batch over only once the last one has ended",
     )
+    intake_processes: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="processes that decode and tokenise fetched requests while the model runs, so that work "
+        "does not hold the interpreter lock the model thread's kernel launches need; 0: on the worker's own "
+        "thread; default 2 when the model runs on a GPU, 0 on the CPU (where the model's threads want the "
+        "cores)",
+    )
     gc_freeze: bool = Field(
         True,
         description="at start, move the objects alive then (the model, its libraries) out of the garbage "

@@ -24,6 +24,7 @@ from schemas import (
     result_size_bound,
 )
 from worker.config import WorkerSettings
+from worker.intake_processes import Ready
 from worker.metrics import ResultTally, WorkerMetrics
 from worker.publisher import OutRecord, dead_letter_record, result_record
 from worker.publisher import record_size as out_record_size
@@ -101,24 +102,34 @@ class Intake:
         measure: PromptsMeasure = self._scorer.batch_tokens  # type: ignore[attr-defined]
         return measure
 
-    def prepare_all(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Accepted | Rejected]:
-        """Runs on the tokeniser thread."""
-        return [self._prepare_one(record) for record in records]
+    def prepare_all(
+        self, records: Sequence[ConsumerRecord[bytes, bytes]], ready: Sequence[Ready | None] | None = None
+    ) -> list[Accepted | Rejected]:
+        """Runs on the tokeniser thread. `ready`: what intake processes already prepared of each record
+        (None where they did not: that record is decoded and tokenised here)."""
+        if ready is None:
+            return [self._prepare_one(record) for record in records]
+        return [self._prepare_one(record, done) for record, done in zip(records, ready, strict=True)]
 
-    def _prepare_one(self, record: ConsumerRecord[bytes, bytes]) -> Accepted | Rejected:
+    def _prepare_one(
+        self, record: ConsumerRecord[bytes, bytes], ready: Ready | None = None
+    ) -> Accepted | Rejected:
         started = time.perf_counter()
         tp = TopicPartition(record.topic, record.partition)
         route = self._replies.route(record.headers)
-        try:
-            request = decode_request(record.value if record.value is not None else b"")
-        except SchemaError as error:
-            return self._reject_record(
-                record, error.code, error.message, error.request_id, error.metadata, route
-            )
-        except Exception as exc:  # decode_request promises SchemaError only; never lose a record to a bug
-            log.exception("decoding offset %d of %s failed unexpectedly", record.offset, tp)
-            message = f"decoding failed: {exc!r}"
-            return self._reject_record(record, ErrorCode.INTERNAL_ERROR, message, None, None, route)
+        if ready is not None:
+            request = ready[0].request
+        else:
+            try:
+                request = decode_request(record.value if record.value is not None else b"")
+            except SchemaError as error:
+                return self._reject_record(
+                    record, error.code, error.message, error.request_id, error.metadata, route
+                )
+            except Exception as exc:  # decode_request promises SchemaError only; never lose a record to a bug
+                log.exception("decoding offset %d of %s failed unexpectedly", record.offset, tp)
+                message = f"decoding failed: {exc!r}"
+                return self._reject_record(record, ErrorCode.INTERNAL_ERROR, message, None, None, route)
         expires_at_ms = request.expires_at_ms(record.timestamp, self._settings.default_ttl_ms)
         answer: ScoreResult | None = None
         prepared: Any = None
@@ -126,9 +137,12 @@ class Intake:
             answer = self.failure(request, ErrorCode.REPLY_TOPIC_NOT_ALLOWED, route.refusal)
         elif expires_at_ms is not None and time.time() * 1000 >= expires_at_ms:
             answer = self.expired(request, expires_at_ms)  # before tokenizing: it costs nothing more
+        elif ready is not None:
+            prepared = ready[0]
+            answer = self._too_large(request, record.key, len(prepared.prompts))
         else:
             answer, prepared = self._prepare(request, record.key)
-        self._metrics.tokenized(time.perf_counter() - started)
+        self._metrics.tokenized(time.perf_counter() - started + (0.0 if ready is None else ready[1]))
         if answer is not None:
             # Well-formed but unscorable (empty input, too long, expired...): the result says why.
             return self._answered(record, [result_record(self._settings, record.key, answer, route)])

@@ -150,6 +150,13 @@ class WorkerMetrics:
             "shared_prefix_tokens_saved_total",
             "prompt tokens not computed: prefixes that prompts of a batch share, computed once",
         )
+        self.intake_processed = counter(
+            "intake_process_requests_total",
+            "request records decoded and tokenised in intake processes (the rest on the worker's own thread)",
+        )
+        self.intake_restarts = counter(
+            "intake_process_restarts_total", "times the intake processes failed and were stopped"
+        )
         self.batches = counter("batches_total", "model batches run")
         self.batch_failures = counter("batch_failures_total", "model batches whose forward pass raised")
         self.hidden_requests = counter("hidden_state_requests_total", "requests that asked for hidden states")
@@ -201,7 +208,8 @@ class WorkerMetrics:
         for metric in (
             self.e2e, self.batch_wait, self.tokenize, self.forward, self.hidden_copy, self.encode,
             self.publish, self.batch_size, self.batch_tokens, self.batch_fill, self.hidden_share,
-            self.requests, self.items, self.tokens, self.prefix_saved, self.batches, self.batch_failures,
+            self.requests, self.items, self.tokens, self.prefix_saved, self.intake_processed,
+            self.intake_restarts, self.batches, self.batch_failures,
             self.hidden_requests, self.commits, self.commit_failures, self.rebalances, self.assigned,
             self.inflight, self.inflight_bytes, self.paused,
         ):  # fmt: skip
@@ -230,6 +238,12 @@ class WorkerMetrics:
 
     def tokenized(self, seconds: float) -> None:
         self._of(self.tokenize).observe(seconds)
+
+    def prepared_in_processes(self, records: int) -> None:
+        self._of(self.intake_processed).inc(records)
+
+    def intake_restarted(self) -> None:
+        self._of(self.intake_restarts).inc()
 
     def batch_started(self, requests: int, tokens: int, waits: Iterable[float]) -> None:
         self._of(self.batch_size).observe(requests)

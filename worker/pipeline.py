@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import logging
 import time
 from collections import deque
@@ -21,6 +22,7 @@ from worker.batcher import Batch, TokenBudgetBatcher
 from worker.config import WorkerSettings
 from worker.errors import ModelStuckError
 from worker.intake import Accepted, Intake, Outgoing, Rejected
+from worker.intake_processes import IntakeProcesses
 from worker.metrics import ResultTally, WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,8 @@ Done = list[tuple[TopicPartition, int]]
 Answers = list[tuple[Accepted, ScoreResult]]
 Deliver = Callable[[Outgoing, Done], Awaitable[None]]
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
+# Fetched records that go to the intake processes even while the model idles.
+_BURST_RECORDS = 16
 
 
 @dataclass(eq=False)
@@ -93,8 +97,10 @@ class Pipeline:
         metrics: WorkerMetrics,
         deliver: Deliver,
         spawn: Spawn,
+        intake_processes: IntakeProcesses | None = None,
     ) -> None:
         self._settings = settings
+        self._intake_processes = intake_processes
         self._intake = intake
         self._metrics = metrics
         self._deliver = deliver
@@ -125,6 +131,10 @@ class Pipeline:
         self.progress = asyncio.Event()  # set whenever a batch finishes or records were accepted
 
     @property
+    def intake_processes(self) -> IntakeProcesses | None:
+        return self._intake_processes
+
+    @property
     def model_busy(self) -> bool:
         """A model call is executing on the model thread (queued batches not counted: closing the pipeline
         cancels them)."""
@@ -135,9 +145,17 @@ class Pipeline:
         return None if self._submitted else self._batcher.due_in()
 
     async def accept(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
-        """Decode and tokenise on the prepare thread; answer the rejected; queue the rest for the model."""
+        """Decode and tokenise (in the intake processes while the model runs or for a burst, else on the
+        prepare thread); answer the rejected; queue the rest for the model."""
         loop = asyncio.get_running_loop()
-        outcomes = await loop.run_in_executor(self._prepare_thread, self._intake.prepare_all, records)
+        processes = self._intake_processes
+        # One record while the model idles is quicker on the thread than through a process and back.
+        if processes is not None and processes.ready and (self._submitted or len(records) >= _BURST_RECORDS):
+            ready = await processes.prepare([record.value or b"" for record in records])
+            prepare = functools.partial(self._intake.prepare_all, records, ready)
+        else:
+            prepare = functools.partial(self._intake.prepare_all, records)
+        outcomes = await loop.run_in_executor(self._prepare_thread, prepare)
         rejected = [o for o in outcomes if isinstance(o, Rejected)]
         if rejected:
             self._spawn(self._answer_rejected(rejected))
@@ -184,6 +202,8 @@ class Pipeline:
         self._closed = True
         self._model_thread.shutdown(wait=False, cancel_futures=True)
         self._prepare_thread.shutdown(wait=False, cancel_futures=True)
+        if self._intake_processes is not None:
+            self._intake_processes.close()
 
     def _dispatch(self, closed: Batch[Unit] | None = None) -> None:
         if closed is not None:

@@ -119,8 +119,11 @@ def throughput(d: Layout) -> None:
     ], "short")  # fmt: skip
     d.panel("Requests fetched vs results acked / s", [
         (rate("requests_total"), "requests fetched"),
+        (rate("intake_process_requests_total"), "prepared in intake processes"),
         (rate("results_total", "status"), "results {{status}}"),
-    ], "reqps")  # fmt: skip
+    ], "reqps", description="Requests not prepared in intake processes were decoded and tokenised on the "
+       "worker's own thread (the default on a CPU, a record the processes cannot take, or while they "
+       "start).")  # fmt: skip
     d.panel(
         "Batches / s", [(rate("batches_total"), "batches"), (rate("batch_failures_total"), "failed")], "ops"
     )
@@ -166,6 +169,10 @@ def failures(d: Layout) -> None:
     d.panel("Commits / s", [
         (rate("commits_total"), "committed"), (rate("commit_failures_total"), "failed"),
     ], "ops")  # fmt: skip
+    d.panel("Intake processes stopped after failing", [
+        (f"sum(increase({P}_intake_process_restarts_total{{{SEL}}}[{RI}]))", "stopped"),
+    ], "short", description="Each time they die or hang, their records are prepared on the worker's own "
+       "thread and they start again (three times at most).")  # fmt: skip
     d.panel("Rebalances and partitions", [
         (f"sum(increase({P}_rebalances_total{{{SEL}}}[{RI}]))", "rebalances"),
         (f"sum by (worker) ({P}_assigned_partitions{{{SEL}}})", "partitions {{worker}}"),

@@ -135,3 +135,22 @@ def test_fp8_benchmark_fails_a_broken_product() -> None:
     assert [f.split(":")[0] for f in failures("W1", nan)] == ["W1 none"]
     wide = {**fine, "vs_fp32": {**fine["vs_fp32"], "none": errors(0.5)}}
     assert [f.split(":")[0] for f in failures("W1", wide)] == ["W1 none"]
+
+
+def test_w2_quick_run_through_a_real_broker_checks_what_it_timed(tmp_path: Path) -> None:
+    """bench/w2.py on a tiny model on the CPU: every phase through the embedded broker, a worker restarted
+    with one intake process and saturated again, the results that came back checked against float32."""
+    target = tmp_path / "w2-quick.json"
+    proc = _run_script(
+        ["bench/w2.py", "--quick", "--saturation-variants", "intake1", "--json", str(target)], tmp_path, 600
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(target.read_text())
+    assert report["correctness"]["ok"] and report["correctness"]["items"] > 0
+    for phase in ("saturation", "saturation_intake1"):
+        assert report[phase]["completed"] == report[phase]["requests"]
+    # The CPU's default prepares on the worker's thread; the restarted worker had its process up first.
+    processed = report["intake_process_requests"]
+    assert (
+        processed["as_configured"] == 0 and processed["intake1"] >= report["saturation_intake1"]["requests"]
+    )
