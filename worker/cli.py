@@ -187,7 +187,7 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
         allow_pickle_weights=settings.allow_pickle_weights,
         compile=settings.compile,
         cuda_graphs=settings.cuda_graphs,
-        graph_max_tokens=settings.graph_max_tokens,
+        graph_max_tokens=settings.graph_max_tokens or settings.max_batch_tokens,
         share_prefix_min_tokens=settings.share_prefix_min_tokens,
         quantization=settings.quantization,
         max_input_tokens=settings.max_item_tokens,

@@ -195,8 +195,13 @@ class WorkerSettings(KafkaSecurity):
         description="replay small batches from recorded CUDA graphs (one launch instead of hundreds; each "
         "batch shape is recorded at its second batch); auto: on for the varlen path on CUDA",
     )
-    graph_max_tokens: int = Field(
-        8192, ge=1, description="the largest batch (tokens) that CUDA graphs replay; larger ones run as usual"
+    graph_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the largest batch (tokens) that CUDA graphs replay; larger ones run as usual. Default: "
+        "max_batch_tokens, so every batch is replayed (their shared memory pool holds the largest batch's "
+        "activations once more; a lower value saves that on large models, whose launches cost less in "
+        "proportion)",
     )
     share_prefix_min_tokens: int = Field(
         32,

@@ -184,3 +184,28 @@ def test_every_engine_setting_reaches_the_scorer(
     assert (config.share_prefix_min_tokens, config.quantization) == (48, "fp8")
     assert (config.max_input_tokens, config.max_request_items, config.max_request_tokens) == (300, 7, 999)
     assert config.trust_remote_code and config.allow_pickle_weights
+
+
+def test_cuda_graphs_cover_the_whole_batch_budget_unless_told_otherwise(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import models
+    from worker.config import WorkerSettings
+
+    built: list[models.ScorerConfig] = []
+
+    class Recording:
+        def __init__(self, model_dir: object, config: models.ScorerConfig) -> None:
+            built.append(config)
+
+    monkeypatch.setattr(models, "Scorer", Recording)
+    for given, expected in ((None, 16384), (4096, 4096)):
+        settings = WorkerSettings(
+            bootstrap_servers="127.0.0.1:9",
+            model_dir=tiny_llama_dir,
+            self_check=False,
+            max_batch_tokens=16384,
+            graph_max_tokens=given,
+        )
+        cli._load_scorer(settings)
+        assert built[-1].graph_max_tokens == expected
