@@ -51,6 +51,7 @@ class RecordingScorer:
         self.batches: list[BatchRecord] = []
         self._kernel_dir = _triton_cache_dir()
         self.thread_ids: dict[str, int] = {"loop": threading.get_native_id()}
+        self._launched: dict[int, _Launch] = {}
 
     def __getattr__(self, name: str) -> Any:
         # What the worker reads of its scorer besides these (device, prompt builder, sizes): the scorer's.
@@ -65,15 +66,18 @@ class RecordingScorer:
         return self.scorer.prepare(request)
 
     def score_prepared(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> list[Any]:
+        return self.finish(self.launch(prepared, on_batch))
+
+    def launch(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> Any:
+        """The scorer's launch, noting what the batch's record needs (the worker launches a batch before
+        it finishes the one ahead)."""
         self.thread_ids["model"] = threading.get_native_id()
         kernels_before = _entries(self._kernel_dir)
         graphs = self.scorer.graphs
         recorded, replays = (graphs.recorded, graphs.replays) if graphs is not None else (0, 0)
         frames, reserved = _dynamo_frames(), _reserved_bytes()
         cpu_start, start = time.thread_time(), time.monotonic()
-        results = self.scorer.score_prepared(prepared, on_batch)
-        end, cpu_end = time.monotonic(), time.thread_time()
-        kernels_built = _entries(self._kernel_dir) - kernels_before
+        pending = self.scorer.launch(prepared, on_batch)
         graph = "none"
         if graphs is not None:
             graph = (
@@ -83,8 +87,24 @@ class RecordingScorer:
                 if graphs.replays > replays
                 else "none"
             )
+        self._launched[id(pending)] = _Launch(
+            list(prepared), start, cpu_start, kernels_before, frames, reserved, graph
+        )
+        return pending
+
+    def finish(self, pending: Any) -> list[Any]:
+        launch = self._launched.pop(id(pending))
+        results = self.scorer.finish(pending)
+        end, cpu_end = time.monotonic(), time.thread_time()
+        prepared = launch.prepared
         timings = results[0].timings if results else {}
         asked = [p for p in prepared if p.request.return_pooled_hidden_states]
+        # Records tile the model thread's time: a batch launched while the one ahead was still to be
+        # finished starts where that one's record ends.
+        previous = self.batches[-1] if self.batches else None
+        start, cpu_start = launch.start, launch.cpu_start
+        if previous is not None and previous.end > start:
+            start, cpu_start = previous.end, previous.cpu_end
         self.batches.append(
             BatchRecord(
                 start=start,
@@ -96,16 +116,27 @@ class RecordingScorer:
                 forward_s=float(timings.get("forward_s", 0.0)),
                 copy_s=float(timings.get("copy_s", 0.0)),
                 hidden_bytes=sum(len(t.data) for r in results for t in r.pooled_hidden_states or ()),
-                prepared=list(prepared),
-                kernels_built=kernels_built,
-                graph=graph,
-                dynamo_frames=_dynamo_frames() - frames,
-                reserved_grew_mib=(_reserved_bytes() - reserved) / 2**20,
+                prepared=prepared,
+                kernels_built=_entries(self._kernel_dir) - launch.kernels_before,
+                graph=launch.graph,
+                dynamo_frames=_dynamo_frames() - launch.frames,
+                reserved_grew_mib=(_reserved_bytes() - launch.reserved) / 2**20,
                 cpu_start=cpu_start,
                 cpu_end=cpu_end,
             )
         )
         return results
+
+
+@dataclass
+class _Launch:
+    prepared: list[Any]
+    start: float
+    cpu_start: float
+    kernels_before: int
+    frames: int
+    reserved: int
+    graph: str
 
 
 def _dynamo_frames() -> int:

@@ -22,10 +22,10 @@ from models.fp8 import fp8_supported, quantize_layers
 from models.graphs import KEYS_PER_TOKEN, GraphedForward
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import (
+    HostRows,
     KeyLayout,
     RowRequest,
     SharedPrefix,
-    copy_rows_to_host,
     find_shared_prefixes,
     hidden_row_bytes,
     pack,
@@ -33,6 +33,8 @@ from models.packing import (
     pool,
     pooled_positions,
     saved_tokens,
+    start_rows_copy,
+    to_host_async,
 )
 from models.prepare import PairTemplate, PreparedRequest, Prompt, PromptBuilder, PromptError
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
@@ -89,11 +91,76 @@ class _BatchOutput:
     packed_tokens: int = 0  # tokens of the packed row(s): shared prefixes once
 
 
+@dataclass
+class _GpuTimer:
+    """When a batch's forward pass and its copies end: CUDA events on a GPU, where the host returns long
+    before the device is done; the host's clock on the CPU, where the work is done when a call returns."""
+
+    events: list[Any] | None  # torch.cuda.Event: the start, then one per mark
+    host_marks: list[float] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, device: torch.device) -> _GpuTimer:
+        return cls([_recorded_event()] if device.type == "cuda" else None)
+
+    def mark(self) -> None:
+        if self.events is not None:
+            self.events.append(_recorded_event())
+        else:
+            self.host_marks.append(time.perf_counter())
+
+    def wait(self, started: float) -> tuple[float, float]:
+        """Block until the device has passed the last mark; (forward, copy) seconds. On a GPU busy with an
+        earlier batch when this one was launched, the forward counts from when it got to this batch."""
+        if self.events is None:
+            if len(self.host_marks) < 2:
+                return 0.0, 0.0
+            return self.host_marks[0] - started, self.host_marks[1] - self.host_marks[0]
+        self.events[-1].synchronize()
+        if len(self.events) < 3:
+            return 0.0, 0.0
+        start, forward, copies = self.events[:3]
+        return start.elapsed_time(forward) / 1000, forward.elapsed_time(copies) / 1000
+
+
+def _recorded_event() -> Any:
+    event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A batch whose forward pass and output copies are queued on the device (see Scorer.launch)."""
+
+    batch: list[PreparedRequest]
+    item_counts: list[int]
+    started: float  # host clock at launch
+    timer: _GpuTimer
+    logits: torch.Tensor | None  # [N, L] float32 on the host once the device has passed the copy
+    columns: dict[int, int]  # a judge's label id -> column of `logits`
+    rows: HostRows | None  # the asked pooled hidden states, on their way to the host
+    hidden_bytes: dict[str, int]
+    packed_tokens: int
+
+
+@dataclass(eq=False)
+class PendingScores:
+    """What `Scorer.launch` queued: pass it to `Scorer.finish` (same thread, launch order)."""
+
+    results: list[ScoreResult | None]  # error results passed through; None where a batch will answer
+    batches: list[tuple[list[int], _Launched | list[ScoreResult]]]  # request positions, launched batch or
+    # its results already (a batch that failed and was bisected)
+    on_batch: BatchObserver | None = None
+
+
 class Scorer:
     """Scores requests with a local *ForSequenceClassification model; one result per request, never raises.
 
-    Threads: `prepare` is the only method that uses the tokenizer, and `score_prepared` only runs the model,
-    so one thread may prepare while another scores (the worker does this). Neither method may run on two
+    Threads: `prepare` is the only method that uses the tokenizer, and `score_prepared` (or its two halves,
+    `launch` and `finish`, which let a caller queue the next batch on the device before it builds the last
+    one's results) only runs the model, so one thread may prepare while another scores (the worker does
+    this). Neither method may run on two
     threads at once: HF fast tokenizers fail ("Already borrowed") when shared that way, and one model runs
     one batch at a time. `score` does both steps on the calling thread.
     """
@@ -326,6 +393,17 @@ class Scorer:
 
         `on_batch`, when given, is called on this thread with the cost of each forward batch.
         """
+        return self.finish(self.launch(prepared, on_batch))
+
+    def launch(
+        self, prepared: Sequence[PreparedRequest | ScoreResult], on_batch: BatchObserver | None = None
+    ) -> PendingScores:
+        """The first half of `score_prepared`: queue the forward passes and the copies of their outputs on
+        the device and return without waiting for them. `finish` waits and builds the results. A caller
+        that launches the next batch before finishing this one keeps the GPU busy while the host turns this
+        batch's outputs into results (the worker does; on the CPU all the work happens here).
+        `finish` must follow on the same thread, in launch order.
+        """
         results: list[ScoreResult | None] = [
             item if isinstance(item, ScoreResult) else None for item in prepared
         ]
@@ -338,44 +416,53 @@ class Scorer:
             def measure(start: int, stop: int) -> int:
                 return self.batch_tokens([prompt for _, p in pending[start:stop] for prompt in p.prompts])
 
-        for batch in _split(pending, budget, measure):
-            scored = self._run_batch([p for _, p in batch], on_batch)
-            for (index, _), result in zip(batch, scored, strict=True):
+        batches = [
+            ([index for index, _ in batch], self._launch_or_recover([p for _, p in batch], on_batch))
+            for batch in _split(pending, budget, measure)
+        ]
+        return PendingScores(results, batches, on_batch)
+
+    def finish(self, pending: PendingScores) -> list[ScoreResult]:
+        """Wait for a launched call's batches and return its results, in request order."""
+        results = pending.results
+        for indices, launched in pending.batches:
+            if isinstance(launched, list):
+                scored = launched
+            else:
+                scored = self._finish_batch(launched, pending.on_batch)
+            for index, result in zip(indices, scored, strict=True):
                 results[index] = result
         return [result for result in results if result is not None]
 
     def _run_batch(self, batch: list[PreparedRequest], on_batch: BatchObserver | None) -> list[ScoreResult]:
-        """Score a batch; when it fails, score its halves apart, down to single requests, so that only a
-        request that fails alone gets MODEL_ERROR (one poisonous or oversized request must not fail the
-        innocent ones beside it). Raises DeviceLostError when the device is gone."""
-        tokenize_s = sum(p.tokenize_s for p in batch)
+        """Score a batch now, launch and finish."""
+        launched = self._launch_or_recover(batch, on_batch)
+        return launched if isinstance(launched, list) else self._finish_batch(launched, on_batch)
+
+    def _launch_or_recover(
+        self, batch: list[PreparedRequest], on_batch: BatchObserver | None
+    ) -> _Launched | list[ScoreResult]:
         started = time.perf_counter()
         try:
-            output = self._forward_batch(batch)
+            return self._launch_batch(batch)
         except DeviceLostError:
             raise
         except Exception as exc:  # out of memory, kernel errors: find the request that causes it
-            if on_batch is not None:
-                on_batch(_stats(batch, time.perf_counter() - started, 0.0, {}, failed=True))
-            self._recover(exc)
-            if len(batch) > 1:
-                log.warning(
-                    "a batch of %d requests failed (%s); scoring its halves apart", len(batch), _describe(exc)
-                )
-                half = len(batch) // 2
-                return self._run_batch(batch[:half], on_batch) + self._run_batch(batch[half:], on_batch)
-            log.warning("request %s fails alone: %s", batch[0].request.request_id, _describe(exc))
-            message = (
-                f"The forward pass failed for this request on its own ({_describe(exc)}); if it is out of "
-                "memory, send fewer or shorter items; otherwise report the request id."
-            )
-            return [
-                self._failure(batch[0].request, ErrorCode.MODEL_ERROR, message, {"tokenize_s": tokenize_s})
-            ]
+            return self._after_failure(batch, exc, on_batch, started)
+
+    def _finish_batch(self, launched: _Launched, on_batch: BatchObserver | None) -> list[ScoreResult]:
+        batch = launched.batch
+        try:
+            output = self._collect(launched)
+        except DeviceLostError:
+            raise
+        except Exception as exc:  # a kernel error surfaces where the host waits for the device
+            return self._after_failure(batch, exc, on_batch, launched.started)
         if on_batch is not None:
             on_batch(
                 _stats(batch, output.forward_s, output.copy_s, output.hidden_bytes, output.packed_tokens)
             )
+        tokenize_s = sum(p.tokenize_s for p in batch)
         timings = {"tokenize_s": tokenize_s, "forward_s": output.forward_s, "copy_s": output.copy_s}
         return [
             ScoreResult(
@@ -393,15 +480,38 @@ class Scorer:
             for p, scores, hidden in zip(batch, output.scores, output.hidden, strict=True)
         ]
 
+    def _after_failure(
+        self, batch: list[PreparedRequest], exc: Exception, on_batch: BatchObserver | None, started: float
+    ) -> list[ScoreResult]:
+        """A batch failed: score its halves apart, down to single requests, so that only a request that
+        fails alone gets MODEL_ERROR (one poisonous or oversized request must not fail the innocent ones
+        beside it). Raises DeviceLostError when the device is gone."""
+        if on_batch is not None:
+            on_batch(_stats(batch, time.perf_counter() - started, 0.0, {}, failed=True))
+        self._recover(exc)
+        if len(batch) > 1:
+            log.warning(
+                "a batch of %d requests failed (%s); scoring its halves apart", len(batch), _describe(exc)
+            )
+            half = len(batch) // 2
+            return self._run_batch(batch[:half], on_batch) + self._run_batch(batch[half:], on_batch)
+        log.warning("request %s fails alone: %s", batch[0].request.request_id, _describe(exc))
+        message = (
+            f"The forward pass failed for this request on its own ({_describe(exc)}); if it is out of "
+            "memory, send fewer or shorter items; otherwise report the request id."
+        )
+        tokenize_s = sum(p.tokenize_s for p in batch)
+        return [self._failure(batch[0].request, ErrorCode.MODEL_ERROR, message, {"tokenize_s": tokenize_s})]
+
     @torch.inference_mode()
-    def _forward_batch(self, batch: list[PreparedRequest]) -> _BatchOutput:
+    def _launch_batch(self, batch: list[PreparedRequest]) -> _Launched:
+        """Queue a batch's forward pass, head and output copies; on the CPU they have run on return."""
         prompts = [prompt for p in batch for prompt in p.prompts]
         item_counts = [len(p.prompts) for p in batch]
         started = time.perf_counter()
+        timer = _GpuTimer.start(self.device)
         if not prompts:  # only requests with no items: nothing to run
-            return _BatchOutput(
-                [[] for _ in batch], [() if _wants_hidden(p) else None for p in batch], 0.0, 0.0, {}
-            )
+            return _Launched(batch, item_counts, started, timer, None, {}, None, {}, 0)
         token_types = None
         if self._loaded.token_types:
             token_types = [
@@ -432,23 +542,34 @@ class Scorer:
             logits = torch.cat([self._loaded.head(row[None]).float() for row in head_input])
         else:
             logits = self._loaded.head(head_input).float()  # [N, L]: float32 whatever the model dtype
-        self._synchronize()
-        forward_done = time.perf_counter()
-        host_logits = logits.cpu()  # [N, L], a few bytes per item: softmax on the host needs no extra upload
-        hidden, hidden_bytes = self._copy_hidden(batch, item_counts, pooled)
-        self._synchronize()
-        copy_done = time.perf_counter()
+        timer.mark()  # the forward's end
+        # A few bytes per item: softmax on the host needs no extra upload.
+        host_logits = to_host_async(logits)
+        rows, hidden_bytes = self._start_hidden_copy(batch, item_counts, pooled)
+        timer.mark()  # the copies' end
+        packed_tokens = sum(len(p) for p in prompts) - saved_tokens(shared)
+        return _Launched(
+            batch, item_counts, started, timer, host_logits, columns, rows, hidden_bytes, packed_tokens
+        )
+
+    def _collect(self, launched: _Launched) -> _BatchOutput:
+        """Wait for a launched batch and turn its outputs into per-request scores and hidden states."""
+        forward_s, copy_s = launched.timer.wait(launched.started)
+        batch = launched.batch
+        if launched.logits is None:
+            empty: list[tuple[Tensor, ...] | None] = [() if _wants_hidden(p) else None for p in batch]
+            return _BatchOutput([[] for _ in batch], empty, 0.0, 0.0, {})
+        hidden = self._read_hidden(batch, launched.rows)
         per_request: list[list[tuple[float, ...]]] = []
-        for p, rows in zip(batch, _item_ranges(item_counts), strict=True):
-            scores = host_logits[rows.start : rows.stop]
-            if columns:  # a judge: this request's labels, in the order it sent them
-                scores = scores[:, [columns[label] for label in p.request.label_token_ids or ()]]
+        for p, rows in zip(batch, _item_ranges(launched.item_counts), strict=True):
+            scores = launched.logits[rows.start : rows.stop]
+            if launched.columns:  # a judge: this request's labels, in the order it sent them
+                scores = scores[:, [launched.columns[label] for label in p.request.label_token_ids or ()]]
             if p.request.apply_softmax:
                 scores = torch.softmax(scores, dim=-1)
             per_request.append([tuple(row) for row in scores.tolist()])
-        packed_tokens = sum(len(p) for p in prompts) - saved_tokens(shared)
         return _BatchOutput(
-            per_request, hidden, forward_done - started, copy_done - forward_done, hidden_bytes, packed_tokens
+            per_request, hidden, forward_s, copy_s, launched.hidden_bytes, launched.packed_tokens
         )
 
     def _packed_pooled_hidden(
@@ -591,23 +712,25 @@ class Scorer:
         )
         return hidden.reshape(count * width, -1).index_select(0, torch.from_numpy(rows).to(self.device))
 
-    def _copy_hidden(
+    def _start_hidden_copy(
         self, batch: list[PreparedRequest], item_counts: list[int], pooled: torch.Tensor
-    ) -> tuple[list[tuple[Tensor, ...] | None], dict[str, int]]:
-        """Pooled hidden states for the requests that asked (the others get None and cost nothing), and
-        the bytes copied to the host per dtype."""
+    ) -> tuple[HostRows, dict[str, int]]:
+        """Queue the copy of the pooled hidden states the requests asked for (the others cost nothing), and
+        count the bytes copied to the host per dtype."""
         asking = [i for i, p in enumerate(batch) if _wants_hidden(p)]
         ranges = list(_item_ranges(item_counts))
         wanted = [RowRequest(tuple(ranges[i]), batch[i].request.hidden_states_dtype) for i in asking]
-        copied = copy_rows_to_host(pooled, [w for w in wanted if w.rows])
-        copied_iter = iter(copied)
-        hidden: list[tuple[Tensor, ...] | None] = [None] * len(batch)
         copied_bytes: dict[str, int] = {}
-        for i, entry in zip(asking, wanted, strict=True):
-            hidden[i] = next(copied_iter) if entry.rows else ()
+        for entry in wanted:
             size = len(entry.rows) * hidden_row_bytes(pooled.shape[1], entry.dtype)
             copied_bytes[entry.dtype.value] = copied_bytes.get(entry.dtype.value, 0) + size
-        return hidden, copied_bytes
+        return start_rows_copy(pooled, [w for w in wanted if w.rows]), copied_bytes
+
+    @staticmethod
+    def _read_hidden(batch: list[PreparedRequest], rows: HostRows | None) -> list[tuple[Tensor, ...] | None]:
+        """Per request: its pooled hidden states once copied (() for no items), or None where not asked."""
+        copied = iter(rows.read() if rows is not None else [])
+        return [(next(copied) if len(p.prompts) else ()) if _wants_hidden(p) else None for p in batch]
 
     def _recover(self, error: BaseException) -> None:
         """After a failed forward: free the cached blocks (an out-of-memory retry needs them), and raise

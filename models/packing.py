@@ -360,9 +360,45 @@ def copy_rows_to_host(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> lis
     so even a batch with mixed dtypes costs a single device-to-host copy.
     Returns one tuple of schemas.Tensor per entry of `wanted`.
     """
-    if not wanted:
-        return []
+    rows = start_rows_copy(pooled, wanted)
+    if pooled.device.type == "cuda":
+        torch.cuda.current_stream(pooled.device).synchronize()
+    return rows.read()
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """Rows of pooled hidden states on their way to the host (see `start_rows_copy`): `read` them once the
+    stream has passed the copy."""
+
+    buffer: torch.Tensor | None  # raw bytes on the host (pinned on CUDA); None when nothing was asked
+    wanted: tuple[RowRequest, ...]
+    offsets: tuple[int, ...]  # where each entry of `wanted` starts in the buffer
+    hidden: int
+
+    def read(self) -> list[tuple[Tensor, ...]]:
+        """One tuple of schemas.Tensor per entry of `wanted`."""
+        if self.buffer is None:
+            return []
+        buffer = self.buffer.numpy()
+        out: list[tuple[Tensor, ...]] = []
+        for entry, start in zip(self.wanted, self.offsets, strict=True):
+            width = hidden_row_bytes(self.hidden, entry.dtype)
+            out.append(
+                tuple(
+                    _to_tensor(buffer[start + i * width : start + (i + 1) * width], entry.dtype)
+                    for i in range(len(entry.rows))
+                )
+            )
+        return out
+
+
+def start_rows_copy(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> HostRows:
+    """Queue the gather, cast and one device-to-host copy of the asked rows on the current stream, without
+    waiting for it: the host can launch the next batch while the copy runs."""
     hidden = pooled.shape[1]
+    if not wanted:
+        return HostRows(None, (), (), hidden)
     dtypes = list(dict.fromkeys(entry.dtype for entry in wanted))
     chunks: list[torch.Tensor] = []
     group_offset: dict[HiddenDType, int] = {}
@@ -374,28 +410,21 @@ def copy_rows_to_host(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> lis
         chunks.append(gathered.view(torch.uint8).reshape(-1))
         group_offset[dtype] = offset
         offset += chunks[-1].numel()
-    buffer = _to_host(torch.cat(chunks) if len(chunks) > 1 else chunks[0]).numpy()
-    out: list[tuple[Tensor, ...]] = []
+    offsets = []
     for entry in wanted:
-        width = hidden_row_bytes(hidden, entry.dtype)
-        start = group_offset[entry.dtype]
-        out.append(
-            tuple(
-                _to_tensor(buffer[start + i * width : start + (i + 1) * width], entry.dtype)
-                for i in range(len(entry.rows))
-            )
-        )
-        group_offset[entry.dtype] = start + len(entry.rows) * width
-    return out
+        offsets.append(group_offset[entry.dtype])
+        group_offset[entry.dtype] += len(entry.rows) * hidden_row_bytes(hidden, entry.dtype)
+    device_bytes = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+    return HostRows(to_host_async(device_bytes), tuple(wanted), tuple(offsets), hidden)
 
 
-def _to_host(device_bytes: torch.Tensor) -> torch.Tensor:
-    if device_bytes.device.type != "cuda":
-        return device_bytes
-    # Pinned memory makes the copy a real asynchronous DMA; wait for it on this stream only.
-    host = torch.empty(device_bytes.shape, dtype=torch.uint8, pin_memory=True)
-    host.copy_(device_bytes, non_blocking=True)
-    torch.cuda.current_stream(device_bytes.device).synchronize()
+def to_host_async(device: torch.Tensor) -> torch.Tensor:
+    """A host copy of `device`, queued on the current stream (pinned memory makes it a real asynchronous
+    copy); a CPU tensor is returned as it is. Read it only once the stream has passed this point."""
+    if device.device.type != "cuda":
+        return device
+    host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+    host.copy_(device, non_blocking=True)
     return host
 
 

@@ -80,6 +80,15 @@ class Outgoing:
     tally: ResultTally
 
 
+@dataclass(eq=False)
+class Launch:
+    """A batch handed to the scorer: its pending device work, or its results when they are known already."""
+
+    prepared: Sequence[Any]
+    pending: Any  # what the scorer's launch returned
+    results: list[ScoreResult] | None = None
+
+
 def record_size(record: ConsumerRecord[bytes, bytes]) -> int:
     return len(record.value or b"") + len(record.key or b"")
 
@@ -239,19 +248,52 @@ class Intake:
 
     def score(self, prepared: Sequence[Any]) -> list[ScoreResult]:
         """Runs on the model thread: one result per prepared request (or part of one), in order."""
+        return self.finish(self.launch(prepared))
+
+    @property
+    def overlaps(self) -> bool:
+        """The scorer can queue a batch on the device and build its results later (Scorer.launch)."""
+        return callable(getattr(self._scorer, "launch", None)) and callable(
+            getattr(self._scorer, "finish", None)
+        )
+
+    def launch(self, prepared: Sequence[Any]) -> Launch:
+        """Runs on the model thread: the batch's forward passes queued on the device; `finish` waits for
+        them. A scorer without that split scores here."""
         try:
-            results = self._scorer.score_prepared(prepared, on_batch=self._metrics.model_batch)
-            if len(results) != len(prepared):
-                raise RuntimeError(f"scorer returned {len(results)} results for {len(prepared)} requests")
+            if not self.overlaps:
+                return Launch(prepared, None, self._checked(prepared, self._scorer.score_prepared(
+                    prepared, on_batch=self._metrics.model_batch
+                )))  # fmt: skip
+            pending = self._scorer.launch(prepared, on_batch=self._metrics.model_batch)  # type: ignore[attr-defined]
         except DeviceLostError:
             raise  # nothing more can run here: the worker stops, uncommitted
         except Exception as exc:  # the Scorer reports model failures itself; this is a last resort
-            log.exception("scoring a batch of %d requests failed", len(prepared))
-            return [
-                self.failure(p.request, ErrorCode.INTERNAL_ERROR, f"scoring failed: {exc!r}")
-                for p in prepared
-            ]
+            return Launch(prepared, None, self._last_resort(prepared, exc))
+        return Launch(prepared, pending)
+
+    def finish(self, launch: Launch) -> list[ScoreResult]:
+        """Runs on the model thread, in launch order: the launched batch's results."""
+        if launch.results is not None:
+            return launch.results
+        try:
+            return self._checked(launch.prepared, self._scorer.finish(launch.pending))  # type: ignore[attr-defined]
+        except DeviceLostError:
+            raise
+        except Exception as exc:
+            return self._last_resort(launch.prepared, exc)
+
+    @staticmethod
+    def _checked(prepared: Sequence[Any], results: list[ScoreResult]) -> list[ScoreResult]:
+        if len(results) != len(prepared):
+            raise RuntimeError(f"scorer returned {len(results)} results for {len(prepared)} requests")
         return results
+
+    def _last_resort(self, prepared: Sequence[Any], exc: Exception) -> list[ScoreResult]:
+        log.exception("scoring a batch of %d requests failed", len(prepared), exc_info=exc)
+        return [
+            self.failure(p.request, ErrorCode.INTERNAL_ERROR, f"scoring failed: {exc!r}") for p in prepared
+        ]
 
     def encode(self, answers: Sequence[tuple[Accepted, ScoreResult]]) -> Outgoing:
         """Results as records to publish (encoding large hidden states is not free: model thread)."""

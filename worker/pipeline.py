@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -21,7 +22,7 @@ from schemas import ResultStatus, ScoreResult
 from worker.batcher import Batch, TokenBudgetBatcher
 from worker.config import WorkerSettings
 from worker.errors import ModelStuckError
-from worker.intake import Accepted, Intake, Outgoing, Rejected
+from worker.intake import Accepted, Intake, Launch, Outgoing, Rejected
 from worker.intake_processes import IntakeProcesses
 from worker.metrics import ResultTally, WorkerMetrics
 
@@ -52,6 +53,16 @@ class Unit:
     tokens: int
     assembly: _Assembly | None = None
     part: int = 0
+
+
+@dataclass(eq=False)
+class _LaunchedUnits:
+    """A batch on the model thread whose live units are launched on the device and not yet finished."""
+
+    units: list[Unit]
+    live: list[Unit]
+    answers: list[tuple[Accepted, ScoreResult]]  # answered without the model (expired)
+    launch: Launch | None
 
 
 @dataclass
@@ -120,7 +131,13 @@ class Pipeline:
         self._large_turn = False
         self._depth = settings.model_queue_depth
         self._submitted = 0  # batches handed to the model thread and not yet finished (running or queued)
-        self._last_call: asyncio.Future[tuple[Outgoing, Done]] | None = None  # the next queues behind it
+        self._last_call: asyncio.Future[list[tuple[Outgoing, Done]]] | None = None  # the next queues behind
+        # Calls handed to the model thread that it has not begun (changed by both threads, under the lock):
+        # a call that sees one behind it leaves its batch launched for that one to finish.
+        self._not_started = 0
+        self._queue_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by the first hand-over to the model thread
+        self._deferred: _LaunchedUnits | None = None  # for the next call to finish (model thread only)
         self._running = 0  # model calls executing on the thread right now (0 or 1; set by the thread)
         self._closed = False
         self.watchdog = Watchdog(settings.watchdog_ms / 1000, settings.watchdog_multiple)
@@ -242,7 +259,10 @@ class Pipeline:
 
     def _submit(self, units: list[Unit]) -> None:
         """Hand a batch to the model thread now; it runs after the calls already there."""
-        future = asyncio.get_running_loop().run_in_executor(self._model_thread, self._score, units)
+        with self._queue_lock:
+            self._not_started += 1
+        self._loop = asyncio.get_running_loop()
+        future = self._loop.run_in_executor(self._model_thread, self._score, units)
         before, self._last_call = self._last_call, future
         self._submitted += 1
         self._spawn(self._run(units, future, before))
@@ -250,8 +270,8 @@ class Pipeline:
     async def _run(
         self,
         units: list[Unit],
-        future: asyncio.Future[tuple[Outgoing, Done]],
-        before: asyncio.Future[tuple[Outgoing, Done]] | None,
+        future: asyncio.Future[list[tuple[Outgoing, Done]]],
+        before: asyncio.Future[list[tuple[Outgoing, Done]]] | None,
     ) -> None:
         if before is not None and not before.done():
             # Queued behind it: this call's clock (watchdog, wait metrics) starts when that one ends. Its own
@@ -262,7 +282,7 @@ class Pipeline:
         self._metrics.batch_started(len(units), tokens, (started - u.accepted.ready_at for u in units))
         limit = self.watchdog.limit_s(tokens)
         try:
-            outgoing, done = await asyncio.wait_for(asyncio.shield(future), limit)
+            finished = await asyncio.wait_for(asyncio.shield(future), limit)
         except TimeoutError:
             # Not _model_done(): the thread is still in the call, and nothing may start behind it.
             ran_s = time.monotonic() - started
@@ -275,22 +295,51 @@ class Pipeline:
             raise
         self.watchdog.observe(tokens, time.monotonic() - started)
         self._model_done()
+        for outgoing, done in finished:
+            if outgoing.records:
+                await self._deliver(outgoing, done)
+        self.progress.set()
+
+    def _score(self, units: list[Unit]) -> list[tuple[Outgoing, Done]]:
+        """Runs on the model thread: expired requests answered unscored, the rest scored, parts joined,
+        the answers encoded (a fraction of a millisecond a batch: no thread of its own, which would only
+        contend for the interpreter lock with this one).
+
+        With a batch queued behind this one, this one is only launched: the next call finishes it after
+        launching its own (and hands it to the event loop to publish at once), so the device runs the next
+        batch while the host builds this one's results. Returns what this call itself finished.
+        """
+        with self._queue_lock:
+            self._not_started -= 1
+        self._running += 1
+        try:
+            launched = self._launch_units(units)
+            if self._deferred is not None:
+                deferred, self._deferred = self._deferred, None
+                finished = self._finish_units(deferred)
+                # Delivered now, not with this call's own answers: this batch may yet hang or fail.
+                loop = self._loop
+                assert loop is not None, "a batch was launched without a hand-over from the loop"
+                loop.call_soon_threadsafe(self._deliver_finished, finished)
+            with self._queue_lock:
+                next_queued = self._not_started > 0
+            if next_queued and self._intake.overlaps:
+                self._deferred = launched
+                return []
+            return [self._finish_units(launched)]
+        finally:
+            self._running -= 1
+
+    def _deliver_finished(self, finished: tuple[Outgoing, Done]) -> None:
+        """On the event loop: publish a batch that a later model call finished."""
+        self._spawn(self._publish(*finished))
+
+    async def _publish(self, outgoing: Outgoing, done: Done) -> None:
         if outgoing.records:
             await self._deliver(outgoing, done)
         self.progress.set()
 
-    def _score(self, units: list[Unit]) -> tuple[Outgoing, Done]:
-        """Runs on the model thread: expired requests answered unscored, the rest scored, parts joined,
-        the answers encoded (a fraction of a millisecond a batch: no thread of its own, which would only
-        contend for the interpreter lock with this one)."""
-        self._running += 1
-        try:
-            answers = self._score_units(units)
-            return self._encode(answers, units), [(a.tp, a.offset) for a, _ in answers]
-        finally:
-            self._running -= 1
-
-    def _score_units(self, units: list[Unit]) -> Answers:
+    def _launch_units(self, units: list[Unit]) -> _LaunchedUnits:
         now_ms = time.time() * 1000
         answers: list[tuple[Accepted, ScoreResult]] = []
         live: list[Unit] = []
@@ -302,11 +351,16 @@ class Pipeline:
                 self._complete(unit, self._intake.expired(unit.accepted.request, expires), answers)
             else:
                 live.append(unit)
-        if live:
-            results = self._intake.score([u.prepared for u in live])
-            for unit, result in zip(live, results, strict=True):
+        launch = self._intake.launch([u.prepared for u in live]) if live else None
+        return _LaunchedUnits(units, live, answers, launch)
+
+    def _finish_units(self, launched: _LaunchedUnits) -> tuple[Outgoing, Done]:
+        answers = launched.answers
+        if launched.launch is not None:
+            results = self._intake.finish(launched.launch)
+            for unit, result in zip(launched.live, results, strict=True):
                 self._complete(unit, result, answers)
-        return answers
+        return self._encode(answers, launched.units), [(a.tp, a.offset) for a, _ in answers]
 
     def _encode(self, answers: Answers, units: list[Unit]) -> Outgoing:
         """The answers as records to publish, and now and then the heap trimmed."""
@@ -322,6 +376,8 @@ class Pipeline:
         assembly = unit.assembly
         if assembly is None:
             answers.append((unit.accepted, result))
+            return
+        if assembly.finished:  # an earlier part failed while this one was already launched
             return
         assembly.results[unit.part] = result
         if result.status is ResultStatus.ERROR:

@@ -147,6 +147,9 @@ def test_w2_quick_run_through_a_real_broker_checks_what_it_timed(tmp_path: Path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(target.read_text())
     assert report["correctness"]["ok"] and report["correctness"]["items"] > 0
+    # The worker's batches were recorded (however its model thread calls the scorer) and replayed alone.
+    assert report["model_step_worker_batches"]["batches"] > 0
+    assert report["saturation"]["worker"]["batches"] > 0
     for phase in ("saturation", "saturation_intake1"):
         assert report[phase]["completed"] == report[phase]["requests"]
     # The CPU's default prepares on the worker's thread; the restarted worker had its process up first.

@@ -181,3 +181,21 @@ def test_fp8_projections_agree_with_hf_on_the_same_projections(
     assert np.isfinite(fp8_scores).all() and float(cosine.min()) > 0.9, cosine
     scale = max(1.0, float(np.abs(bf16_scores).max()))
     assert float(np.abs(fp8_scores - bf16_scores).max()) < 0.25 * scale
+
+
+@pytest.mark.parametrize("graphs", ["on", "off"])
+def test_batches_launched_ahead_of_their_finish_score_as_alone(graphs: str, tiny_qwen3_dir: Path) -> None:
+    """Three batches launched before the first is finished (the worker's model thread overlaps that way):
+    each batch's results are bit-identical to scoring it alone, though the later launches reuse the graph
+    buffers, the pooled output and the caching allocator's blocks while the earlier copies are pending."""
+    scorer = Scorer(tiny_qwen3_dir, ScorerConfig(device="cuda", dtype="bfloat16", cuda_graphs=graphs))
+    batches = [_requests(7, 100, seed=seed) for seed in (1, 2, 3)] + [_requests(3, 60, seed=4)]
+    for batch in batches * 2:  # graphs are recorded at a shape's second batch
+        scorer.score(batch)
+    alone = [_arrays(scorer.score(batch)) for batch in batches]
+    prepared = [[scorer.prepare(r) for r in batch] for batch in batches]
+    launched = [scorer.launch(batch) for batch in prepared]  # type: ignore[arg-type]
+    together = [_arrays(scorer.finish(pending)) for pending in launched]
+    for (want_scores, want_hidden), (got_scores, got_hidden) in zip(alone, together, strict=True):
+        np.testing.assert_array_equal(got_scores, want_scores)
+        np.testing.assert_array_equal(got_hidden, want_hidden)

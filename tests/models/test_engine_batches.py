@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from scoring_testkit import CpuVarlenKernel, hidden_of, scores_of
 
 from models import PreparedRequest, Scorer, ScorerConfig
 from models.errors import DeviceLostError
-from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult
+from schemas import ErrorCode, HiddenDType, ResultStatus, ScoreRequest, ScoreResult
 
 # The same request computed inside different packs: per-item attention is identical, only GEMM row blocking
 # can differ, so float32 results agree to about 1e-6.
@@ -256,3 +257,51 @@ def test_score_prepared_never_uses_the_tokenizer(
     results = scorer.score_prepared(prepared)
     assert [r.status for r in results] == [ResultStatus.OK, ResultStatus.OK, ResultStatus.ERROR]
     assert [r.scores for r in results] == [r.scores for r in expected]
+
+
+def test_calls_launched_ahead_of_their_finish_score_as_alone(llama_scorer: Scorer) -> None:
+    """The worker launches a batch before finishing the one ahead: every call's results, error results
+    passed through, hidden states in each asked dtype and softmax included, are those of the call alone."""
+    calls = [
+        [
+            ScoreRequest("hidden16", items=("one", "two"), return_pooled_hidden_states=True,
+                         hidden_states_dtype=HiddenDType.FLOAT16),
+            ScoreRequest("softmax", items=("three",), apply_softmax=True),
+        ],
+        [ScoreRequest("empty", items=(), return_pooled_hidden_states=True), _request("tokens", 12, seed=5)],
+        [ScoreRequest("bad", items=((10**9,),)), ScoreRequest("hidden32", items=("four",),
+                                                             return_pooled_hidden_states=True)],
+    ]  # fmt: skip
+    prepared = [[llama_scorer.prepare(r) for r in call] for call in calls]
+    alone = [llama_scorer.score_prepared(call) for call in prepared]
+    launched = [llama_scorer.launch(call) for call in prepared]
+    together = [llama_scorer.finish(pending) for pending in launched]
+    for want_call, got_call in zip(alone, together, strict=True):
+        assert [r.request_id for r in got_call] == [r.request_id for r in want_call]
+        for got, want in zip(got_call, want_call, strict=True):
+            assert (got.status, got.error, got.scores) == (want.status, want.error, want.scores)
+            assert got.pooled_hidden_states == want.pooled_hidden_states
+
+
+def test_a_failure_that_surfaces_when_a_batch_is_finished_is_scored_again_in_halves(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU a kernel's error surfaces where the host waits for it, in `finish`: the batch is scored
+    again in halves there, as a failure at launch is."""
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    requests = [_request("a", 10, seed=1), _request("b", 10, seed=2), _request("c", 10, seed=3)]
+    expected = scorer.score(requests)
+    collect = scorer._collect
+    failures: list[int] = []
+
+    def fails_once(launched: Any) -> Any:
+        if not failures:
+            failures.append(len(launched.batch))
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+        return collect(launched)
+
+    monkeypatch.setattr(scorer, "_collect", fails_once)
+    results = scorer.finish(scorer.launch([scorer.prepare(r) for r in requests]))
+    assert failures == [3] and all(r.ok for r in results)
+    for got, want in zip(results, expected, strict=True):
+        np.testing.assert_allclose(scores_of(got), scores_of(want), atol=1e-5)

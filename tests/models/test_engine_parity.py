@@ -12,9 +12,9 @@ from scoring_testkit import ATOL, RTOL, hf_reference, hidden_of, scores_of, toke
 from transformers import AutoModelForSequenceClassification
 
 from models import Scorer, ScorerConfig, engine
-from models.packing import RowRequest, copy_rows_to_host
+from models.packing import HostRows, RowRequest, start_rows_copy
 from models.tiny import DECODERS
-from schemas import HiddenDType, ScoreRequest, Tensor
+from schemas import HiddenDType, ScoreRequest
 
 TEXTS = (
     "The quick brown fox jumps over the lazy dog while the farmer watches from the old wooden fence.",
@@ -152,11 +152,11 @@ def test_mixed_batch_hidden_state_flags_and_dtypes(
     model_dir = model_dirs[architecture]
     copied: list[RowRequest] = []
 
-    def spy(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> list[tuple[Tensor, ...]]:
+    def spy(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> HostRows:
         copied.extend(wanted)
-        return copy_rows_to_host(pooled, wanted)
+        return start_rows_copy(pooled, wanted)
 
-    monkeypatch.setattr(engine, "copy_rows_to_host", spy)
+    monkeypatch.setattr(engine, "start_rows_copy", spy)
     asks = [None, HiddenDType.FLOAT32, None, HiddenDType.FLOAT16, HiddenDType.BFLOAT16, None]
     requests = [
         ScoreRequest(

@@ -56,7 +56,7 @@ from models.errors import DeviceLostError
 from schemas import ScoreRequest
 
 scorer = Scorer({model!r}, ScorerConfig(device="cuda"))
-real_forward = scorer._forward_batch
+real_forward = scorer._launch_batch
 
 def faulting_forward(batch):
     if any(p.request.request_id == "fault" for p in batch):
@@ -64,7 +64,7 @@ def faulting_forward(batch):
         torch.zeros(4, device="cuda")[torch.tensor([99], device="cuda")].sum().item()
     return real_forward(batch)
 
-scorer._forward_batch = faulting_forward
+scorer._launch_batch = faulting_forward
 assert scorer.score([ScoreRequest("before", items=("fine",))])[0].ok
 try:
     scorer.score([ScoreRequest("ok", items=("fine",)), ScoreRequest("fault", items=("fine",))])

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from schemas import ResultStatus, ScoreRequest, ScoreResult
 from worker.config import WorkerSettings
 from worker.errors import ModelStuckError
-from worker.intake import Accepted, Outgoing
+from worker.intake import Accepted, Launch, Outgoing
 from worker.metrics import ResultTally, WorkerMetrics
 from worker.pipeline import Pipeline
 
@@ -40,20 +40,33 @@ class _ModelThreadScorer:
         self.started = [threading.Event() for _ in range(8)]
         self._hold = hold
         self.batch_measure = None
+        self.events: list[tuple[str, list[str]]] = []  # launches and finishes, in order
 
     def prepare_all(self, records: Sequence[Any]) -> list[Accepted]:
         return [_accepted(record) for record in records]
 
-    def score(self, prepared: Sequence[Any]) -> list[ScoreResult]:
+    overlaps = False  # like a scorer that scores whole in launch (the real Scorer on a GPU overlaps)
+
+    def launch(self, prepared: Sequence[Any]) -> Launch:
         call = len(self.calls)
-        self.calls.append([p.request.request_id for p in prepared])
+        ids = [p.request.request_id for p in prepared]
+        self.calls.append(ids)
+        self.events.append(("launch", ids))
         self.started[call].set()
         self._hold(call)
-        return [ScoreResult(p.request.request_id, ResultStatus.OK, scores=((0.0,),)) for p in prepared]
+        return Launch(prepared, None, None if self.overlaps else _results(prepared))
+
+    def finish(self, launch: Launch) -> list[ScoreResult]:
+        self.events.append(("finish", [p.request.request_id for p in launch.prepared]))
+        return launch.results if launch.results is not None else _results(launch.prepared)
 
     def encode(self, answers: Sequence[tuple[Accepted, ScoreResult]]) -> Outgoing:
         self.answered.extend(accepted.offset for accepted, _ in answers)
         return Outgoing([], ResultTally())
+
+
+def _results(prepared: Sequence[Any]) -> list[ScoreResult]:
+    return [ScoreResult(p.request.request_id, ResultStatus.OK, scores=((0.0,),)) for p in prepared]
 
 
 def _accepted(offset: int) -> Accepted:
@@ -112,6 +125,37 @@ async def _full_batch_starts_at_once(tmp_path: Path, depth: int) -> None:
     assert scorer.calls == [["r0", "r1"], ["r2", "r3"]]
     assert scorer.answered == [0, 1, 2, 3]
     assert not harness.pipeline.model_busy
+
+
+@pytest.mark.parametrize("overlaps", [False, True])
+def test_a_queued_batch_is_launched_before_the_one_ahead_is_finished(tmp_path: Path, overlaps: bool) -> None:
+    """With a batch queued behind it, a call only launches its batch; the next call launches its own and
+    then finishes the one ahead, so the device never waits for the host to build results. Results go
+    out in batch order either way, and the last batch is finished by its own call."""
+    asyncio.run(_queued_batch_launched_first(tmp_path, overlaps))
+
+
+async def _queued_batch_launched_first(tmp_path: Path, overlaps: bool) -> None:
+    release = threading.Event()
+    scorer = _ModelThreadScorer(hold=lambda call: _wait(release) if call == 0 else None)
+    scorer.overlaps = overlaps  # type: ignore[misc]
+    harness = _Harness(tmp_path, scorer, model_queue_depth=2)
+    await harness.pipeline.accept([0, 1])  # type: ignore[list-item]  # launched, held
+    assert await asyncio.to_thread(_wait, scorer.started[0])
+    await harness.pipeline.accept([2, 3])  # type: ignore[list-item]  # queued behind it
+    release.set()
+    assert await harness.settle() == []
+    first, second = ["r0", "r1"], ["r2", "r3"]
+    if overlaps:
+        assert scorer.events == [("launch", first), ("launch", second), ("finish", first), ("finish", second)]
+    else:
+        assert scorer.events == [("launch", first), ("finish", first), ("launch", second), ("finish", second)]
+    assert scorer.answered == [0, 1, 2, 3]
+    # Nothing is left launched: a later lone batch is finished by its own call.
+    await harness.pipeline.accept([4, 5])  # type: ignore[list-item]
+    assert await harness.settle() == []
+    assert scorer.events[-2:] == [("launch", ["r4", "r5"]), ("finish", ["r4", "r5"])]
+    assert scorer.answered == [0, 1, 2, 3, 4, 5]
 
 
 def test_the_open_batch_keeps_filling_while_the_model_runs_and_closes_when_it_ends(tmp_path: Path) -> None:

@@ -40,15 +40,19 @@ class MarkedScorer(Scorer):
 
     hang = threading.Event()  # set to release hanging forwards
 
-    def _forward_batch(self, batch: list[PreparedRequest]) -> Any:
+    def _launch_batch(self, batch: list[PreparedRequest]) -> Any:
         ids = [p.request.request_id for p in batch]
         if any(i.startswith("poison") for i in ids):
             raise RuntimeError("simulated kernel failure on a poisonous input")
         if any(i.startswith("lost") for i in ids):
             raise DeviceLostError("simulated: the device is gone")
-        if any(i.startswith("hang") for i in ids):
+        return super()._launch_batch(batch)
+
+    def _collect(self, launched: Any) -> Any:
+        # A hung kernel: the host waits for a device that never finishes the batch.
+        if any(p.request.request_id.startswith("hang") for p in launched.batch):
             self.hang.wait(60)
-        return super()._forward_batch(batch)
+        return super()._collect(launched)
 
 
 class CountingScorer(WrappedScorer):
