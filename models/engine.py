@@ -426,18 +426,13 @@ class Scorer:
         """Wait for a launched call's batches and return its results, in request order."""
         results = pending.results
         for indices, launched in pending.batches:
-            if isinstance(launched, list):
-                scored = launched
-            else:
-                scored = self._finish_batch(launched, pending.on_batch)
-            for index, result in zip(indices, scored, strict=True):
+            for index, result in zip(indices, self._finish_batch(launched, pending.on_batch), strict=True):
                 results[index] = result
         return [result for result in results if result is not None]
 
     def _run_batch(self, batch: list[PreparedRequest], on_batch: BatchObserver | None) -> list[ScoreResult]:
         """Score a batch now, launch and finish."""
-        launched = self._launch_or_recover(batch, on_batch)
-        return launched if isinstance(launched, list) else self._finish_batch(launched, on_batch)
+        return self._finish_batch(self._launch_or_recover(batch, on_batch), on_batch)
 
     def _launch_or_recover(
         self, batch: list[PreparedRequest], on_batch: BatchObserver | None
@@ -450,7 +445,12 @@ class Scorer:
         except Exception as exc:  # out of memory, kernel errors: find the request that causes it
             return self._after_failure(batch, exc, on_batch, started)
 
-    def _finish_batch(self, launched: _Launched, on_batch: BatchObserver | None) -> list[ScoreResult]:
+    def _finish_batch(
+        self, launched: _Launched | list[ScoreResult], on_batch: BatchObserver | None
+    ) -> list[ScoreResult]:
+        """A launched batch's results once the device is done (a failed batch's results as they are)."""
+        if isinstance(launched, list):
+            return launched
         batch = launched.batch
         try:
             output = self._collect(launched)
@@ -749,11 +749,6 @@ class Scorer:
                 f"{self.device} failed after {_describe(error)} and no longer runs anything "
                 f"({_describe(probe_error)}); the process must restart"
             ) from error
-
-    def _synchronize(self) -> None:
-        # CUDA work is asynchronous: without a sync, the clock would stop before the kernels finish.
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _failure(
         self, request: ScoreRequest, code: ErrorCode, message: str, timings: dict[str, float]

@@ -353,19 +353,6 @@ def hidden_row_bytes(hidden_size: int, dtype: HiddenDType) -> int:
     return hidden_size * _TORCH_DTYPES[dtype].itemsize
 
 
-def copy_rows_to_host(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> list[tuple[Tensor, ...]]:
-    """Gather only the asked rows of pooled [N, H], cast on device, and copy them to the host at once.
-
-    Rows are grouped by dtype (one gather and one cast per dtype) and laid out as raw bytes in one buffer,
-    so even a batch with mixed dtypes costs a single device-to-host copy.
-    Returns one tuple of schemas.Tensor per entry of `wanted`.
-    """
-    rows = start_rows_copy(pooled, wanted)
-    if pooled.device.type == "cuda":
-        torch.cuda.current_stream(pooled.device).synchronize()
-    return rows.read()
-
-
 @dataclass(frozen=True)
 class HostRows:
     """Rows of pooled hidden states on their way to the host (see `start_rows_copy`): `read` them once the
@@ -394,8 +381,12 @@ class HostRows:
 
 
 def start_rows_copy(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> HostRows:
-    """Queue the gather, cast and one device-to-host copy of the asked rows on the current stream, without
-    waiting for it: the host can launch the next batch while the copy runs."""
+    """Queue the gather, cast and copy to the host of only the asked rows of pooled [N, H] on the current
+    stream, without waiting for it: the host can launch the next batch while the copy runs.
+
+    Rows are grouped by dtype (one gather and one cast per dtype) and laid out as raw bytes in one buffer,
+    so even a batch with mixed dtypes costs a single device-to-host copy.
+    """
     hidden = pooled.shape[1]
     if not wanted:
         return HostRows(None, (), (), hidden)

@@ -101,6 +101,7 @@ class Intake:
         self._scorer = scorer
         self._metrics = metrics
         self._replies = ReplyPolicy(settings)
+        self._overlaps = all(callable(getattr(scorer, name, None)) for name in ("launch", "finish"))
 
     @property
     def batch_measure(self) -> PromptsMeasure | None:
@@ -246,25 +247,19 @@ class Intake:
             request.request_id, code, message, model=self._scorer.model_name, metadata=request.metadata
         )
 
-    def score(self, prepared: Sequence[Any]) -> list[ScoreResult]:
-        """Runs on the model thread: one result per prepared request (or part of one), in order."""
-        return self.finish(self.launch(prepared))
-
     @property
     def overlaps(self) -> bool:
         """The scorer can queue a batch on the device and build its results later (Scorer.launch)."""
-        return callable(getattr(self._scorer, "launch", None)) and callable(
-            getattr(self._scorer, "finish", None)
-        )
+        return self._overlaps
 
     def launch(self, prepared: Sequence[Any]) -> Launch:
         """Runs on the model thread: the batch's forward passes queued on the device; `finish` waits for
-        them. A scorer without that split scores here."""
+        them (one result per prepared request or part of one, in order). A scorer without that split
+        scores here."""
         try:
-            if not self.overlaps:
-                return Launch(prepared, None, self._checked(prepared, self._scorer.score_prepared(
-                    prepared, on_batch=self._metrics.model_batch
-                )))  # fmt: skip
+            if not self._overlaps:
+                results = self._scorer.score_prepared(prepared, on_batch=self._metrics.model_batch)
+                return Launch(prepared, None, self._checked(prepared, results))
             pending = self._scorer.launch(prepared, on_batch=self._metrics.model_batch)  # type: ignore[attr-defined]
         except DeviceLostError:
             raise  # nothing more can run here: the worker stops, uncommitted

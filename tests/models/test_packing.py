@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from models.packing import RowRequest, copy_rows_to_host, pack, pool, pooled_positions
+from models.packing import RowRequest, pack, pool, pooled_positions, start_rows_copy
 from schemas import HiddenDType
 
 
@@ -31,7 +31,7 @@ def test_copy_rows_selects_casts_and_keeps_order() -> None:
         RowRequest((2, 3), HiddenDType.FLOAT16),
         RowRequest((1,), HiddenDType.BFLOAT16),
     ]
-    out = copy_rows_to_host(pooled, wanted)
+    out = start_rows_copy(pooled, wanted).read()  # a CPU tensor's copy is done when it returns
     assert [len(tensors) for tensors in out] == [2, 1, 2, 1]
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     for entry, tensors in zip(wanted, out, strict=True):
@@ -39,7 +39,7 @@ def test_copy_rows_selects_casts_and_keeps_order() -> None:
             assert tensor.dtype == entry.dtype.value and tensor.shape == (5,)
             expected = pooled[row].to(torch_dtype[entry.dtype.value]).float().numpy()
             np.testing.assert_array_equal(tensor.to_numpy().astype(np.float32), expected)
-    assert copy_rows_to_host(pooled, []) == []
+    assert start_rows_copy(pooled, []).read() == []
 
 
 def test_pooled_positions_follow_each_rule() -> None:

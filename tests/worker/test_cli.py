@@ -8,6 +8,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -133,12 +134,10 @@ def test_run_help_lists_the_security_flags_and_never_a_secret_from_the_environme
     assert proc.stdout.index("--bootstrap-servers") < proc.stdout.index("--security-protocol")
 
 
-def test_every_engine_setting_reaches_the_scorer(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The engine settings given to the worker are the ones the Scorer is built with: none dropped."""
+@pytest.fixture
+def built_configs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The ScorerConfig of every Scorer the CLI builds from here on (no model is loaded)."""
     import models
-    from worker.config import WorkerSettings
 
     built: list[models.ScorerConfig] = []
 
@@ -147,6 +146,13 @@ def test_every_engine_setting_reaches_the_scorer(
             built.append(config)
 
     monkeypatch.setattr(models, "Scorer", Recording)
+    return built
+
+
+def test_every_engine_setting_reaches_the_scorer(tiny_llama_dir: Path, built_configs: list[Any]) -> None:
+    """The engine settings given to the worker are the ones the Scorer is built with: none dropped."""
+    from worker.config import WorkerSettings
+
     settings = WorkerSettings(
         bootstrap_servers="127.0.0.1:9",
         model_dir=tiny_llama_dir,
@@ -168,7 +174,7 @@ def test_every_engine_setting_reaches_the_scorer(
         allow_pickle_weights=True,
     )
     cli._load_scorer(settings)
-    (config,) = built
+    (config,) = built_configs
     assert (config.device, config.dtype, config.max_batch_tokens, config.pooling) == (
         "cpu",
         "bfloat16",
@@ -187,18 +193,10 @@ def test_every_engine_setting_reaches_the_scorer(
 
 
 def test_cuda_graphs_cover_the_whole_batch_budget_unless_told_otherwise(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path, built_configs: list[Any]
 ) -> None:
-    import models
     from worker.config import WorkerSettings
 
-    built: list[models.ScorerConfig] = []
-
-    class Recording:
-        def __init__(self, model_dir: object, config: models.ScorerConfig) -> None:
-            built.append(config)
-
-    monkeypatch.setattr(models, "Scorer", Recording)
     for given, expected in ((None, 16384), (4096, 4096)):
         settings = WorkerSettings(
             bootstrap_servers="127.0.0.1:9",
@@ -208,4 +206,4 @@ def test_cuda_graphs_cover_the_whole_batch_budget_unless_told_otherwise(
             graph_max_tokens=given,
         )
         cli._load_scorer(settings)
-        assert built[-1].graph_max_tokens == expected
+        assert built_configs[-1].graph_max_tokens == expected
