@@ -225,7 +225,16 @@ class WorkerSettings(KafkaSecurity):
     )
     max_batch_tokens: int = Field(8192, gt=0, description="token budget of one model batch")
     max_batch_requests: int = Field(64, gt=0, description="most requests in one model batch")
-    max_wait_ms: int = Field(5, ge=0, le=60_000, description="longest wait after a batch's first request")
+    # While the model runs, arriving requests fill the next batch whatever this is; it only decides whether
+    # a request that finds the model idle waits for company. Waiting there adds its whole length to the
+    # latency of a lone request and gains little: what arrives during the forward joins the next batch.
+    max_wait_ms: int = Field(
+        0,
+        ge=0,
+        le=60_000,
+        description="how long a request that finds the model idle waits for more to batch with; 0 starts it "
+        "at once (requests arriving while the model runs fill the next batch either way)",
+    )
     model_queue_depth: int = Field(
         2,
         ge=1,
@@ -318,8 +327,9 @@ class WorkerSettings(KafkaSecurity):
     heartbeat_interval_ms: int = Field(3_000, gt=0, description="consumer heartbeat interval")
     max_poll_interval_ms: int = Field(300_000, gt=0, description="longest gap between polls")
     commit_interval_ms: int = Field(1_000, gt=0, description="how often finished offsets are committed")
-    # Kafka answers a fetch as soon as a record arrives; some brokers (Tansu) hold an empty fetch for the
-    # whole wait, so a long wait delays requests that arrive during it (aiokafka's default is 500).
+    # Kafka answers a fetch as soon as a record arrives; some brokers do not (Tansu looks again part-way
+    # through the wait: a record produced during a 100 ms wait is read about 25 ms later, at most about
+    # 50), so a long wait delays requests that arrive during it (aiokafka's default is 500).
     fetch_max_wait_ms: int = Field(
         100, ge=0, le=10_000, description="longest the broker may hold a fetch that finds no new records"
     )

@@ -178,6 +178,30 @@ async def _open_batch_keeps_filling(tmp_path: Path) -> None:
     assert scorer.calls == [["r0", "r1", "r2"], ["r3", "r4"]]
 
 
+def test_by_default_a_request_that_finds_the_model_idle_starts_at_once(tmp_path: Path) -> None:
+    """The default wait is none: a lone request is not held for company (that would add the whole wait to
+    its latency); those arriving while it runs still gather into the next batch."""
+    asyncio.run(_idle_model_starts_at_once(tmp_path))
+
+
+async def _idle_model_starts_at_once(tmp_path: Path) -> None:
+    release = threading.Event()
+    scorer = _ModelThreadScorer(hold=lambda call: _wait(release) if call == 0 else None)
+    default_wait = WorkerSettings.model_fields["max_wait_ms"].default
+    harness = _Harness(tmp_path, scorer, max_batch_requests=8, max_wait_ms=default_wait)
+    await harness.pipeline.accept([0])  # type: ignore[list-item]
+    assert harness.pipeline.due_in() == 0.0  # due now: the fetch loop's next check starts it
+    harness.pipeline.dispatch_due()
+    assert await asyncio.to_thread(_wait, scorer.started[0])
+    for offset in (1, 2, 3):  # arrive one by one while the first runs
+        await harness.pipeline.accept([offset])  # type: ignore[list-item]
+        harness.pipeline.dispatch_due()
+    assert not scorer.started[1].wait(0.2)
+    release.set()
+    assert await harness.settle() == []
+    assert scorer.calls == [["r0"], ["r1", "r2", "r3"]]
+
+
 def test_the_watchdog_times_a_queued_batch_from_its_own_start(tmp_path: Path) -> None:
     asyncio.run(_watchdog_from_own_start(tmp_path))
 
