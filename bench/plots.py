@@ -71,7 +71,7 @@ W2_PHASES = (
     ("latency", "half of saturation, fetch wait 100 ms"),
     ("latency_short_fetch", "half of saturation, fetch wait 10 ms"),
     ("one_in_flight", "one request in flight, fetch wait 10 ms"),
-    ("one_in_flight_low_latency", "one in flight, fetch wait 2 ms, max_wait_ms 0"),
+    ("one_in_flight_low_latency", "one in flight, fetch wait 2 ms"),
 )
 
 

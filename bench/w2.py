@@ -5,8 +5,8 @@ Run on the GPU machine from the repository root (needs aiokafka, pydantic-settin
 Phases: saturation (all requests produced at once; items/s first send to last result), latency (produced at
 half that rate; p50/p90/p99 produce-to-result), the latency phase again with the worker's fetch wait cut to
 10 ms (a diagnostic), one request in flight at a time (each sent when the previous result arrived; same short
-fetch wait), then the model step alone (Scorer.score_prepared on the batches the worker formed, and
-on full token-budget batches). Writes $OUT/w2.json (or --json PATH).
+fetch wait, then 2 ms; on topics of their own), then the model step alone (Scorer.score_prepared on the
+batches the worker formed, and on full token-budget batches). Writes $OUT/w2.json (or --json PATH).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ PHASES = (
     "latency",
     "warmup_short_fetch",
     "latency_short_fetch",
+    "warmup_one_in_flight",
     "one_in_flight",
     "warmup_low_latency",
     "one_in_flight_low_latency",
@@ -90,13 +91,16 @@ def build_model_dir(shapes: dict[str, Any], device: str, workdir: Path) -> Path:
     return packed_path.random_model_dir(Qwen3ForSequenceClassification, config, device, target)
 
 
-# The worker restarts the load process asks for, with the settings each changes. Tansu answers a fetch that
-# finds no data only after fetch_max_wait_ms, even if records arrive meanwhile, so a short wait shows how
-# much of the latency that wait is; the low-latency profile also starts a batch as soon as the model is
-# idle (max_wait_ms 0) instead of waiting for more requests.
-RESTARTS: dict[str, dict[str, int]] = {
+# The worker restarts the load process asks for, with the settings each changes. Tansu does not answer a
+# waiting fetch when records arrive: it looks again part-way through the wait (a record produced during a
+# 100 ms wait was read 25 ms later at the median, 52 ms at most), so a short wait shows how much of the
+# latency that wait is. The one-in-flight phases run on topics of their own (w2_load.ONE_IN_FLIGHT_TOPICS).
+RESTARTS: dict[str, dict[str, int | str]] = {
     "short_fetch": {"fetch_max_wait_ms": 10},
-    "low_latency": {"fetch_max_wait_ms": 2, "max_wait_ms": 0},
+    **{
+        name: {"fetch_max_wait_ms": wait_ms, "requests_topic": topics[0], "results_topic": topics[1]}
+        for (name, topics), wait_ms in zip(w2_load.ONE_IN_FLIGHT_TOPICS.items(), (10, 2), strict=True)
+    },
 }
 # Saturation again after a restart with other settings (--saturation-variants): worker settings, and
 # `switch_interval_us`, the interpreter's thread switch interval for that run (sys.setswitchinterval).
@@ -147,7 +151,7 @@ class WorkerRun:
         self._baseline: dict[str, tuple[float, float]] = {}
         self._watcher: asyncio.Task[None] | None = None
 
-    def start(self, label: str = "as_configured", **changes: int) -> None:
+    def start(self, label: str = "as_configured", **changes: int | str) -> None:
         settings = self._settings.model_copy(update=changes) if changes else self._settings
         self._current = settings
         metrics = NullMetrics(settings.worker_id) if self._no_metrics else None
@@ -236,7 +240,7 @@ async def _await_report(
             await run.stop()
             changes = dict((RESTARTS | VARIANTS)[message["restart"]])
             switch_us = changes.pop("switch_interval_us", None)
-            sys.setswitchinterval(DEFAULT_SWITCH_INTERVAL_S if switch_us is None else switch_us / 1e6)
+            sys.setswitchinterval(DEFAULT_SWITCH_INTERVAL_S if switch_us is None else float(switch_us) / 1e6)
             run.start(message["restart"], **changes)
             await run.settled()
             control.put("go")
@@ -260,7 +264,12 @@ async def serve(
     no_metrics: bool = False,
 ) -> tuple[dict[str, Any], list[tuple[float, float, int]]]:
     """Run the worker while the load process runs its phases; returns its report and the loop samples."""
-    await ensure_topics(settings)  # the load process reads the results topic from its start
+    # The load process reads the results topics from its start: every phase's topics exist before it.
+    await ensure_topics(settings)
+    for requests_topic, results_topic in w2_load.ONE_IN_FLIGHT_TOPICS.values():
+        await ensure_topics(
+            settings.model_copy(update={"requests_topic": requests_topic, "results_topic": results_topic})
+        )
     run = WorkerRun(settings, scorer, no_metrics)
     run.start()
     await run.settled()
@@ -359,7 +368,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--requests", type=int, default=None, help="requests (default 8192; quick 64)")
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
-    parser.add_argument("--max-wait-ms", type=int, default=2)
+    parser.add_argument(
+        "--max-wait-ms", type=int, default=None, help="the worker's max_wait_ms (default: the worker's own)"
+    )
     parser.add_argument(
         "--graph-max-tokens",
         type=int,
@@ -390,12 +401,13 @@ def make_settings(args: argparse.Namespace, bootstrap: str, model_dir: Path, dev
         "max_batch_tokens": args.max_batch_tokens,
         # The token budget, not a count, should close batches (W2 averages ~680 tokens a request).
         "max_batch_requests": 1024,
-        "max_wait_ms": args.max_wait_ms,
         "graph_max_tokens": args.graph_max_tokens or args.max_batch_tokens,
         "max_inflight_requests": args.max_inflight,
         "session_timeout_ms": 6000,  # joining a group on Tansu waits about half of it
         "heartbeat_interval_ms": 2000,
     }
+    if args.max_wait_ms is not None:
+        values["max_wait_ms"] = args.max_wait_ms
     return WorkerSettings(**values)
 
 
@@ -568,15 +580,15 @@ def print_summary(report: dict[str, Any]) -> None:
         else:
             print(f"{name} phase skipped: {report.get(name + '_skipped')}")
     for name, label in (
-        ("one_in_flight", "fetch_max_wait_ms 10, max_wait_ms as configured"),
-        ("one_in_flight_low_latency", "fetch_max_wait_ms 2, max_wait_ms 0"),
+        ("one_in_flight", "fetch_max_wait_ms 10"),
+        ("one_in_flight_low_latency", "fetch_max_wait_ms 2"),
     ):
         if name not in report:
             continue
         one, ow = report[name], report[name]["worker"]
         lt = one["latency"]
         print(
-            f"one request in flight, {label} ({one['completed']}/{one['requests']} done): "
+            f"one request in flight, {label}, own topics ({one['completed']}/{one['requests']} done): "
             f"p50 {lt.get('p50_ms', 0):.1f} ms, p90 {lt.get('p90_ms', 0):.1f}, "
             f"p99 {lt.get('p99_ms', 0):.1f}; "
             f"the worker's score_prepared p50 {_ms(ow['score_prepared_ms'], 'p50')} ms; p50 of the parts: "
@@ -596,10 +608,11 @@ def print_summary(report: dict[str, Any]) -> None:
             f"{_ms(vw['gap_between_batches_ms'], 'p50')} ms (its CPU {_ms(vw['gap_cpu_ms'], 'p50')}); "
             f"model thread in score_prepared {vw['model_thread_busy_pct']:.0f}%; CPU cores {v_cores}"
         )
-    low = report.get("worker_stages", {}).get("low_latency")
-    if low:  # that worker's figures from after its warm-up: one request at a time
-        means = ", ".join(f"{k} {v['mean_ms']:.2f}" for k, v in low.items())
-        print(f"  the low-latency worker's own stage means (ms): {means}")
+    for run_label in ("one_in_flight", "low_latency"):
+        stages = report.get("worker_stages", {}).get(run_label)
+        if stages:  # that worker's figures from after its warm-up: one request at a time
+            means = ", ".join(f"{k} {v['mean_ms']:.2f}" for k, v in stages.items())
+            print(f"  the {run_label} worker's own stage means (ms): {means}")
 
 
 def print_latency(lat: dict[str, Any], saturation_items_s: float, label: str) -> None:
