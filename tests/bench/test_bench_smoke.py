@@ -160,3 +160,18 @@ def test_w2_quick_run_through_a_real_broker_checks_what_it_timed(tmp_path: Path)
     assert (
         processed["as_configured"] == 0 and processed["intake1"] >= report["saturation_intake1"]["requests"]
     )
+
+
+def test_broker_hop_times_both_partitions_at_every_step(tmp_path: Path) -> None:
+    """bench/broker_hop.py through the embedded broker: a measurement before and after each fill step, on
+    the filled partition and on a fresh topic, every record timed having arrived."""
+    target = tmp_path / "hop.json"
+    args = ["bench/broker_hop.py", "--fill", "100", "--step", "50", "--trips", "5", "--json", str(target)]
+    proc = _run_script(args, tmp_path, 300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads(target.read_text())["rows"]
+    assert [row["batches_held"] for row in rows] == [0, 50, 100]
+    for row in rows:
+        for where in ("filled", "fresh"):
+            figures = row[where]
+            assert 0 < figures["p50_ms"] <= figures["p90_ms"] <= figures["max_ms"] < 1000
