@@ -90,6 +90,9 @@ def test_shared_prefix_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) 
     for case in ("w3", "w4"):
         assert report[case]["vs_fp32"]["ok"] and report[case]["agreement"]["ok"]
         assert report[case]["distinct_tokens"] < report[case]["whole_prompt_tokens"]
+        # Timed as the model step, with batches overlapped, and with preparing on the same thread.
+        for timing in (report[case], report[case]["overlapped"], report[case]["with_prepare"]):
+            assert timing["shared_items_per_s"] > 0 and timing["today_items_per_s"] > 0
 
 
 def test_fp8_benchmark_quick_run_reports_both_paths_side_by_side(tmp_path: Path) -> None:
