@@ -22,8 +22,12 @@ def token_runs(sizes: Sequence[int], max_tokens: int, measure: RangeMeasure | No
     over the budget, so a run is cut where what it computes, not what it holds, reaches the budget.
 
     The one rule for cutting a sequence into token-budget batches: the worker's batcher, the engine's split
-    and the cutting of a large request all follow it.
+    and the cutting of a large request all follow it. Sequences that fit whole as measured (a batch the
+    worker's batcher closed within the budget) are measured once, not once per entry beyond the sum.
     """
+    if measure is not None and sum(sizes) > max_tokens and measure(0, len(sizes)) <= max_tokens:
+        yield range(0, len(sizes))
+        return
     start, tokens = 0, 0
     for index, size in enumerate(sizes):
         over = index > start and tokens + size > max_tokens

@@ -31,10 +31,26 @@ def test_token_runs_with_a_measure_cut_where_the_computed_tokens_reach_the_budge
 
     # 0..2 compute 6 (12 held); with 3 they would compute 10; 3 and 4 hold 8 and need no measure.
     assert list(token_runs(sizes, 8, measure)) == [range(0, 3), range(3, 5)]
-    assert asked == [(0, 3), (0, 4)]  # asked only where the plain sum is over the budget
+    # The whole first (it does not fit), then only where the plain sum goes over the budget.
+    assert asked == [(0, 5), (0, 3), (0, 4)]
     assert list(token_runs([3, 3, 3, 10], 6, lambda a, b: sum([3, 3, 3, 10][a:b]))) == list(
         token_runs([3, 3, 3, 10], 6)
     )
+
+
+def test_token_runs_measure_a_sequence_that_fits_whole_once() -> None:
+    """A batch the worker closed within the budget, as measured, is not measured again entry by entry
+    when the engine splits it (each measure finds the shared prefixes of every prompt so far)."""
+    sizes = [9, 9, 9, 9]  # 36 held; each after the first shares 8 with the one before: 9 + 1 + 1 + 1
+    asked: list[tuple[int, int]] = []
+
+    def measure(start: int, stop: int) -> int:
+        asked.append((start, stop))
+        return 9 + (stop - start - 1)
+
+    assert list(token_runs(sizes, 16, measure)) == [range(0, 4)]
+    assert asked == [(0, 4)]
+    assert list(token_runs(sizes, 16)) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
 
 
 def test_a_request_whose_items_share_their_query_is_cut_by_what_it_computes() -> None:

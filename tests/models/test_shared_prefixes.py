@@ -153,6 +153,20 @@ def test_groups_keep_a_token_of_their_own_and_the_longest_saving() -> None:
     assert find_shared_prefixes(random_prompts, 8) == []
 
 
+def test_common_prefixes_are_found_exactly_across_block_boundaries() -> None:
+    """The prefix comparison goes block by block; a difference anywhere, at a block's edge or not, ends the
+    shared prefix exactly there, for prompts given as lists or tuples alike."""
+    base = tuple(range(10, 300))
+    for cut in (0, 1, 31, 63, 64, 65, 127, 128, 129, 200):
+        other = (*base[:cut], 999, *base[cut + 1 :])
+        for a, b in ((base, other), (list(base), list(other)), (base, list(other))):
+            groups = find_shared_prefixes([a, b], 1)
+            assert groups == ([SharedPrefix((0, 1), cut)] if cut else []), cut
+    # One prompt a prefix of the other: all but the shorter one's last token is shared.
+    assert find_shared_prefixes([base[:130], base], 1) == [SharedPrefix((0, 1), 129)]
+    assert find_shared_prefixes([base, base], 1) == [SharedPrefix((0, 1), len(base) - 1)]
+
+
 def test_packing_lays_out_the_prefix_once_and_each_suffix_after_it() -> None:
     prompts = [(9,), (1, 2, 3, 4, 5), (1, 2, 3, 6)]
     packed = pack(prompts, torch.device("cpu"), "last_token", shared=[SharedPrefix((1, 2), 3)])
