@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,11 +98,34 @@ def make_scorer(
 
 def run_scorer(scorer: Any, requests: Sequence[Any], chunks: Sequence[Sequence[int]]) -> list[Any]:
     """Score the requests in the given token-budget chunks (as the worker's batcher would hand them over)."""
-    results: list[Any] = [None] * len(requests)
-    for chunk in chunks:
-        for index, result in zip(chunk, scorer.score([requests[i] for i in chunk]), strict=True):
+    per_chunk = (scorer.score([requests[i] for i in chunk]) for chunk in chunks)
+    return in_request_order(len(requests), chunks, per_chunk)
+
+
+def in_request_order(
+    count: int, chunks: Sequence[Sequence[int]], per_chunk: Iterable[Sequence[Any]]
+) -> list[Any]:
+    """Results given chunk by chunk (each in its chunk's order) put back in the order of the `count`
+    requests the chunks index; None for a request no chunk holds."""
+    results: list[Any] = [None] * count
+    for chunk, chunk_results in zip(chunks, per_chunk, strict=True):
+        for index, result in zip(chunk, chunk_results, strict=True):
             results[index] = result
     return results
+
+
+def launch_ahead(scorer: Any, groups: Iterable[Sequence[Any]]) -> Iterator[list[Any]]:
+    """Each group's results, in order, every group launched before the one ahead of it is finished (as the
+    worker's model thread runs batches that queue): the host builds one group's results while the device
+    runs the next. A group is taken from `groups` only when it is launched."""
+    pending = None
+    for group in groups:
+        launched = scorer.launch(group)
+        if pending is not None:
+            yield scorer.finish(pending)
+        pending = launched
+    if pending is not None:
+        yield scorer.finish(pending)
 
 
 def results_to_arrays(results: Sequence[Any], hidden_size: int, asked: bool = True) -> PathOutput:

@@ -127,32 +127,20 @@ def time_path(
             raise RuntimeError(f"a benchmark request was refused: {refused[0].error}")
         prepared.append(batch)
 
-    def step() -> list[ScoreResult]:
-        results: list[ScoreResult | None] = [None] * len(requests)
-        for chunk, batch in zip(cut, prepared, strict=True):
-            for index, result in zip(chunk, scorer.score_prepared(batch), strict=True):
-                results[index] = result
+    def covered(results: list[Any]) -> list[ScoreResult]:
         if any(r is None for r in results):
             raise RuntimeError("the batches did not cover every request")
         return cast(list[ScoreResult], results)
 
+    def step() -> list[ScoreResult]:
+        per_batch = (scorer.score_prepared(batch) for batch in prepared)
+        return covered(packed_path.in_request_order(len(requests), cut, per_batch))
+
     def overlapped() -> list[ScoreResult]:
         """As the worker's model thread runs queued batches: each launched before the one ahead is
         finished, so the host builds one batch's inputs and results while the device runs another."""
-        finished: list[list[ScoreResult]] = []
-        pending = None
-        for batch in prepared:
-            launched = scorer.launch(batch)
-            if pending is not None:
-                finished.append(scorer.finish(pending))
-            pending = launched
-        if pending is not None:
-            finished.append(scorer.finish(pending))
-        results: list[ScoreResult | None] = [None] * len(requests)
-        for chunk, batch_results in zip(cut, finished, strict=True):
-            for index, result in zip(chunk, batch_results, strict=True):
-                results[index] = result
-        return cast(list[ScoreResult], results)
+        per_batch = packed_path.launch_ahead(scorer, prepared)
+        return covered(packed_path.in_request_order(len(requests), cut, per_batch))
 
     best = {"step_s": float("inf"), "overlapped_s": float("inf"), "whole_s": float("inf")}
     results: list[ScoreResult] = []
@@ -220,6 +208,18 @@ def run_case(
         args.repeats,
     )
     del today
+
+    def rates(timing: str) -> dict[str, float]:
+        """Items/s of the three paths and the shared path's ratios, by one of time_path's timings."""
+        whole, shared_s, distinct = whole_t[timing], shared_t[timing], distinct_t[timing]
+        return {
+            "today_items_per_s": items / whole,
+            "shared_items_per_s": items / shared_s,
+            "distinct_items_per_s": items / distinct,
+            "speedup": whole / shared_s,
+            "share_of_distinct": distinct / shared_s,
+        }
+
     report: dict[str, Any] = {
         "requests": len(requests),
         "items": items,
@@ -228,27 +228,11 @@ def run_case(
         "batches": len(cut),
         "shared_batches": len(shared_cut),
         # The model step: what bounds the worker, whose intake prepares requests beside the model.
-        "today_items_per_s": items / whole_t["step_s"],
-        "shared_items_per_s": items / shared_t["step_s"],
-        "distinct_items_per_s": items / distinct_t["step_s"],
-        "speedup": whole_t["step_s"] / shared_t["step_s"],
-        "share_of_distinct": distinct_t["step_s"] / shared_t["step_s"],
+        **rates("step_s"),
         # The model step with batches overlapped, as the worker's model thread runs them when they queue.
-        "overlapped": {
-            "today_items_per_s": items / whole_t["overlapped_s"],
-            "shared_items_per_s": items / shared_t["overlapped_s"],
-            "distinct_items_per_s": items / distinct_t["overlapped_s"],
-            "speedup": whole_t["overlapped_s"] / shared_t["overlapped_s"],
-            "share_of_distinct": distinct_t["overlapped_s"] / shared_t["overlapped_s"],
-        },
+        "overlapped": rates("overlapped_s"),
         # Scorer.score, preparing on the model's thread first (how this benchmark timed until 2026-12-01).
-        "with_prepare": {
-            "today_items_per_s": items / whole_t["whole_s"],
-            "shared_items_per_s": items / shared_t["whole_s"],
-            "distinct_items_per_s": items / distinct_t["whole_s"],
-            "speedup": whole_t["whole_s"] / shared_t["whole_s"],
-            "share_of_distinct": distinct_t["whole_s"] / shared_t["whole_s"],
-        },
+        "with_prepare": rates("whole_s"),
         "agreement": agree(shared_results, whole_results),
         "vs_fp32": check_sample(model_dir, device, sample(requests, shared_results, args.sample)),
     }

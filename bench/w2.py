@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from queue import Empty
@@ -331,27 +331,24 @@ def model_step(
 def model_step_overlapped(scorer: Scorer, groups: Sequence[Sequence[Any]], cap_s: float) -> dict[str, Any]:
     """The same groups, each launched before the previous one is finished (as the worker's model thread
     does when batches queue): the host builds one batch's results while the device runs the next. Wall
-    time of the whole run; stops at cap_s."""
+    time of the whole run; no group is launched after cap_s."""
     started = time.perf_counter()
-    done = tokens = items = 0
-    pending = None
-    for group in groups:
-        if time.perf_counter() - started > cap_s:
-            break
-        launched = scorer.launch(group)
-        if pending is not None:
-            scorer.finish(pending)
-        pending = launched
-        done, tokens, items = (
-            done + 1,
-            tokens + sum(p.num_tokens for p in group),
-            items + sum(len(p.prompts) for p in group),
-        )
-    if pending is not None:
-        scorer.finish(pending)
+    launched: list[Sequence[Any]] = []
+
+    def within_cap() -> Iterator[Sequence[Any]]:
+        for group in groups:
+            if time.perf_counter() - started > cap_s:
+                return
+            launched.append(group)
+            yield group
+
+    for _ in packed_path.launch_ahead(scorer, within_cap()):
+        pass
     seconds = time.perf_counter() - started
+    tokens = sum(p.num_tokens for group in launched for p in group)
+    items = sum(len(p.prompts) for group in launched for p in group)
     return {
-        "batches": done,
+        "batches": len(launched),
         "seconds": seconds,
         "tokens_per_s": tokens / max(seconds, 1e-9),
         "items_per_s": items / max(seconds, 1e-9),

@@ -393,12 +393,11 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
         report["warmup_short_fetch"] = await loader.burst(warm[:16], "warm2", config.warmup_timeout_s)
         report["latency_short_fetch"] = await loader.paced(requests[:count], "lat2", rate)
         _progress("latency, worker fetch_max_wait_ms 10", report["latency_short_fetch"])
-        one_phases = (
-            ("one_in_flight", "one", "warm3", "one request in flight, worker fetch_max_wait_ms 10"),
-            ("low_latency", "one-low", "warm4", "one request in flight, worker fetch_max_wait_ms 2"),
+        one_phases = (  # worker restart, report key, id prefixes, progress label
+            ("one_in_flight", "one_in_flight", "one", "warm3", "worker fetch_max_wait_ms 10"),
+            ("low_latency", "one_in_flight_low_latency", "one-low", "warm4", "worker fetch_max_wait_ms 2"),
         )
-        for restart, prefix, warm_prefix, label in one_phases:
-            name = "one_in_flight" if restart == "one_in_flight" else "one_in_flight_low_latency"
+        for restart, name, prefix, warm_prefix, label in one_phases:
             if config.deadline - time.monotonic() < 30:
                 report[f"{name}_skipped"] = "no time left"
                 return report
@@ -415,7 +414,7 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
             finally:
                 await own.stop()
             report[name]["topics"] = [requests_topic, results_topic]
-            _progress(label, report[name])
+            _progress(f"one request in flight, {label}", report[name])
         for variant in config.variants:
             if config.deadline - time.monotonic() < 2 * (sat["t_last_result"] - sat["t_first_send"]) + 30:
                 report[f"saturation_{variant}_skipped"] = "no time left"
