@@ -18,13 +18,14 @@ import functools
 import inspect
 import itertools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from models.config import VarlenKernel
+from models.packing import PrefixCross
 
 REFERENCE_ATTENTION = "score_worker_reference"
 VARLEN_ATTENTION = "score_worker_varlen"
@@ -89,15 +90,19 @@ def reference_attention(
     cu_seq_lens_q: torch.Tensor | None = None,
     cu_seq_lens_k: torch.Tensor | None = None,
     packed_key_index: torch.Tensor | None = None,
+    prefix_cross: PrefixCross | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """HF attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None).
 
     Sequence i's queries are rows cu_seq_lens_q[i]:[i+1]. Its keys are the same rows, or, with
-    `packed_key_index`, the rows packed_key_index[cu_seq_lens_k[i]:[i+1]] (a shared prefix, then its own).
+    `packed_key_index`, the rows packed_key_index[cu_seq_lens_k[i]:[i+1]] (a shared prefix, then its own):
+    shared prefixes reach this path with their keys gathered, never as two passes.
     """
     if cu_seq_lens_q is None:
         raise ValueError("packed attention needs cu_seq_lens_q; call the model through models.Scorer")
+    if prefix_cross is not None and packed_key_index is None:
+        raise ValueError("the exact path reads shared prefixes through gathered keys (packed_key_index)")
     bounds = cu_seq_lens_q.tolist()
     key_bounds = bounds if packed_key_index is None or cu_seq_lens_k is None else cu_seq_lens_k.tolist()
     out = torch.empty(
@@ -152,6 +157,7 @@ def varlen_attention(
     max_length_q: int | None = None,
     max_length_k: int | None = None,
     packed_key_index: torch.Tensor | None = None,
+    prefix_cross: PrefixCross | None = None,
     *,
     kernel: VarlenKernel,
     kernel_gqa: bool = False,
@@ -159,8 +165,13 @@ def varlen_attention(
 ) -> tuple[torch.Tensor, None]:
     """Varlen-kernel attention: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D].
 
-    With `packed_key_index`, sequence i attends to the key rows packed_key_index[cu_seq_lens_k[i]:[i+1]]:
-    gathered once per layer, the kernel then sees ordinary varlen sequences with more keys than queries."""
+    Shared prefixes (models/packing.py) take two passes, merged: every sequence over its own rows
+    (causal), and each group's suffixes over the group's prefix (`prefix_cross`), the prefix's keys read
+    where the row holds them once. A layer with a sliding window, given `packed_key_index`, gathers each
+    sequence's keys instead (sequence i's are the rows packed_key_index[cu_seq_lens_k[i]:[i+1]]) and runs
+    one pass: a window counts positions across the prefix and the suffix, which the cross pass cannot. The
+    engine gathers keys only for batches whose prompts are longer than the window; in shorter ones the
+    window cuts nothing and the two passes are exact."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError(
             "packed attention needs cu_seq_lens_q and max_length_q; call it through models.Scorer"
@@ -170,32 +181,63 @@ def varlen_attention(
             "the varlen kernel has no attention logit softcap; use attention='reference'"
         )
     cu_q = cu_seq_lens_q.to(torch.int32)  # flash kernels index with int32 offsets
-    cu_k = cu_q if cu_seq_lens_k is None else cu_seq_lens_k.to(torch.int32)
-    max_k = max_length_q if max_length_k is None else max_length_k
+    window = _left_window(sliding_window)
+    left = -1 if window is None else window
+    window_size = (left, 0 if _is_causal(module) else left)
     # The kernel wants [T, H, D] with a unit-stride last dim; HF hands over [1, H, T, D].
     q = query[0].transpose(0, 1).contiguous()
     key_rows, value_rows = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
-    if packed_key_index is not None:
-        key_rows, value_rows = (
-            key_rows.index_select(0, packed_key_index),
-            value_rows.index_select(0, packed_key_index),
-        )
+    gathered = packed_key_index is not None and (prefix_cross is None or window is not None)
+    cu_k, max_k = cu_q, max_length_q
+    if gathered and packed_key_index is not None:
+        if cu_seq_lens_k is None or max_length_k is None:
+            raise ValueError("gathered keys need cu_seq_lens_k and max_length_k")
+        key_rows = key_rows.index_select(0, packed_key_index)
+        value_rows = value_rows.index_select(0, packed_key_index)
+        cu_k, max_k = cu_seq_lens_k.to(torch.int32), max_length_k
     k, v, extra = _kernel_kv(q.shape[1], key_rows, value_rows, kernel_gqa)
-    window = _left_window(sliding_window)
-    left = -1 if window is None else window
-    out = kernel(
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        int(max_length_q),
-        int(max_k),
-        scale=scaling,
-        window_size=(left, 0 if _is_causal(module) else left),
-        **extra,
-    )  # [T, H, D]
-    return out.unsqueeze(0), None
+    if prefix_cross is None or gathered:
+        out = kernel(
+            q, k, v, cu_q, cu_k, int(max_length_q), int(max_k),
+            scale=scaling, window_size=window_size, **extra,
+        )  # fmt: skip
+        return out.unsqueeze(0), None  # [1, T, H, D]
+    own, own_lse = kernel(
+        q, k, v, cu_q, cu_q, int(max_length_q), int(max_length_q),
+        scale=scaling, window_size=window_size, return_aux=WANT_LSE, **extra,
+    )  # fmt: skip
+    cross, cross_lse = kernel(
+        q, k, v, prefix_cross.cu_q, prefix_cross.cu_k, int(prefix_cross.max_q), int(prefix_cross.max_k),
+        scale=scaling, window_size=(-1, -1), return_aux=WANT_LSE, **extra,
+    )  # fmt: skip
+    return merge_passes(own, own_lse, cross, cross_lse, prefix_cross.rows).unsqueeze(0), None
+
+
+class LseRequest(NamedTuple):
+    """`return_aux` of torch's varlen_attn (its AuxRequest, which torch 2.11 lacks): also return the
+    log-sum-exp of every query row's scores, [H, T] float32."""
+
+    lse: bool = True
+
+
+WANT_LSE = LseRequest()
+
+
+def merge_passes(
+    first: torch.Tensor,
+    first_lse: torch.Tensor,
+    second: torch.Tensor,
+    second_lse: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """Attention over two disjoint sets of keys from each set's own: outputs [T, H, D] and log-sum-exps
+    [H, T] of each pass. Softmax over the union weighs each pass's output by its share of the total mass,
+    exp(lse) / (exp(first_lse) + exp(second_lse)): first + sigmoid(second_lse - first_lse) * (second -
+    first), in float32. Only `rows` [T] (bool) took the second pass; the others keep the first's output
+    (what the second left in them is not read, whatever it is)."""
+    weight = torch.sigmoid(second_lse - first_lse).transpose(0, 1).unsqueeze(-1)  # [T, H, 1]
+    merged = torch.lerp(first.float(), second.float(), weight).to(first.dtype)
+    return torch.where(rows[:, None, None], merged, first)
 
 
 def _kernel_kv(
@@ -228,12 +270,16 @@ def flash_varlen_gqa(
     scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
     enable_gqa: bool = False,
-) -> torch.Tensor:
+    return_aux: LseRequest | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """torch's flash varlen kernel called as varlen_attn calls it, for torch versions whose varlen_attn has
     no enable_gqa (2.11). The flash kernel itself takes fewer K/V heads than query heads (each K/V head
-    serving consecutive query heads, HF's layout), so K/V need not be repeated to the query's heads."""
+    serving consecutive query heads, HF's layout), so K/V need not be repeated to the query's heads.
+    With `return_aux.lse`, also the log-sum-exp of each row's scores, [H, T], as varlen_attn returns it."""
     left, right = window_size
-    output: torch.Tensor = torch.ops.aten._flash_attention_forward(
+    output: torch.Tensor
+    lse: torch.Tensor
+    output, lse = torch.ops.aten._flash_attention_forward(
         query,
         key,
         value,
@@ -247,7 +293,9 @@ def flash_varlen_gqa(
         scale=scale,
         window_size_left=left,
         window_size_right=right,
-    )[0]
+    )[:2]
+    if return_aux is not None and return_aux.lse:
+        return output, lse
     return output
 
 

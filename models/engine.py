@@ -24,6 +24,7 @@ from models.loading import LoadedModel, load_model, read_config
 from models.packing import (
     HostRows,
     KeyLayout,
+    PrefixCross,
     RowRequest,
     SharedPrefix,
     find_shared_prefixes,
@@ -208,7 +209,9 @@ class Scorer:
         self.pooling = self.config.resolve_pooling(self._loaded.default_pooling)
         # Read once here: the worker's prepare thread asks for both while the model thread runs, and a
         # transformers config's attribute lookup costs tens of microseconds per request.
-        self._hidden_size = int(self._loaded.model.config.get_text_config().hidden_size)
+        text_config = self._loaded.model.config.get_text_config()
+        self._hidden_size = int(text_config.hidden_size)
+        self._sliding_window = sliding_window(text_config)
         self._num_labels = self._head_width()
         if self.config.quantization == "fp8":
             self._quantize_fp8(Path(model_dir).name)
@@ -585,6 +588,7 @@ class Scorer:
             token_types=token_types,
             position_pad=self._loaded.position_pad,
             shared=groups,
+            gather_keys=bool(groups) and self._gathers_keys(prompts),
         )
         with self._compiled or contextlib.nullcontext():
             hidden = None if self._graphs is None else self._graphs.run(packed)
@@ -605,6 +609,7 @@ class Scorer:
                     packed.max_length,
                     packed.token_type_ids,
                     keys=keys,
+                    cross=None if packed.cross is None else packed.cross.layout(),
                 )
         return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
 
@@ -629,6 +634,15 @@ class Scorer:
             return held
         return max(packed_length(prompts, self.config.share_prefix_min_tokens), -(-held // KEYS_PER_TOKEN))
 
+    def _gathers_keys(self, prompts: Sequence[Prompt]) -> bool:
+        """Whether a batch with shared prefixes gathers each sequence's keys: on the exact path, which reads
+        them so, and where a sliding window is shorter than a prompt (a suffix's window then ends inside
+        its prefix, which the cross pass over the whole prefix cannot express)."""
+        if self.attention != "varlen":
+            return True
+        window = self._sliding_window
+        return window is not None and max(len(p) for p in prompts) > window
+
     def _causal_decoder(self) -> bool:
         loaded = self._loaded
         return not (loaded.encoder or loaded.token_types or loaded.position_pad is not None)
@@ -642,12 +656,16 @@ class Scorer:
         token_type_ids: torch.Tensor | None,
         *,
         keys: KeyLayout | None = None,
+        cross: PrefixCross | None = None,
     ) -> torch.Tensor:
-        """The base model on one packed row [1, T]: its last hidden states [T, H]. With `keys`, attention
-        sequences find their keys through it (shared prefixes, models/packing.py)."""
+        """The base model on one packed row [1, T]: its last hidden states [T, H]. Shared prefixes
+        (models/packing.py): suffixes attend to their prefixes through `cross` and, where given, attention
+        sequences find their keys through `keys`."""
         extra: dict[str, Any] = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
         if keys is not None:
             extra["packed_key_index"] = keys.key_index
+        if cross is not None:
+            extra["prefix_cross"] = cross
         output = self._loaded.base(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -785,6 +803,19 @@ class CompiledLayers:
     def __exit__(self, *exc: object) -> None:
         for layer in self._layers:
             del layer.forward  # the class's forward again
+
+
+def sliding_window(config: Any) -> int | None:
+    """The tokens a windowed layer of this model lets a token see (itself included), or None when no layer
+    has a window. HF configs carry a window some models do not use: Qwen2's unless use_sliding_window,
+    Gemma's only on layers typed "sliding_attention"."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
 
 
 def decoder_layers(base: torch.nn.Module) -> torch.nn.ModuleList | None:

@@ -10,8 +10,10 @@ A graph is recorded for fixed shapes, so a batch is padded up to a bucket (`Grap
   total);
 - longest item: the next power of two (at least 16), at most the token bucket. The attention kernel sizes its
   grid by it, so it is part of the key rather than always the token bucket;
-- with shared prefixes (models/packing.py): the key rows, bucketed like the tokens, and the longest key
-  range, like the longest item. Padding key rows point at row 0 and belong to no sequence.
+- with shared prefixes (models/packing.py): the groups, like the sequences, and the most suffix rows of a
+  group and the longest prefix, like the longest item (the unused group slots are empty); where keys are
+  gathered (sliding windows), also the key rows, bucketed like the tokens, and the longest key range, like
+  the longest item. Padding key rows point at row 0 and belong to no sequence.
 Padding tokens belong to no sequence: attention never reads them, and every other layer of a dense
 transformer works row by row, so whatever the padding rows hold never reaches an item's rows. Only the first
 `total` rows of the output are read. The padding holds whatever an earlier batch left in the buffers: valid
@@ -33,7 +35,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from models.packing import KeyLayout, PackedBatch
+from models.packing import KeyLayout, PackedBatch, PrefixCross
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,8 @@ SEEN_SHAPES = 4096  # shapes met once, remembered so that the second batch of a 
 
 class PackedForward(Protocol):
     """(input_ids [1, T], position_ids [1, T], cu_seqlens [S + 1] int32, longest sequence, token_type_ids
-    [1, T] or None; the keys of shared prefixes or None) -> the base model's last hidden states [T, H]."""
+    [1, T] or None; the gathered keys and the cross pass of shared prefixes, or None) -> the base model's
+    last hidden states [T, H]."""
 
     def __call__(
         self,
@@ -57,6 +60,7 @@ class PackedForward(Protocol):
         token_type_ids: torch.Tensor | None,
         *,
         keys: KeyLayout | None = None,
+        cross: PrefixCross | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -66,13 +70,17 @@ Recorder = Callable[[Callable[[], None]], Callable[[], None]]
 
 
 class GraphKey(NamedTuple):
-    """The padded shape one graph is recorded for; `keys` and `max_keys` are 0 without shared prefixes."""
+    """The padded shape one graph is recorded for; `groups`, `max_suffixes` and `max_prefix` are 0 without
+    shared prefixes, `keys` and `max_keys` without gathered keys."""
 
     tokens: int
     sequences: int
     max_length: int
     keys: int = 0
     max_keys: int = 0
+    groups: int = 0
+    max_suffixes: int = 0
+    max_prefix: int = 0
 
 
 def token_bucket(tokens: int) -> int:
@@ -88,20 +96,34 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def graph_key(total: int, items: int, longest: int, keys: int = 0, longest_keys: int = 0) -> GraphKey:
+def graph_key(
+    total: int,
+    items: int,
+    longest: int,
+    keys: int = 0,
+    longest_keys: int = 0,
+    groups: int = 0,
+    most_suffixes: int = 0,
+    longest_prefix: int = 0,
+) -> GraphKey:
     """The bucket of a packed batch of `items` sequences, `total` tokens, the longest `longest` tokens; with
-    shared prefixes, `keys` key rows in all and at most `longest_keys` for one sequence."""
+    shared prefixes, `groups` groups, at most `most_suffixes` suffix rows in one and `longest_prefix` prefix
+    rows; with gathered keys, `keys` key rows in all and at most `longest_keys` for one sequence."""
     tokens = token_bucket(total)
-    longest_bucket = min(tokens, max(MIN_TOKENS, next_power_of_two(longest)))
-    if not keys:
-        return GraphKey(tokens, next_power_of_two(items), longest_bucket)
-    key_rows = token_bucket(keys)
+
+    def length(n: int, within: int) -> int:
+        return min(within, max(MIN_TOKENS, next_power_of_two(n)))
+
+    key_rows = token_bucket(keys) if keys else 0
     return GraphKey(
         tokens,
         next_power_of_two(items),
-        longest_bucket,
+        length(longest, tokens),
         key_rows,
-        min(key_rows, max(MIN_TOKENS, next_power_of_two(longest_keys))),
+        length(longest_keys, key_rows) if keys else 0,
+        next_power_of_two(groups) if groups else 0,
+        length(most_suffixes, tokens) if groups else 0,
+        length(longest_prefix, tokens) if groups else 0,
     )
 
 
@@ -168,7 +190,11 @@ class GraphedForward:
             self._types = torch.zeros(rows, dtype=torch.long, device=device) if token_types else None
             self._cu = torch.zeros(next_power_of_two(rows) + 1, dtype=torch.int32, device=device)
             self._out = torch.empty((rows, hidden_size), dtype=dtype, device=device)
-            # Shared prefixes: each suffix's keys repeat its prefix's rows, so the keys outnumber the tokens.
+            # Shared prefixes: the cross pass's group bounds and its rows.
+            self._cross_q = torch.zeros(next_power_of_two(rows) + 1, dtype=torch.int32, device=device)
+            self._cross_k = torch.zeros(next_power_of_two(rows) + 1, dtype=torch.int32, device=device)
+            self._cross_rows = torch.zeros(rows, dtype=torch.bool, device=device)
+            # Gathered keys: each suffix's keys repeat its prefix's rows, so the keys outnumber the tokens.
             self._key_rows = token_bucket(KEYS_PER_TOKEN * max_tokens)
             self._key_index = torch.zeros(self._key_rows, dtype=torch.long, device=device)
             self._cu_k = torch.zeros(next_power_of_two(rows) + 1, dtype=torch.int32, device=device)
@@ -183,11 +209,20 @@ class GraphedForward:
         or graphs turned off). A view of a shared buffer: read it before the next call."""
         bounds = packed.host_cu_seqlens
         total, items = int(bounds[-1]), len(bounds) - 1
-        shared = packed.shared
+        shared, cross = packed.shared, packed.cross
         keys = 0 if shared is None else int(shared.host_cu_seqlens_k[-1])
         if not self.enabled or total > self.max_tokens or keys > self._key_rows:
             return None
-        key = graph_key(total, items, packed.max_length, keys, 0 if shared is None else shared.max_length_k)
+        key = graph_key(
+            total,
+            items,
+            packed.max_length,
+            keys,
+            0 if shared is None else shared.max_length_k,
+            0 if cross is None else len(cross.host_cu_q) - 1,
+            0 if cross is None else cross.max_q,
+            0 if cross is None else cross.max_k,
+        )
         replay = self._graphs.get(key)
         if replay is None and not self._seen_before(key):
             return None  # a shape met once may never come back: not worth a recording yet
@@ -230,6 +265,15 @@ class GraphedForward:
             self._types[:total].copy_(packed.token_type_ids[0], non_blocking=True)
         self._cu[: items + 1].copy_(packed.cu_seqlens, non_blocking=True)
         self._cu[items + 1 : key.sequences + 1].fill_(total)  # empty sequences in the unused slots
+        cross = packed.cross
+        if cross is not None:
+            groups = len(cross.host_cu_q) - 1
+            self._cross_q[: groups + 1].copy_(cross.cu_q, non_blocking=True)
+            self._cross_q[groups + 1 : key.groups + 1].fill_(int(cross.host_cu_q[-1]))  # empty groups
+            self._cross_k[: groups + 1].copy_(cross.cu_k, non_blocking=True)
+            self._cross_k[groups + 1 : key.groups + 1].fill_(int(cross.host_cu_k[-1]))
+            self._cross_rows[:total].copy_(cross.rows, non_blocking=True)
+            self._cross_rows[total : key.tokens].fill_(False)  # padding takes no cross pass
         shared = packed.shared
         if shared is not None:
             keys = int(shared.host_cu_seqlens_k[-1])
@@ -242,9 +286,17 @@ class GraphedForward:
     def _call(self, key: GraphKey) -> torch.Tensor:
         tokens = key.tokens
         types = None if self._types is None else self._types[:tokens].unsqueeze(0)
-        keys = None
+        keys = cross = None
         if key.keys:
             keys = KeyLayout(self._key_index[: key.keys], self._cu_k[: key.sequences + 1], key.max_keys)
+        if key.groups:
+            cross = PrefixCross(
+                self._cross_q[: key.groups + 1],
+                self._cross_k[: key.groups + 1],
+                key.max_suffixes,
+                key.max_prefix,
+                self._cross_rows[:tokens],
+            )
         return self._forward(
             self._ids[:tokens].unsqueeze(0),
             self._positions[:tokens].unsqueeze(0),
@@ -252,6 +304,7 @@ class GraphedForward:
             key.max_length,
             types,
             keys=keys,
+            cross=cross,
         )
 
     def _write(self, key: GraphKey) -> None:

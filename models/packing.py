@@ -40,7 +40,8 @@ class SharedPrefix:
 
 @dataclass(frozen=True)
 class SharedKeys:
-    """Where each attention sequence of a packed row with shared prefixes finds its keys.
+    """Gathered keys: where each attention sequence of a packed row with shared prefixes finds its keys, for
+    attention that reads a suffix's prefix and its own keys as one range (the exact path, sliding windows).
 
     Sequence i (rows cu_seqlens[i]:[i+1] of the row) attends to the rows key_index[cu_seqlens_k[i]:[i+1]]:
     a shared prefix's sequence to itself; a suffix to its prefix, then itself; any other prompt to itself.
@@ -53,7 +54,7 @@ class SharedKeys:
 
 
 class KeyLayout(NamedTuple):
-    """What a packed forward's attention needs of shared prefixes: the key rows of each sequence
+    """What a packed forward's attention needs of gathered keys: the key rows of each sequence
     (key_index[cu_seqlens_k[i]:[i+1]]) and the longest such range, on the device or host it reads them."""
 
     key_index: torch.Tensor
@@ -61,11 +62,41 @@ class KeyLayout(NamedTuple):
     max_length_k: int
 
 
+class PrefixCross(NamedTuple):
+    """The second attention pass of shared prefixes (models/attention.py): each group's suffixes, as one
+    sequence of queries, attend to the group's prefix with no mask (every prefix token comes before every
+    suffix token); merged with every sequence's own causal pass, a suffix sees its prefix, then itself.
+    Neither pass copies a key: a suffix's prefix is read where the packed row holds it once."""
+
+    cu_q: torch.Tensor  # [G + 1] int32 rows of each group's suffixes (all suffix rows are contiguous)
+    cu_k: torch.Tensor  # [G + 1] int32 rows of each group's prefix (all prefix rows are contiguous)
+    max_q: int  # the most suffix rows of a group
+    max_k: int  # the longest prefix
+    rows: torch.Tensor  # [T] bool: the rows in some group's suffixes, whose own pass is merged with it
+
+
+@dataclass(frozen=True)
+class SharedCross:
+    """PrefixCross of a packed row, with its bounds on the host too (CUDA graphs copy them into buffers)."""
+
+    cu_q: torch.Tensor  # on the device
+    cu_k: torch.Tensor
+    host_cu_q: torch.Tensor  # the same on the host
+    host_cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    rows: torch.Tensor  # [T] bool, on the device
+
+    def layout(self) -> PrefixCross:
+        return PrefixCross(self.cu_q, self.cu_k, self.max_q, self.max_k, self.rows)
+
+
 @dataclass(frozen=True)
 class PackedBatch:
     """Prompts concatenated into one row. Without shared prefixes, item i spans tokens
-    cu_seqlens[i]:cu_seqlens[i+1]; with them (`shared` set), cu_seqlens bounds attention sequences instead
-    (each shared prefix once, then its members' suffixes), and pooling finds every item's rows by index."""
+    cu_seqlens[i]:cu_seqlens[i+1]; with them (`cross` set), cu_seqlens bounds attention sequences instead
+    (every shared prefix once, then every group's suffixes, then the other prompts), and pooling finds every
+    item's rows by index."""
 
     input_ids: torch.Tensor  # [1, T] int64
     position_ids: torch.Tensor  # [1, T] int64, restarting at 0 for every item (suffixes after their prefix)
@@ -79,7 +110,8 @@ class PackedBatch:
     # For "mean" with shared prefixes: the packed row of every token of every prompt (V >= T); None when
     # each prompt is packed whole, in order (then token v is row v).
     row_of_token: torch.Tensor | None = None
-    shared: SharedKeys | None = None
+    cross: SharedCross | None = None  # with shared prefixes: the suffixes' pass over their prefixes
+    shared: SharedKeys | None = None  # with shared prefixes, where asked: each sequence's keys gathered
 
 
 def find_shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int) -> list[SharedPrefix]:
@@ -206,17 +238,19 @@ def pack(
     token_types: Sequence[Sequence[int]] | None = None,
     position_pad: int | None = None,
     shared: Sequence[SharedPrefix] = (),
+    gather_keys: bool = False,
 ) -> PackedBatch:
     """Pack non-empty prompts; built on the host with numpy, then moved to `device` in one go each.
 
     `token_types`: segment ids per prompt (BERT). `position_pad`: RoBERTa-style positions, which start at
     the pad id + 1 and leave pad tokens at the pad id, as HF computes them from unpacked input ids.
     `shared`: prefixes to pack once (`find_shared_prefixes`; causal models only, without either of those).
+    `gather_keys`: with `shared`, also lay out each sequence's keys for gathering (`SharedKeys`).
     """
     if shared:
         if token_types is not None or position_pad is not None:
             raise ValueError("shared prefixes are packed for causal decoders only")
-        return _pack_shared(prompts, shared, device, pooling, pad_id)
+        return _pack_shared(prompts, shared, device, pooling, pad_id, gather_keys)
     lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
     ends = np.cumsum(lengths)
     starts = ends - lengths
@@ -259,14 +293,16 @@ def _pack_shared(
     device: torch.device,
     pooling: Pooling,
     pad_id: int | None,
+    gather_keys: bool,
 ) -> PackedBatch:
-    """Each shared prefix once, followed by its members' suffixes (positions continuing after the prefix);
-    every other prompt whole. A suffix's keys are its prefix's rows, then its own: what it would attend to
-    in its whole prompt, so its states are those of the whole prompt."""
-    group_of = {member: group for group in groups for member in group.members}
+    """Every group's shared prefix once, then every group's suffixes (positions continuing after their
+    prefix), then every other prompt whole: the prefixes, and the suffixes, lie in one run of rows each, so
+    the suffixes' pass over their prefixes (`PrefixCross`) is one varlen call with a sequence per group. A
+    suffix attends to its prefix's rows, then its own: what it would attend to in its whole prompt, so its
+    states are those of the whole prompt."""
     ids: list[np.ndarray] = []
     positions: list[np.ndarray] = []
-    keys: list[np.ndarray] = []  # per attention sequence
+    keys: list[np.ndarray] = []  # per attention sequence: the rows it attends to
     rows_of: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(prompts)  # per prompt, its rows
     row = 0
 
@@ -279,20 +315,24 @@ def _pack_shared(
         row += len(tokens)
         return keys[-1]
 
-    done: set[int] = set()
+    none = np.empty(0, dtype=np.int64)
+    prefix_rows = [emit(prompts[g.members[0]][: g.length], 0, none) for g in groups]
+    suffix_ends = []
+    for group, prefix in zip(groups, prefix_rows, strict=True):
+        for member in group.members:
+            rows_of[member] = emit(prompts[member][group.length :], group.length, prefix)
+        suffix_ends.append(row)
+    grouped = {member for group in groups for member in group.members}
     for index, prompt in enumerate(prompts):
-        group = group_of.get(index)
-        if group is None:
-            rows_of[index] = emit(prompt, 0, np.empty(0, dtype=np.int64))
-        elif id(group) not in done:
-            done.add(id(group))
-            prefix = emit(prompts[group.members[0]][: group.length], 0, np.empty(0, dtype=np.int64))
-            for member in group.members:
-                rows_of[member] = emit(prompts[member][group.length :], group.length, prefix)
+        if index not in grouped:
+            rows_of[index] = emit(prompt, 0, none)
     q_lengths = np.fromiter((len(p) for p in positions), dtype=np.int64, count=len(positions))
-    k_lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=len(keys))
     cu = np.concatenate(([0], np.cumsum(q_lengths))).astype(np.int32)
-    cu_k = np.concatenate(([0], np.cumsum(k_lengths))).astype(np.int32)
+    prefix_lengths = np.fromiter((g.length for g in groups), dtype=np.int64, count=len(groups))
+    cross_k = np.concatenate(([0], np.cumsum(prefix_lengths))).astype(np.int32)
+    cross_q = np.concatenate((cross_k[-1:], suffix_ends)).astype(np.int32)
+    suffix_rows = np.zeros(row, dtype=np.bool_)
+    suffix_rows[cross_q[0] : cross_q[-1]] = True
     # Pooling reads each prompt as if it were packed whole ("virtual" tokens), then maps those to rows.
     lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
     ends = np.cumsum(lengths)
@@ -301,6 +341,16 @@ def _pack_shared(
     row_of_token = np.concatenate(rows_of)
     non_blocking = device.type == "cuda"
     mean = pooling == "mean"
+    gathered = None
+    if gather_keys:
+        k_lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=len(keys))
+        cu_k = np.concatenate(([0], np.cumsum(k_lengths))).astype(np.int32)
+        gathered = SharedKeys(
+            key_index=_to_device(np.concatenate(keys), device, non_blocking),
+            cu_seqlens_k=_to_device(cu_k, device, non_blocking),
+            host_cu_seqlens_k=torch.from_numpy(cu_k),
+            max_length_k=int(k_lengths.max()),
+        )
     return PackedBatch(
         input_ids=_to_device(np.concatenate(ids), device, non_blocking).unsqueeze(0),
         position_ids=_to_device(np.concatenate(positions), device, non_blocking).unsqueeze(0),
@@ -318,12 +368,16 @@ def _pack_shared(
         lengths=_to_device(lengths, device, non_blocking),
         max_length=int(q_lengths.max()),
         row_of_token=_to_device(row_of_token, device, non_blocking) if mean else None,
-        shared=SharedKeys(
-            key_index=_to_device(np.concatenate(keys), device, non_blocking),
-            cu_seqlens_k=_to_device(cu_k, device, non_blocking),
-            host_cu_seqlens_k=torch.from_numpy(cu_k),
-            max_length_k=int(k_lengths.max()),
+        cross=SharedCross(
+            cu_q=_to_device(cross_q, device, non_blocking),
+            cu_k=_to_device(cross_k, device, non_blocking),
+            host_cu_q=torch.from_numpy(cross_q),
+            host_cu_k=torch.from_numpy(cross_k),
+            max_q=int(np.diff(cross_q).max()),
+            max_k=int(prefix_lengths.max()),
+            rows=_to_device(suffix_rows, device, non_blocking),
         ),
+        shared=gathered,
     )
 
 

@@ -7,6 +7,7 @@ with a CPU varlen kernel and a stand-in graph recorder (tests/models/test_cuda_g
 
 from __future__ import annotations
 
+import inspect
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,6 +153,62 @@ def test_flash_kernel_takes_grouped_kv_heads_unrepeated(window: tuple[int, int])
         window_size=window,
     )
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kernel_name", ["flash_varlen_gqa", "varlen_attn"])
+def test_two_flash_passes_merge_into_one_pass_over_gathered_keys(kernel_name: str) -> None:
+    """Shared prefixes on the real kernel, at W3's head shapes: the packer's layout (two groups of a
+    512-token prefix with 16 suffixes of 64 tokens each, then a prompt of its own) through the two passes
+    (cross sequences starting past row 0, log-sum-exps as [H, T]) against one flash pass over each
+    sequence's gathered keys, and against float32 on a few suffixes."""
+    from models.attention import WANT_LSE, attend_causal, flash_varlen_gqa, merge_passes
+    from models.packing import find_shared_prefixes, pack
+
+    kernel = flash_varlen_gqa
+    if kernel_name == "varlen_attn":
+        from torch.nn.attention import varlen
+
+        if "enable_gqa" not in str(inspect.signature(varlen.varlen_attn)):
+            pytest.skip("this torch's varlen_attn has no enable_gqa (the engine calls flash directly)")
+        kernel = varlen.varlen_attn
+    rng = np.random.default_rng(0)
+    prompts = []
+    for _ in range(2):
+        query = tuple(rng.integers(4, 1000, 512).tolist())
+        prompts += [query + tuple(rng.integers(4, 1000, 64).tolist()) for _ in range(16)]
+    prompts.append(tuple(rng.integers(4, 1000, 300).tolist()))
+    groups = find_shared_prefixes(prompts, 32)
+    packed = pack(prompts, torch.device("cuda"), "mean", shared=groups, gather_keys=True)
+    assert packed.cross is not None and packed.shared is not None and packed.row_of_token is not None
+    total, heads, kv_heads, dim = int(packed.host_cu_seqlens[-1]), 16, 8, 128
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(total, h, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    cu, cross = packed.cu_seqlens, packed.cross
+    passes = {"return_aux": WANT_LSE, "enable_gqa": True}
+    own, own_lse = kernel(
+        q, k, v, cu, cu, packed.max_length, packed.max_length, window_size=(-1, 0), **passes
+    )
+    assert own_lse.shape == (heads, total) and own_lse.dtype == torch.float32
+    other, other_lse = kernel(
+        q, k, v, cross.cu_q, cross.cu_k, cross.max_q, cross.max_k, window_size=(-1, -1), **passes
+    )
+    merged = merge_passes(own, own_lse, other, other_lse, cross.rows)
+    keys = packed.shared
+    gathered = kernel(
+        q, k.index_select(0, keys.key_index), v.index_select(0, keys.key_index), cu, keys.cu_seqlens_k,
+        packed.max_length, keys.max_length_k, window_size=(-1, 0), enable_gqa=True,
+    )  # fmt: skip
+    # Both are bf16 outputs of float32 sums in another order: a bf16 step or two apart at most.
+    torch.testing.assert_close(merged, gathered, atol=2e-2, rtol=2e-2)
+    rows_of = packed.row_of_token.split([len(p) for p in prompts])
+    for index in (0, 17, 31, 32):  # suffixes of both groups, and the prompt of its own
+        rows = rows_of[index]
+        q_rows, k_rows, v_rows = (x[rows].transpose(0, 1) for x in (q, k, v))
+        whole = attend_causal(q_rows, k_rows, v_rows, scale=None)
+        torch.testing.assert_close(merged[rows].float(), whole.transpose(0, 1), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("name", [*ARCHITECTURES, GQA_MODEL])

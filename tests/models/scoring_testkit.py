@@ -117,43 +117,68 @@ def _reference_varlen(
     *,
     scale: float | None,
     window_size: tuple[int, int],
-) -> torch.Tensor:
-    """varlen_attn's contract checked strictly (layout, dtypes, causal window), computed exactly per item."""
+    return_aux: Any = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """varlen_attn's contract checked strictly (layout, dtypes, causal window), computed exactly per item;
+    with `return_aux.lse`, also each row's log-sum-exp [H, T] in float32, as the flash kernel returns it."""
     assert query.dim() == 3 and key.dim() == 3 and value.dim() == 3, "varlen q/k/v are [T, H, D]"
     assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
     assert cu_seq_q.dtype == torch.int32 and cu_seq_k.dtype == torch.int32, "cu_seqlens must be int32"
     assert cu_seq_q.shape == cu_seq_k.shape, "one key range per query range"
-    lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
-    key_lengths = (cu_seq_k[1:] - cu_seq_k[:-1]).tolist()
-    # Never fewer keys than queries: a shared prefix adds keys, queries are the last positions.
-    assert all(k >= q for q, k in zip(lengths, key_lengths, strict=True)), (lengths, key_lengths)
-    # An upper bound on the lengths (CUDA graphs pass their bucket's); a larger one only costs time.
-    assert max_q >= max(lengths) and max_k >= max(key_lengths)
-    assert cu_seq_q[0] == 0 and cu_seq_q[-1] <= query.shape[0], "the sequences must lie inside the row"
-    assert cu_seq_k[0] == 0 and cu_seq_k[-1] <= key.shape[0], "the key ranges must lie inside the keys"
-    # Decoders: (left, 0). Encoders see both ways: (-1, -1), or a symmetric window (left, left).
+    # Decoders: (left, 0). Encoders, and the shared prefixes' cross pass, see both ways: (-1, -1), or a
+    # symmetric window (left, left).
     causal = window_size[1] == 0
     assert causal or window_size[1] == window_size[0], f"unexpected window {window_size}"
+    lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+    key_lengths = (cu_seq_k[1:] - cu_seq_k[:-1]).tolist()
+    assert min([*lengths, 0]) >= 0 and min([*key_lengths, 0]) >= 0, "bounds must not decrease"
+    if causal:  # a shared prefix adds keys, and the queries are the last positions: never fewer keys
+        assert all(k >= q for q, k in zip(lengths, key_lengths, strict=True)), (lengths, key_lengths)
+    # An upper bound on the lengths (CUDA graphs pass their bucket's); a larger one only costs time.
+    assert max_q >= max(lengths) and max_k >= max(key_lengths)
+    # The sequences lie inside the row; the first need not start at row 0 (the cross pass's do not).
+    assert cu_seq_q[0] >= 0 and cu_seq_q[-1] <= query.shape[0], "the sequences must lie inside the row"
+    assert cu_seq_k[0] >= 0 and cu_seq_k[-1] <= key.shape[0], "the key ranges must lie inside the keys"
     left = None if window_size[0] < 0 else window_size[0]
-    # Rows outside every sequence (a CUDA graph's padding) are left unwritten by the real kernel: NaN here,
-    # so a test sees at once if anything of them reaches an item.
+    # Rows outside every sequence (a CUDA graph's padding, the rows a cross pass leaves) are left unwritten
+    # by the real kernel: NaN here, so a test sees at once if anything of them reaches an item.
     out = torch.full_like(query, float("nan"))
+    lse = torch.full((query.shape[1], query.shape[0]), float("nan"), dtype=torch.float32)
     bounds, key_bounds = cu_seq_q.tolist(), cu_seq_k.tolist()
     for (start, end), (key_start, key_end) in zip(
         itertools.pairwise(bounds), itertools.pairwise(key_bounds), strict=True
     ):
         if start == end:  # an empty sequence (an unused slot of a CUDA graph)
             continue
-        item = attend_causal(
+        q, k, v = (
             query[start:end].transpose(0, 1),
             key[key_start:key_end].transpose(0, 1),
             value[key_start:key_end].transpose(0, 1),
-            scale=scale,
-            left_window=left,
-            causal=causal,
         )
+        item = attend_causal(q, k, v, scale=scale, left_window=left, causal=causal)
         out[start:end] = item.transpose(0, 1).to(query.dtype)
+        if return_aux is not None and return_aux.lse:
+            lse[:, start:end] = _log_sum_exp(q, k, scale=scale, left_window=left, causal=causal)
+    if return_aux is not None and return_aux.lse:
+        return out, lse
     return out
+
+
+def _log_sum_exp(
+    query: torch.Tensor, key: torch.Tensor, *, scale: float | None, left_window: int | None, causal: bool
+) -> torch.Tensor:
+    """log(sum(exp(scores))) of each query row over the keys it may see: [H, Lq] from [H, Lq, D], [Hkv, Lk,
+    D], with attend_causal's alignment (queries are the last Lq positions) and head mapping."""
+    heads, length, head_dim = query.shape
+    keys = key.shape[1]
+    k = key.float().repeat_interleave(heads // key.shape[0], dim=0)
+    scores = query.float() @ k.transpose(-1, -2) * (scale if scale is not None else head_dim**-0.5)
+    rows = torch.arange(length).unsqueeze(1) + (keys - length)
+    cols = torch.arange(keys).unsqueeze(0)
+    allowed = cols <= rows if causal else torch.ones(length, keys, dtype=torch.bool)
+    if left_window is not None:
+        allowed &= cols >= rows - left_window
+    return torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
 @dataclass
@@ -178,12 +203,13 @@ class CpuVarlenKernel:
         return_aux: Any = None,
         scale: float | None = None,
         window_size: tuple[int, int] = (-1, -1),
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         self._record(cu_seq_q)
         assert key.shape[1] == query.shape[1], "without enable_gqa, K/V heads must be repeated to Q's"
         return _reference_varlen(
-            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size
-        )
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+            scale=scale, window_size=window_size, return_aux=return_aux,
+        )  # fmt: skip
 
     def _record(self, cu_seq_q: torch.Tensor) -> None:
         self.calls.append(cu_seq_q.tolist())
@@ -216,11 +242,12 @@ class CpuVarlenKernelGqa(CpuVarlenKernel):
         scale: float | None = None,
         window_size: tuple[int, int] = (-1, -1),
         enable_gqa: bool = False,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         self._record(cu_seq_q)
         if key.shape[1] != query.shape[1]:
             assert enable_gqa, "fewer K/V heads than Q heads needs enable_gqa=True"
             self.gqa_calls += 1
         return _reference_varlen(
-            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size
-        )
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+            scale=scale, window_size=window_size, return_aux=return_aux,
+        )  # fmt: skip

@@ -167,20 +167,40 @@ def test_common_prefixes_are_found_exactly_across_block_boundaries() -> None:
     assert find_shared_prefixes([base, base], 1) == [SharedPrefix((0, 1), len(base) - 1)]
 
 
-def test_packing_lays_out_the_prefix_once_and_each_suffix_after_it() -> None:
+def test_packing_lays_out_the_prefixes_then_the_suffixes_then_the_rest() -> None:
     prompts = [(9,), (1, 2, 3, 4, 5), (1, 2, 3, 6)]
-    packed = pack(prompts, torch.device("cpu"), "last_token", shared=[SharedPrefix((1, 2), 3)])
-    assert packed.input_ids.tolist() == [[9, 1, 2, 3, 4, 5, 6]]
-    assert packed.position_ids.tolist() == [[0, 0, 1, 2, 3, 4, 3]]
-    assert packed.host_cu_seqlens.tolist() == [0, 1, 4, 6, 7]
-    assert packed.shared is not None
-    assert packed.shared.key_index.tolist() == [0, 1, 2, 3, 1, 2, 3, 4, 5, 1, 2, 3, 6]
-    assert packed.shared.host_cu_seqlens_k.tolist() == [0, 1, 4, 9, 13]
-    assert packed.pooled_rows.tolist() == [0, 5, 6]
-    mean = pack(prompts, torch.device("cpu"), "mean", shared=[SharedPrefix((1, 2), 3)])
+    groups = [SharedPrefix((1, 2), 3)]
+    packed = pack(prompts, torch.device("cpu"), "last_token", shared=groups)
+    assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 9]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 0]]
+    assert packed.host_cu_seqlens.tolist() == [0, 3, 5, 6, 7]
+    assert packed.pooled_rows.tolist() == [6, 4, 5]
+    # The cross pass: the group's suffixes (rows 3..5) over its prefix (rows 0..2); no key is copied.
+    assert packed.cross is not None and packed.shared is None
+    assert (packed.cross.host_cu_q.tolist(), packed.cross.host_cu_k.tolist()) == ([3, 6], [0, 3])
+    assert (packed.cross.max_q, packed.cross.max_k) == (3, 3)
+    assert packed.cross.rows.tolist() == [False, False, False, True, True, True, False]
+    # Gathered keys, where asked (the exact path, sliding windows): each suffix's prefix rows, then its own.
+    gathered = pack(prompts, torch.device("cpu"), "last_token", shared=groups, gather_keys=True).shared
+    assert gathered is not None
+    assert gathered.key_index.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6]
+    assert gathered.host_cu_seqlens_k.tolist() == [0, 3, 8, 12, 13]
+    mean = pack(prompts, torch.device("cpu"), "mean", shared=groups)
     hidden = torch.arange(7, dtype=torch.float32).unsqueeze(1)  # row r holds r
-    expected = [[0.0], [(1 + 2 + 3 + 4 + 5) / 5], [(1 + 2 + 3 + 6) / 4]]
+    expected = [[6.0], [(0 + 1 + 2 + 3 + 4) / 5], [(0 + 1 + 2 + 5) / 4]]
     torch.testing.assert_close(pool(hidden, mean), torch.tensor(expected))
+
+
+def test_two_groups_lie_in_one_run_of_prefixes_and_one_of_suffixes() -> None:
+    prompts = [(1, 2, 7), (5, 6, 8, 9), (1, 2, 3), (5, 6, 4)]
+    groups = find_shared_prefixes(prompts, 2)
+    assert groups == [SharedPrefix((0, 2), 2), SharedPrefix((1, 3), 2)]
+    packed = pack(prompts, torch.device("cpu"), "last_token", shared=groups)
+    assert packed.input_ids.tolist() == [[1, 2, 5, 6, 7, 3, 8, 9, 4]]
+    assert packed.cross is not None
+    assert (packed.cross.host_cu_q.tolist(), packed.cross.host_cu_k.tolist()) == ([4, 6, 9], [0, 2, 4])
+    assert (packed.cross.max_q, packed.cross.max_k) == (3, 2)
+    assert packed.pooled_rows.tolist() == [4, 7, 5, 8]
 
 
 def test_fewer_queries_than_keys_are_the_last_positions() -> None:
@@ -283,3 +303,30 @@ def test_the_budget_never_counts_less_than_a_share_of_what_prompts_hold(tiny_lla
         ScorerConfig(device="cpu", share_prefix_min_tokens=8, deterministic=True),
     ):
         assert Scorer(tiny_llama_dir, config).batch_tokens(prompts) == held
+
+
+@pytest.mark.parametrize("architecture", ["mistral", "gemma3_text"])
+def test_sliding_windows_take_two_passes_until_a_prompt_outgrows_them(
+    architecture: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model with a 16-token window: a batch whose prompts all fit in it takes the two passes (the window
+    cuts nothing); one prompt longer than the window, and the batch gathers every sequence's keys, so a
+    suffix's window ends inside its prefix where it should. Both as the whole prompts in HF float32."""
+    packs: list[Any] = []
+    real = engine.pack
+    monkeypatch.setattr(engine, "pack", lambda *a, **k: packs.append(real(*a, **k)) or packs[-1])
+    config = ScorerConfig(
+        device="cpu", attention="varlen", varlen_kernel=CpuVarlenKernelGqa(), share_prefix_min_tokens=8
+    )
+    scorer = Scorer(model_dirs[architecture], config)
+    query = tuple(range(40, 50))
+    for items, gathered in (
+        (((5, 6), (7, 8, 9, 10, 11, 12)), False),
+        (((5, 6), tuple(range(100, 110))), True),
+    ):
+        request = ScoreRequest("w", query=query, items=items, return_pooled_hidden_states=True)
+        (result,) = scorer.score([request])
+        assert packs[-1].cross is not None and (packs[-1].shared is not None) == gathered
+        reference = hf_reference(model_dirs[architecture], [query + item for item in items])
+        np.testing.assert_allclose(scores_of(result), reference.logits, atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(hidden_of(result), reference.hidden, atol=ATOL, rtol=RTOL)

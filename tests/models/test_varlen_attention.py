@@ -11,7 +11,14 @@ import torch
 from scoring_testkit import CpuVarlenKernel, CpuVarlenKernelGqa, hidden_of, scores_of, token_requests
 
 from models import ModelLoadError, Scorer, ScorerConfig
-from models.attention import attend_causal, kernel_supports_gqa, reference_attention, varlen_attention
+from models.attention import (
+    attend_causal,
+    kernel_supports_gqa,
+    merge_passes,
+    reference_attention,
+    varlen_attention,
+)
+from models.packing import find_shared_prefixes, pack
 from schemas import ScoreRequest
 
 # Both paths run exact float32 attention per item; only the surrounding layout work differs.
@@ -124,3 +131,72 @@ def test_varlen_rejects_softcap() -> None:
 def test_varlen_without_cuda_or_kernel_is_a_load_error(tiny_llama_dir: Path) -> None:
     with pytest.raises(ModelLoadError, match="CUDA"):
         Scorer(tiny_llama_dir, ScorerConfig(device="cpu", attention="varlen"))
+
+
+def test_two_passes_over_disjoint_keys_merge_into_attention_over_both() -> None:
+    """merge_passes: attention over keys A and B from attention over A and over B alone, each with its
+    log-sum-exp; rows that took one pass keep it, whatever the other pass left in them."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 6, 8, generator=generator)  # [H, Lq, D]
+    k, v = (torch.randn(2, 10, 8, generator=generator) for _ in range(2))  # [Hkv, Lk, D]: GQA
+    whole = attend_causal(q, k, v, scale=0.4, causal=False)
+    parts = [(slice(0, 7)), (slice(7, 10))]
+    outs, lses = [], []
+    for part in parts:
+        outs.append(attend_causal(q, k[:, part], v[:, part], scale=0.4, causal=False).transpose(0, 1))
+        scores = q @ k[:, part].repeat_interleave(2, 0).transpose(1, 2) * 0.4
+        lses.append(torch.logsumexp(scores, dim=-1))  # [H, Lq]
+    rows = torch.tensor([True, True, False, True, True, False])
+    second = outs[1].clone()
+    second[~rows] = float("nan")  # what the second pass leaves in rows it did not take
+    second_lse = lses[1].clone()
+    second_lse[:, ~rows] = float("nan")
+    merged = merge_passes(outs[0], lses[0], second, second_lse, rows)
+    torch.testing.assert_close(merged[rows], whole.transpose(0, 1)[rows], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(merged[~rows], outs[0][~rows])
+
+
+@pytest.mark.parametrize("sliding_window", [None, 64, 6])
+def test_shared_prefixes_through_two_passes_or_gathered_keys_match_whole_prompts(
+    sliding_window: int | None,
+) -> None:
+    """The wrapper on a packed row with shared prefixes: every sequence equals its whole prompt's attention.
+    Two passes where no window cuts (no window, or one longer than every prompt); gathered keys where one
+    does (a window of 6 ends inside the 5-token prefixes): both with the packer's own layout."""
+    prompts = [(1, 2, 3, 4, 5, 9), (1, 2, 3, 4, 5, 6, 7, 8), (20, 21), (11, 12, 13, 14, 15, 16, 30)]
+    prompts += [(11, 12, 13, 14, 15, 16, 31, 32)]
+    groups = find_shared_prefixes(prompts, 3)
+    assert len(groups) == 2
+    # "mean" packing maps every token of every prompt to its row.
+    packed = pack(prompts, torch.device("cpu"), "mean", shared=groups, gather_keys=True)
+    assert packed.cross is not None and packed.shared is not None and packed.row_of_token is not None
+    generator = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim = 4, 2, 8
+    # States depend only on a token's id and position here, so the packed row and each whole prompt agree.
+    table = {
+        name: torch.randn(64, 16, h, dim, generator=generator)
+        for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))
+    }
+
+    def states(name: str, tokens: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        return table[name][tokens, at].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+
+    ids, positions = packed.input_ids[0], packed.position_ids[0]
+    q, k, v = (states(name, ids, positions) for name in ("q", "k", "v"))
+    kernel = CpuVarlenKernelGqa()
+    gathered = sliding_window == 6
+    out, _ = varlen_attention(
+        torch.nn.Module(), q, k, v, None, scaling=0.3, sliding_window=sliding_window,
+        cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.shared.cu_seqlens_k,
+        max_length_q=packed.max_length, max_length_k=packed.shared.max_length_k,
+        packed_key_index=packed.shared.key_index if gathered else None,
+        prefix_cross=packed.cross.layout(), kernel=kernel,
+    )  # fmt: skip
+    assert len(kernel.calls) == (1 if gathered else 2)
+    left = None if sliding_window is None else sliding_window - 1
+    rows_of = packed.row_of_token.split([len(p) for p in prompts])
+    for prompt, rows in zip(prompts, rows_of, strict=True):
+        tokens, at = torch.tensor(prompt), torch.arange(len(prompt))
+        qq, kk, vv = (states(name, tokens, at)[0] for name in ("q", "k", "v"))
+        expected = attend_causal(qq, kk, vv, scale=0.3, left_window=left).transpose(0, 1)  # [L, H, D]
+        torch.testing.assert_close(out[0, rows], expected, atol=1e-5, rtol=1e-5)
