@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,6 @@ from models.packing import (
     find_shared_prefixes,
     hidden_row_bytes,
     pack,
-    packed_length,
     pool,
     pooled_positions,
     saved_tokens,
@@ -215,6 +215,8 @@ class Scorer:
         self._num_labels = self._head_width()
         if self.config.quantization == "fp8":
             self._quantize_fp8(Path(model_dir).name)
+        # The shared prefixes of the batch last measured or launched (see _shared_prefixes).
+        self._groups_memo: tuple[tuple[Prompt, ...], tuple[SharedPrefix, ...]] | None = None
         self._compiled: CompiledLayers | None = None
         if self.config.resolve_compile(self.attention):
             self._compiled = compile_layers(self._loaded.base)
@@ -522,10 +524,8 @@ class Scorer:
                 for p in batch
                 for types in (p.token_types or tuple((0,) * len(prompt) for prompt in p.prompts))
             ]
-        # Found once: packed, and counted in the batch's stats (an item alone never shares).
-        shared = (
-            find_shared_prefixes(prompts, self.config.share_prefix_min_tokens) if self.shares_prefixes else []
-        )
+        # Packed, and counted in the batch's stats (an item alone never shares).
+        shared = self._shared_prefixes(prompts) if self.shares_prefixes else []
         if self.config.deterministic:
             forward = self._packed_pooled_hidden if self._loaded.packable else self._plain_pooled_hidden
             # Every item alone, head included: no result depends on what else shares the batch (kernels
@@ -626,13 +626,27 @@ class Scorer:
 
     def batch_tokens(self, prompts: Sequence[Prompt]) -> int:
         """What a batch of these prompts counts against the token budget (the engine's split, the worker's
-        batcher, a large request's parts): the tokens its packed row computes, a shared prefix once. Each
-        suffix reads its prefix's keys again, so the count is never below 1/KEYS_PER_TOKEN of the tokens
-        the prompts hold: that bounds the keys each layer gathers (and a graph's key buffer holds)."""
+        batcher, a large request's parts): the tokens its packed row computes, a shared prefix once. Where
+        keys are gathered (sliding windows, the exact path) each suffix reads its prefix's keys again, so
+        the count is never below 1/KEYS_PER_TOKEN of the tokens the prompts hold: that bounds the keys a
+        layer gathers (and a graph's key buffer holds)."""
         held = sum(len(p) for p in prompts)
         if not self.shares_prefixes:
             return held
-        return max(packed_length(prompts, self.config.share_prefix_min_tokens), -(-held // KEYS_PER_TOKEN))
+        return max(held - saved_tokens(self._shared_prefixes(prompts)), -(-held // KEYS_PER_TOKEN))
+
+    def _shared_prefixes(self, prompts: Sequence[Prompt]) -> list[SharedPrefix]:
+        """find_shared_prefixes, remembered for the last prompts asked about: the batch a caller has just
+        measured (the worker's batcher, the engine's split) is the batch launched next, and finding a
+        large batch's groups costs milliseconds of host time. The same prompt objects, not equal ones:
+        comparing by identity costs nothing, and the memo is replaced in one assignment (the worker
+        measures on its intake thread)."""
+        memo = self._groups_memo
+        if memo is not None and len(memo[0]) == len(prompts) and all(map(operator.is_, memo[0], prompts)):
+            return list(memo[1])
+        groups = find_shared_prefixes(prompts, self.config.share_prefix_min_tokens)
+        self._groups_memo = (tuple(prompts), tuple(groups))
+        return groups
 
     def _gathers_keys(self, prompts: Sequence[Prompt]) -> bool:
         """Whether a batch with shared prefixes gathers each sequence's keys: on the exact path, which reads

@@ -14,7 +14,7 @@ from scoring_testkit import ATOL, RTOL, CpuVarlenKernelGqa, hf_reference, hidden
 
 from models import Scorer, ScorerConfig, engine
 from models.attention import attend_causal
-from models.packing import SharedPrefix, find_shared_prefixes, pack, pool
+from models.packing import SharedPrefix, find_shared_prefixes, pack, packed_length, pool
 from models.tiny import DECODERS, write_tiny_model
 from schemas import ScoreRequest
 
@@ -263,8 +263,6 @@ def test_the_token_budget_counts_a_shared_prefix_once(
     """A batch's budget counts what it computes: requests whose prompts hold more than the budget but
     compute less run as one batch (not cut into batches that each compute the query again), and give what
     the unshared engine gives in several."""
-    from models.packing import packed_length
-
     held = sum(len(p) for p in _whole_prompts())
     computed = packed_length(_whole_prompts(), MIN_TOKENS)
     assert computed < held // 2
@@ -330,3 +328,28 @@ def test_sliding_windows_take_two_passes_until_a_prompt_outgrows_them(
         reference = hf_reference(model_dirs[architecture], [query + item for item in items])
         np.testing.assert_allclose(scores_of(result), reference.logits, atol=ATOL, rtol=RTOL)
         np.testing.assert_allclose(hidden_of(result), reference.hidden, atol=ATOL, rtol=RTOL)
+
+
+def test_a_batch_measured_then_launched_finds_its_groups_once(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's split measures a batch (its prompts hold more than the budget, it computes less), then
+    launches it: the groups are found once for both. Equal prompts in new objects are found again."""
+    calls: list[int] = []
+    real = engine.find_shared_prefixes
+
+    def counted(prompts: Any, min_tokens: int) -> Any:
+        calls.append(len(prompts))
+        return real(prompts, min_tokens)
+
+    monkeypatch.setattr(engine, "find_shared_prefixes", counted)
+    computed = packed_length(_whole_prompts(), MIN_TOKENS)
+    config = ScorerConfig(device="cpu", share_prefix_min_tokens=MIN_TOKENS, max_batch_tokens=computed + 5)
+    scorer = Scorer(tiny_llama_dir, config)
+    prepared = [scorer.prepare(r) for r in _requests()]
+    first = scorer.score_prepared(prepared)
+    assert calls == [len(_whole_prompts())]
+    again = scorer.score_prepared([scorer.prepare(r) for r in _requests()])
+    assert len(calls) == 2
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(scores_of(a), scores_of(b))
