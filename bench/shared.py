@@ -16,7 +16,8 @@ worker's intake prepares them beside the model), as the model step with each bat
 ahead is finished (as the worker's model thread runs batches that queue), and as `Scorer.score` (preparing
 on the same thread first).
 The shared path's results are checked against HF float32 on a sample (twice HF's own bf16 error plus 5% of
-the score scale) and against today's path on every item; the script exits 1 when either check fails.
+the score scale) and against today's path on every item (5% of the score scale, or twice HF's own bf16
+error where that is wider); the script exits 1 when either check fails.
 """
 
 from __future__ import annotations
@@ -159,15 +160,20 @@ def time_path(
     return results, best
 
 
-def agree(shared: Sequence[ScoreResult], whole: Sequence[ScoreResult], share: float = 0.05) -> dict[str, Any]:
+def agree(
+    shared: Sequence[ScoreResult], whole: Sequence[ScoreResult], share: float = 0.05, noise: float = 0.0
+) -> dict[str, Any]:
     """Every item of the shared path against today's path (the same model, bf16 on both), within `share`
-    of the score scale."""
+    of the score scale or twice `noise`, whichever is wider. `noise`: how far HF's own bf16 forward is from
+    float32 on the sample; two bf16 computations of the same item that sum in other orders (the shared
+    path merges two attention passes) may each be that far from float32, on either side."""
     a = np.array([row for r in shared for row in r.scores], dtype=np.float32)
     b = np.array([row for r in whole for row in r.scores], dtype=np.float32)
     scale = max(1.0, float(np.abs(b).max()))
     diff = float(np.abs(a - b).max())
-    ok = all(r.ok for r in shared) and bool(np.isfinite(a).all()) and diff <= share * scale
-    return {"max_abs_score_diff": diff, "bound": share * scale, "ok": ok}
+    bound = max(share * scale, 2 * noise)
+    ok = all(r.ok for r in shared) and bool(np.isfinite(a).all()) and diff <= bound
+    return {"max_abs_score_diff": diff, "bound": bound, "ok": ok}
 
 
 def sample(
@@ -233,9 +239,10 @@ def run_case(
         "overlapped": rates("overlapped_s"),
         # Scorer.score, preparing on the model's thread first (how this benchmark timed until 2026-12-01).
         "with_prepare": rates("whole_s"),
-        "agreement": agree(shared_results, whole_results),
         "vs_fp32": check_sample(model_dir, device, sample(requests, shared_results, args.sample)),
     }
+    noise = float(report["vs_fp32"].get("hf_bf16_max_abs_score_diff", 0.0))
+    report["agreement"] = agree(shared_results, whole_results, noise=noise)
     del shared
     if device == "cuda":
         torch.cuda.empty_cache()
