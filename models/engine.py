@@ -609,7 +609,7 @@ class Scorer:
                     packed.max_length,
                     packed.token_type_ids,
                     keys=keys,
-                    cross=None if packed.cross is None else packed.cross.layout(),
+                    cross=packed.cross,
                 )
         return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
 

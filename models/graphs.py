@@ -219,7 +219,7 @@ class GraphedForward:
             packed.max_length,
             keys,
             0 if shared is None else shared.max_length_k,
-            0 if cross is None else len(cross.host_cu_q) - 1,
+            0 if cross is None else len(cross.cu_q) - 1,
             0 if cross is None else cross.max_q,
             0 if cross is None else cross.max_k,
         )
@@ -267,11 +267,12 @@ class GraphedForward:
         self._cu[items + 1 : key.sequences + 1].fill_(total)  # empty sequences in the unused slots
         cross = packed.cross
         if cross is not None:
-            groups = len(cross.host_cu_q) - 1
+            groups = len(cross.cu_q) - 1
             self._cross_q[: groups + 1].copy_(cross.cu_q, non_blocking=True)
-            self._cross_q[groups + 1 : key.groups + 1].fill_(int(cross.host_cu_q[-1]))  # empty groups
+            # Empty groups in the unused slots: their bounds repeat the last, read on the device (no sync).
+            self._cross_q[groups + 1 : key.groups + 1].fill_(cross.cu_q[-1])
             self._cross_k[: groups + 1].copy_(cross.cu_k, non_blocking=True)
-            self._cross_k[groups + 1 : key.groups + 1].fill_(int(cross.host_cu_k[-1]))
+            self._cross_k[groups + 1 : key.groups + 1].fill_(cross.cu_k[-1])
             self._cross_rows[:total].copy_(cross.rows, non_blocking=True)
             self._cross_rows[total : key.tokens].fill_(False)  # padding takes no cross pass
         shared = packed.shared

@@ -76,22 +76,6 @@ class PrefixCross(NamedTuple):
 
 
 @dataclass(frozen=True)
-class SharedCross:
-    """PrefixCross of a packed row, with its bounds on the host too (CUDA graphs copy them into buffers)."""
-
-    cu_q: torch.Tensor  # on the device
-    cu_k: torch.Tensor
-    host_cu_q: torch.Tensor  # the same on the host
-    host_cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-    rows: torch.Tensor  # [T] bool, on the device
-
-    def layout(self) -> PrefixCross:
-        return PrefixCross(self.cu_q, self.cu_k, self.max_q, self.max_k, self.rows)
-
-
-@dataclass(frozen=True)
 class PackedBatch:
     """Prompts concatenated into one row. Without shared prefixes, item i spans tokens
     cu_seqlens[i]:cu_seqlens[i+1]; with them (`cross` set), cu_seqlens bounds attention sequences instead
@@ -110,7 +94,7 @@ class PackedBatch:
     # For "mean" with shared prefixes: the packed row of every token of every prompt (V >= T); None when
     # each prompt is packed whole, in order (then token v is row v).
     row_of_token: torch.Tensor | None = None
-    cross: SharedCross | None = None  # with shared prefixes: the suffixes' pass over their prefixes
+    cross: PrefixCross | None = None  # with shared prefixes: the suffixes' pass over their prefixes
     shared: SharedKeys | None = None  # with shared prefixes, where asked: each sequence's keys gathered
 
 
@@ -368,11 +352,9 @@ def _pack_shared(
         lengths=_to_device(lengths, device, non_blocking),
         max_length=int(q_lengths.max()),
         row_of_token=_to_device(row_of_token, device, non_blocking) if mean else None,
-        cross=SharedCross(
+        cross=PrefixCross(
             cu_q=_to_device(cross_q, device, non_blocking),
             cu_k=_to_device(cross_k, device, non_blocking),
-            host_cu_q=torch.from_numpy(cross_q),
-            host_cu_k=torch.from_numpy(cross_k),
             max_q=int(np.diff(cross_q).max()),
             max_k=int(prefix_lengths.max()),
             rows=_to_device(suffix_rows, device, non_blocking),

@@ -177,7 +177,7 @@ def test_packing_lays_out_the_prefixes_then_the_suffixes_then_the_rest() -> None
     assert packed.pooled_rows.tolist() == [6, 4, 5]
     # The cross pass: the group's suffixes (rows 3..5) over its prefix (rows 0..2); no key is copied.
     assert packed.cross is not None and packed.shared is None
-    assert (packed.cross.host_cu_q.tolist(), packed.cross.host_cu_k.tolist()) == ([3, 6], [0, 3])
+    assert (packed.cross.cu_q.tolist(), packed.cross.cu_k.tolist()) == ([3, 6], [0, 3])
     assert (packed.cross.max_q, packed.cross.max_k) == (3, 3)
     assert packed.cross.rows.tolist() == [False, False, False, True, True, True, False]
     # Gathered keys, where asked (the exact path, sliding windows): each suffix's prefix rows, then its own.
@@ -198,7 +198,7 @@ def test_two_groups_lie_in_one_run_of_prefixes_and_one_of_suffixes() -> None:
     packed = pack(prompts, torch.device("cpu"), "last_token", shared=groups)
     assert packed.input_ids.tolist() == [[1, 2, 5, 6, 7, 3, 8, 9, 4]]
     assert packed.cross is not None
-    assert (packed.cross.host_cu_q.tolist(), packed.cross.host_cu_k.tolist()) == ([4, 6, 9], [0, 2, 4])
+    assert (packed.cross.cu_q.tolist(), packed.cross.cu_k.tolist()) == ([4, 6, 9], [0, 2, 4])
     assert (packed.cross.max_q, packed.cross.max_k) == (3, 2)
     assert packed.pooled_rows.tolist() == [4, 7, 5, 8]
 
@@ -353,3 +353,33 @@ def test_a_batch_measured_then_launched_finds_its_groups_once(
     assert len(calls) == 2
     for a, b in zip(first, again, strict=True):
         np.testing.assert_array_equal(scores_of(a), scores_of(b))
+
+
+def test_cuda_graphs_pad_the_cross_pass_with_empty_groups(tiny_llama_dir: Path) -> None:
+    """Three groups fill a graph bucketed for four: the unused group slot is an empty sequence (its bounds
+    repeat the last), so it adds nothing, and each replay scores the batch it is given."""
+    from models.graphs import Recorder
+
+    rerun: Recorder = lambda run: run  # noqa: E731 - a recorder whose replay runs the function again
+    kernel = CpuVarlenKernelGqa()
+    config = ScorerConfig(
+        device="cpu",
+        attention="varlen",
+        varlen_kernel=kernel,
+        graph_recorder=rerun,
+        share_prefix_min_tokens=8,
+    )
+    scorer = Scorer(tiny_llama_dir, config)
+    graphs = scorer.graphs
+    assert graphs is not None
+    plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    for round_ in range(3):  # recorded at the second batch, replayed at the third
+        items = ((5 + round_, 6), (7, 8 + round_))
+        batch = [
+            ScoreRequest(f"m{q}", query=tuple(range(10 * q + 40, 10 * q + 50)), items=items) for q in range(3)
+        ]
+        for got, expected in zip(scorer.score(batch), plain.score(batch), strict=True):
+            np.testing.assert_allclose(scores_of(got), scores_of(expected), atol=ATOL, rtol=RTOL)
+    assert graphs.recorded == 1 and graphs.replays == 1
+    cross_bounds = [bounds for bounds in kernel.calls if bounds[0] != 0]  # the cross passes start past row 0
+    assert cross_bounds and all(len(b) == 5 and b[-1] == b[-2] for b in cross_bounds[-4:])

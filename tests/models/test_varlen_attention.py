@@ -190,7 +190,7 @@ def test_shared_prefixes_through_two_passes_or_gathered_keys_match_whole_prompts
         cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.shared.cu_seqlens_k,
         max_length_q=packed.max_length, max_length_k=packed.shared.max_length_k,
         packed_key_index=packed.shared.key_index if gathered else None,
-        prefix_cross=packed.cross.layout(), kernel=kernel,
+        prefix_cross=packed.cross, kernel=kernel,
     )  # fmt: skip
     assert len(kernel.calls) == (1 if gathered else 2)
     left = None if sliding_window is None else sliding_window - 1
