@@ -38,7 +38,7 @@ from bench.common import environment, out_dir, timed, token_budget_chunks, write
 from bench.w1 import W1_SHAPES
 from bench.w2 import QUICK_SHAPES as W2_QUICK
 from bench.w2 import W2_SHAPES, build_model_dir, check_sample
-from models import Scorer, ScorerConfig
+from models import PreparedRequest, Scorer, ScorerConfig
 from models.chunks import token_runs
 from schemas import ScoreRequest, ScoreResult
 
@@ -101,7 +101,8 @@ def whole_prompts(request: ScoreRequest) -> list[tuple[int, ...]]:
 
 def chunks(requests: Sequence[ScoreRequest], budget: int, scorer: Scorer | None = None) -> list[list[int]]:
     """Arrival-order batches within the token budget as the worker cuts them: by the prompts' lengths, or
-    by what `scorer` computes for them (a shared prefix counted once) when it is given."""
+    by what `scorer` computes for them (a shared prefix counted once, requests sharing one kept together
+    at a cut) when it is given."""
     prompts = [whole_prompts(r) for r in requests]
     sizes = [sum(len(p) for p in group) for group in prompts]
     if scorer is None:
@@ -110,7 +111,14 @@ def chunks(requests: Sequence[ScoreRequest], budget: int, scorer: Scorer | None 
     def measure(start: int, stop: int) -> int:
         return scorer.batch_tokens([p for group in prompts[start:stop] for p in group])
 
-    return [list(run) for run in token_runs(sizes, budget, measure)]
+    prepared = [
+        PreparedRequest(r, tuple(group), tokenize_s=0.0) for r, group in zip(requests, prompts, strict=True)
+    ]
+
+    def joins(earlier: int, later: int) -> bool:
+        return scorer.share_prefix(prepared[earlier], prepared[later])
+
+    return [list(run) for run in token_runs(sizes, budget, measure, joins)]
 
 
 def time_path(

@@ -14,12 +14,26 @@ PromptsMeasure = Callable[[Sequence[Prompt]], int]
 RangeMeasure = Callable[[int, int], int]
 
 
-def token_runs(sizes: Sequence[int], max_tokens: int, measure: RangeMeasure | None = None) -> Iterator[range]:
+# Whether two requests share a prefix that one batch holding both computes once (models.Scorer.share_prefix).
+RequestsJoin = Callable[[PreparedRequest, PreparedRequest], bool]
+# Whether entry k of a sequence shares such a prefix with a later entry.
+RangeJoins = Callable[[int, int], bool]
+
+
+def token_runs(
+    sizes: Sequence[int],
+    max_tokens: int,
+    measure: RangeMeasure | None = None,
+    joins: RangeJoins | None = None,
+) -> Iterator[range]:
     """Consecutive index ranges whose sizes add up to at most `max_tokens`; a size above it stands alone.
 
     `measure(start, stop)`, when given, is what entries start..stop cost together where that can be less
     than the sum of their sizes (prompts sharing a prefix computed once); it is asked only when the sum is
     over the budget, so a run is cut where what it computes, not what it holds, reaches the budget.
+    `joins(k, index)`, given with `measure`, says whether entry k shares a prefix with entry index: where
+    a run is cut, the entries at its end that share one with the next entry move to the next run with it
+    (`group_cut`), so that prefix is computed once, not in both runs.
 
     The one rule for cutting a sequence into token-budget batches: the worker's batcher, the engine's split
     and the cutting of a large request all follow it. Sequences that fit whole as measured (a batch the
@@ -32,11 +46,38 @@ def token_runs(sizes: Sequence[int], max_tokens: int, measure: RangeMeasure | No
     for index, size in enumerate(sizes):
         over = index > start and tokens + size > max_tokens
         if over and (measure is None or measure(start, index + 1) > max_tokens):
-            yield range(start, index)
-            start, tokens = index, 0
+            cut = index
+            if measure is not None and joins is not None and size <= max_tokens:
+                cut = group_cut(start, index, joins, measure, max_tokens)
+            yield range(start, cut)
+            start, tokens = cut, sum(sizes[cut:index])
         tokens += size
     if start < len(sizes):
         yield range(start, len(sizes))
+
+
+def group_cut(start: int, index: int, joins: RangeJoins, measure: RangeMeasure, max_tokens: int) -> int:
+    """Where a run of entries start..index-1 closes when entry `index` does not fit in it: at `index`, or
+    earlier, so that the entries at the run's end sharing a prefix with `index` (`joins(k, index)`, walked
+    back from the end) start the next run with it and their prefix is computed once, not in both runs.
+
+    They move only when one entry at least stays behind, the run is not full already, they fit the budget
+    with `index`, and the two runs then compute fewer tokens than the whole run and `index` would: arrival
+    order is kept, and a run never closes emptier for nothing. Entries that share nothing cost one `joins`
+    call per cut.
+    """
+    cut = index
+    while cut - 1 > start and joins(cut - 1, index):
+        cut -= 1
+    if cut == index:
+        return index
+    run = measure(start, index)
+    if run >= max_tokens:  # full before `index` came: the worker's batcher has closed it already
+        return index
+    carried = measure(cut, index + 1)
+    if carried > max_tokens:
+        return index
+    return cut if measure(start, cut) + carried < run + measure(index, index + 1) else index
 
 
 def split_request(

@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from models.attention import register_attention
-from models.chunks import RangeMeasure, token_runs
+from models.chunks import RangeJoins, RangeMeasure, token_runs
 from models.config import ScorerConfig
 from models.errors import DeviceLostError, ModelLoadError
 from models.fp8 import fp8_supported, quantize_layers
@@ -34,6 +34,7 @@ from models.packing import (
     pool,
     pooled_positions,
     saved_tokens,
+    shareable_prefix,
     start_rows_copy,
     to_host_async,
 )
@@ -416,14 +417,18 @@ class Scorer:
         # Deterministic: one request per batch (a judge's label columns then depend on the request alone).
         budget = 0 if self.config.deterministic else self.config.max_batch_tokens
         measure: RangeMeasure | None = None
+        joins: RangeJoins | None = None
         if self.shares_prefixes:  # the budget counts a shared prefix once, as the packed row holds it
 
             def measure(start: int, stop: int) -> int:
                 return self.batch_tokens([prompt for _, p in pending[start:stop] for prompt in p.prompts])
 
+            def joins(earlier: int, later: int) -> bool:
+                return self.share_prefix(pending[earlier][1], pending[later][1])
+
         batches = [
             ([index for index, _ in batch], self._launch_or_recover([p for _, p in batch], on_batch))
-            for batch in _split(pending, budget, measure)
+            for batch in _split(pending, budget, measure, joins)
         ]
         return PendingScores(results, batches, on_batch)
 
@@ -634,6 +639,15 @@ class Scorer:
         if not self.shares_prefixes:
             return held
         return max(held - saved_tokens(self._shared_prefixes(prompts)), -(-held // KEYS_PER_TOKEN))
+
+    def share_prefix(self, earlier: PreparedRequest, later: PreparedRequest) -> bool:
+        """Whether a batch holding both requests would compute a prefix of theirs once: the last prompt of
+        the one and the first of the other share at least `share_prefix_min_tokens`, each keeping a token of
+        its own. Batch cuts keep such requests together where they can (models.chunks.group_cut)."""
+        if not (self.shares_prefixes and earlier.prompts and later.prompts):
+            return False
+        shared = shareable_prefix(earlier.prompts[-1], later.prompts[0])
+        return shared >= self.config.share_prefix_min_tokens
 
     def _shared_prefixes(self, prompts: Sequence[Prompt]) -> list[SharedPrefix]:
         """find_shared_prefixes, remembered for the last prompts asked about: the batch a caller has just
@@ -894,11 +908,14 @@ def _item_ranges(item_counts: Sequence[int]) -> Iterator[range]:
 
 
 def _split(
-    pending: Sequence[tuple[int, PreparedRequest]], max_tokens: int, measure: RangeMeasure | None = None
+    pending: Sequence[tuple[int, PreparedRequest]],
+    max_tokens: int,
+    measure: RangeMeasure | None = None,
+    joins: RangeJoins | None = None,
 ) -> Iterator[list[tuple[int, PreparedRequest]]]:
-    """Consecutive batches of at most max_tokens tokens (as `measure` counts a run, when given); a request
-    over the budget runs alone."""
-    for run in token_runs([entry[1].num_tokens for entry in pending], max_tokens, measure):
+    """Consecutive batches of at most max_tokens tokens (as `measure` counts a run, when given, requests
+    sharing a prefix kept together at a cut where `joins` says so); a request over the budget runs alone."""
+    for run in token_runs([entry[1].num_tokens for entry in pending], max_tokens, measure, joins):
         yield list(pending[run.start : run.stop])
 
 

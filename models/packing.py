@@ -114,10 +114,7 @@ def find_shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int) -> l
     rows = [p if isinstance(p, tuple) else tuple(p) for p in prompts]  # one type: slices compare in C
     order = sorted(range(len(rows)), key=rows.__getitem__)
     # Neighbour pair k (order[k], order[k + 1]): the prefix they could share, leaving each a token.
-    shared = [
-        min(_common_prefix(rows[a], rows[b]), len(rows[a]) - 1, len(rows[b]) - 1)
-        for a, b in itertools.pairwise(order)
-    ]
+    shared = [shareable_prefix(rows[a], rows[b]) for a, b in itertools.pairwise(order)]
     left, right, root = _cartesian_tree(shared)
     # Bottom-up: the pairs under each node, and the most tokens its run saves (whole, or its two halves).
     low, high, best, whole = (
@@ -145,6 +142,11 @@ def find_shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int) -> l
         else:
             pending += [left[node], right[node]]
     return sorted(groups, key=lambda g: g.members[0])
+
+
+def shareable_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The prefix two prompts could compute once: their common prefix, leaving each one token of its own."""
+    return min(_common_prefix(a, b), len(a) - 1, len(b) - 1)
 
 
 def packed_length(prompts: Sequence[Sequence[int]], min_tokens: int) -> int:

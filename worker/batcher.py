@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from models.chunks import group_cut
+
 T = TypeVar("T")
 
 
@@ -29,7 +31,11 @@ class TokenBudgetBatcher(Generic[T]):
 
     `measure(items)`, when given, is what items cost together when that can be less than the sum of their
     tokens (prompts sharing a prefix computed once): an item that would take the sum over the budget is
-    measured with the batch, and joins it when what they compute together fits.
+    measured with the batch, and joins it when what they compute together fits. `joins(earlier, item)`,
+    given with it, says whether two items share such a prefix: when an item closes the batch, the items at
+    the batch's end sharing one with it move to the next batch with it, so their prefix is computed once
+    and not in both (the rule of `models.chunks.group_cut`, which the engine's own split follows). Those
+    moved items keep the time they started waiting: the maximum wait still bounds every item's.
     """
 
     def __init__(
@@ -39,6 +45,7 @@ class TokenBudgetBatcher(Generic[T]):
         max_wait_s: float,
         clock: Callable[[], float] = time.monotonic,
         measure: Callable[[list[T]], int] | None = None,
+        joins: Callable[[T, T], bool] | None = None,
     ) -> None:
         if max_tokens <= 0 or max_requests <= 0 or max_wait_s < 0:
             raise ValueError("max_tokens and max_requests must be positive and max_wait_s not negative")
@@ -47,6 +54,7 @@ class TokenBudgetBatcher(Generic[T]):
         self._max_wait_s = max_wait_s
         self._clock = clock
         self._measure = measure
+        self._joins = joins
         self._items: list[T] = []
         self._tokens = 0  # what the batch computes: measured, or an upper bound (the sum since measured)
         self._opened_at = 0.0
@@ -63,12 +71,17 @@ class TokenBudgetBatcher(Generic[T]):
         if tokens < 0:
             raise ValueError(f"tokens must not be negative, got {tokens}")
         closed: list[Batch[T]] = []
-        together = self._tokens + tokens
+        together = self._tokens + tokens  # an upper bound where a measure may find less
+        if self._items and together >= self._max_tokens and self._measure is not None:
+            together = self._measure([*self._items, item])
         if self._items and together > self._max_tokens:
-            together = self._measure([*self._items, item]) if self._measure is not None else together
-            if together > self._max_tokens:
+            kept = self._group_cut(item) if tokens <= self._max_tokens else None
+            if kept is None:
                 closed.append(self._close())
                 together = tokens
+            else:
+                closed.append(kept[0])
+                together = kept[1]
         if tokens > self._max_tokens:
             closed.append(Batch((item,), tokens))
             return closed
@@ -79,6 +92,28 @@ class TokenBudgetBatcher(Generic[T]):
         if len(self._items) >= self._max_requests or self._tokens >= self._max_tokens:
             closed.append(self._close())
         return closed
+
+    def _group_cut(self, item: T) -> tuple[Batch[T], int] | None:
+        """When `item` does not fit the open batch and the last items share a prefix with it: the batch of
+        the first items, closed, and what the ones left open compute with `item` (they stay open with it,
+        models.chunks.group_cut). None when the whole batch closes."""
+        items, measure, joins = [*self._items, item], self._measure, self._joins
+        if measure is None or joins is None:
+            return None
+        measured: dict[tuple[int, int], int] = {}
+
+        def by_range(start: int, stop: int) -> int:
+            if (start, stop) not in measured:
+                measured[start, stop] = measure(items[start:stop])
+            return measured[start, stop]
+
+        last = len(self._items)
+        cut = group_cut(0, last, lambda k, index: joins(items[k], items[index]), by_range, self._max_tokens)
+        if cut == last:
+            return None
+        closing = Batch(tuple(items[:cut]), by_range(0, cut))
+        self._items = items[cut:last]
+        return closing, by_range(cut, last + 1)
 
     def due_in(self) -> float | None:
         """Seconds until the open batch must close (0 when overdue), or None when no batch is open."""

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from models import BatchObserver
-from models.chunks import PromptsMeasure
+from models.chunks import PromptsMeasure, RequestsJoin
 from models.errors import DeviceLostError
 from schemas import (
     ErrorCode,
@@ -111,6 +111,15 @@ class Intake:
             return None
         measure: PromptsMeasure = self._scorer.batch_tokens  # type: ignore[attr-defined]
         return measure
+
+    @property
+    def batch_joins(self) -> RequestsJoin | None:
+        """Whether two prepared requests share a prefix one batch computes once (batch cuts keep them
+        together), when the scorer computes shared prefixes once; else None."""
+        if not getattr(self._scorer, "shares_prefixes", False):
+            return None
+        joins: RequestsJoin = self._scorer.share_prefix  # type: ignore[attr-defined]
+        return joins
 
     def prepare_all(
         self, records: Sequence[ConsumerRecord[bytes, bytes]], ready: Sequence[Ready | None] | None = None

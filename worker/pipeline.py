@@ -117,12 +117,15 @@ class Pipeline:
         self._deliver = deliver
         self._spawn = spawn
         # With shared prefixes computed once, budgets count what a batch computes, not what it holds.
+        # Requests sharing a prefix are kept in one batch where a batch closes between them.
         self._measure = intake.batch_measure
+        joins = intake.batch_joins
         self._batcher: TokenBudgetBatcher[Unit] = TokenBudgetBatcher(
             settings.max_batch_tokens,
             settings.max_batch_requests,
             settings.max_wait_ms / 1000,
             measure=None if self._measure is None else self._units_tokens,
+            joins=None if joins is None else (lambda a, b: joins(a.prepared, b.prepared)),
         )
         # Closed batches not yet handed to the model thread. While it is busy, arriving requests keep filling
         # the open batch instead of being cut into small batches queued behind it.

@@ -100,3 +100,63 @@ def test_a_failed_part_fails_the_whole_request() -> None:
     ok = ScoreResult("r", ResultStatus.OK, scores=((1.0,),))
     failed = ScoreResult.failure("r", ErrorCode.EXPIRED, "late")
     assert join_results([ok, failed, ok]) is failed
+
+
+# Best-of-N requests as an RL trainer sends them: a prompt's responses one after another. Entry: (prompt,
+# tokens); the entries of one prompt share its first PREFIX tokens, which a run computes once.
+PREFIX = 30
+BEST_OF = [("a", 32)] * 4 + [("b", 32)] * 4 + [("c", 32)] * 4
+
+
+def computed(entries: Sequence[tuple[str, int]]) -> int:
+    prompts = [prompt for prompt, _ in entries]
+    return sum(size for _, size in entries) - sum((prompts.count(p) - 1) * PREFIX for p in set(prompts))
+
+
+def best_of_runs(
+    entries: Sequence[tuple[str, int]], budget: int, asked: list[tuple[int, int]]
+) -> list[range]:
+    def measure(start: int, stop: int) -> int:
+        return computed(entries[start:stop])
+
+    def joins(earlier: int, later: int) -> bool:
+        asked.append((earlier, later))
+        return entries[earlier][0] == entries[later][0]
+
+    return list(token_runs([size for _, size in entries], budget, measure, joins))
+
+
+def test_a_cut_keeps_the_requests_that_share_a_prompt_with_the_next_one_together() -> None:
+    """A run that would close after three of prompt b's four requests leaves them to the next run with the
+    fourth: b's prompt is computed once (38 tokens), not in both runs (38 + 32 + ...)."""
+    asked: list[tuple[int, int]] = []
+    # a's 4 compute 38; with b1..b3 74; b4 would take the run to 76 > 75.
+    runs = best_of_runs(BEST_OF, 75, asked)
+    assert runs == [range(0, 4), range(4, 8), range(8, 12)]
+    assert sum(computed(BEST_OF[r.start : r.stop]) for r in runs) == 3 * 38
+    assert asked[:4] == [(6, 7), (5, 7), (4, 7), (3, 7)]  # walked back from the cut to the other prompt
+    # Without the rule the same budget cuts b in two, computing its prompt twice.
+    plain = list(token_runs([size for _, size in BEST_OF], 75, lambda a, b: computed(BEST_OF[a:b])))
+    assert plain == [range(0, 7), range(7, 12)]
+    assert sum(computed(BEST_OF[r.start : r.stop]) for r in plain) == 74 + 70
+
+
+def test_a_cut_moves_nothing_where_it_would_not_save_or_fit() -> None:
+    asked: list[tuple[int, int]] = []
+    one_prompt = [("a", 32)] * 8  # 30 + 2 x 8 = 46: a run keeps one entry at least, whatever it shares
+    assert best_of_runs(one_prompt, 40, asked) == [range(0, 5), range(5, 8)]
+    # The entries sharing with the next do not fit with it: the run closes whole.
+    long_tail = [("x", 5), ("a", 70), ("a", 70)]  # a's two compute 110
+    assert best_of_runs(long_tail, 100, []) == [range(0, 2), range(2, 3)]
+    # Moving them would save nothing: 60 + 90 is what 90 + 60 computes.
+    no_gain = [("x", 60), ("a", 60), ("a", 60), ("a", 60)]
+    assert best_of_runs(no_gain, 100, []) == [range(0, 1), range(1, 3), range(3, 4)]
+    # A run computing exactly the budget has closed before the next entry came (as the worker's batcher
+    # closes it): nothing moves out of it.
+    full = [("x", 36), ("a", 32), ("a", 32)]  # 36 + 32 + 2 = 70
+    assert best_of_runs([*full, ("a", 32)], 70, []) == [range(0, 3), range(3, 4)]
+    # Nothing shared: each cut asks once whether the last entry shares with the next.
+    asked.clear()
+    distinct = [(str(i), 32) for i in range(6)]
+    assert best_of_runs(distinct, 70, asked) == [range(0, 2), range(2, 4), range(4, 6)]
+    assert asked == [(1, 2), (3, 4)]

@@ -383,3 +383,34 @@ def test_cuda_graphs_pad_the_cross_pass_with_empty_groups(tiny_llama_dir: Path) 
     assert graphs.recorded == 1 and graphs.replays == 1
     cross_bounds = [bounds for bounds in kernel.calls if bounds[0] != 0]  # the cross passes start past row 0
     assert cross_bounds and all(len(b) == 5 and b[-1] == b[-2] for b in cross_bounds[-4:])
+
+
+def test_the_engines_split_keeps_requests_sharing_a_prompt_in_one_batch(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Best-of-N requests of two prompts whose batches the budget cuts after the second prompt's second
+    request: the engine leaves those two for the next batch with the third, so each prompt is computed
+    once; results are those of the engine that shares nothing."""
+    prompts = (tuple(range(40, 60)), tuple(range(60, 80)))  # 20 tokens each
+    requests = [
+        ScoreRequest(
+            f"p{p}-r{r}", items=(prompts[p] + (100 + r, 101 + r, 102 + r),), return_pooled_hidden_states=True
+        )
+        for p in range(2)
+        for r in range(3)
+    ]
+    config = ScorerConfig(device="cpu", share_prefix_min_tokens=MIN_TOKENS, max_batch_tokens=56)
+    shared = Scorer(tiny_llama_dir, config)
+    prepared = [shared.prepare(r) for r in requests]
+    assert shared.share_prefix(prepared[3], prepared[4]) and not shared.share_prefix(prepared[2], prepared[3])
+    assert shared.batch_tokens([p for r in prepared[:5] for p in r.prompts]) == 55  # 20 + 3 x 3, 20 + 2 x 3
+    spy = PackSpy(monkeypatch)
+    ours = shared.score_prepared(prepared)
+    assert spy.tokens == [29, 29]  # not [55, 23]: the second prompt computed in both batches
+    plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_batch_tokens=56))
+    assert not plain.share_prefix(prepared[3], prepared[4])
+    for a, b in zip(ours, plain.score(requests), strict=True):
+        np.testing.assert_allclose(scores_of(a), scores_of(b), atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(hidden_of(a), hidden_of(b), atol=ATOL, rtol=RTOL)
+    short = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", share_prefix_min_tokens=21))
+    assert not short.share_prefix(prepared[3], prepared[4])  # 20 shared, fewer than it asks

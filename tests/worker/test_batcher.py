@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from models.chunks import token_runs
 from worker.batcher import Batch, TokenBudgetBatcher
 
 
@@ -137,3 +138,71 @@ def test_a_measure_lets_items_that_share_work_fill_the_batch() -> None:
     batcher.add("f1", 4)
     assert batcher.add("g1", 4) == [Batch(("e1", "f1"), 8)]  # nothing shared: 12 > 10
     assert batcher.pending_tokens == 4 and len(batcher) == 1
+
+
+# Best-of-N requests as an RL trainer sends them: item (prompt, response length), a prompt's responses one
+# after another. Every prompt is PROMPT tokens; the items of one prompt compute it once in a batch.
+PROMPT = 30
+
+
+def _best_of_measure(items: list[tuple[str, int]]) -> int:
+    prompts = [prompt for prompt, _ in items]
+    held = sum(PROMPT + response for _, response in items)
+    return held - sum((prompts.count(p) - 1) * PROMPT for p in set(prompts))
+
+
+def _same_prompt(earlier: tuple[str, int], later: tuple[str, int]) -> bool:
+    return earlier[0] == later[0]
+
+
+def test_requests_sharing_a_prompt_with_the_item_that_closes_the_batch_move_with_it() -> None:
+    """The batch that b's fourth response closes leaves b's first three open with it, so b's prompt is
+    computed in one batch, not in two; the items moved keep their wait's start."""
+    clock = FakeClock()
+    batcher: TokenBudgetBatcher[tuple[str, int]] = TokenBudgetBatcher(
+        75, 100, 0.5, clock=clock, measure=_best_of_measure, joins=_same_prompt
+    )
+    a, b = [("a", 2)] * 4, [("b", 2)] * 4
+    for item in a + b[:3]:
+        assert batcher.add(item, 32) == []
+        clock.now += 0.01
+    assert batcher.pending_tokens == 74  # a: 30 + 4 x 2; b so far: 30 + 3 x 2
+    assert batcher.add(b[3], 32) == [Batch(tuple(a), 38)]
+    assert len(batcher) == 4 and batcher.pending_tokens == 38
+    assert batcher.due_in() == pytest.approx(0.5 - 0.07)  # a's first opened the batch at 100.0; now 100.07
+    assert batcher.flush() == Batch(tuple(b), 38)
+    # Without `joins`, the same items cut b's requests apart.
+    plain: TokenBudgetBatcher[tuple[str, int]] = TokenBudgetBatcher(
+        75, 100, 0.5, clock=clock, measure=_best_of_measure
+    )
+    assert [batch for item in a + b for batch in plain.add(item, 32)] == [Batch(tuple(a + b[:3]), 74)]
+
+
+def test_the_batcher_and_the_engines_split_cut_best_of_n_requests_alike() -> None:
+    """The worker's batcher and models.chunks.token_runs (the engine's split, the benchmarks' cut) follow
+    one rule: the same arrivals give the same batches."""
+    counts, responses = (4, 3, 5, 2, 6, 1, 4, 8), (7, 2, 19, 11, 4, 15, 9)
+    items = [
+        (prompt, responses[(n + i) % len(responses)])
+        for i, (prompt, count) in enumerate(zip("abcdefgh", counts, strict=True))
+        for n in range(count)
+    ]
+    sizes = [PROMPT + response for _, response in items]
+    moved = 0
+    for budget in range(60, 200, 10):
+        batcher: TokenBudgetBatcher[tuple[str, int]] = TokenBudgetBatcher(
+            budget, 1000, 0.5, clock=FakeClock(), measure=_best_of_measure, joins=_same_prompt
+        )
+        batches = [
+            batch.items for item, size in zip(items, sizes, strict=True) for batch in batcher.add(item, size)
+        ]
+        rest = batcher.flush()
+        batches += [rest.items] if rest is not None else []
+
+        def measure(start: int, stop: int) -> int:
+            return _best_of_measure(items[start:stop])
+
+        runs = token_runs(sizes, budget, measure, lambda k, index: _same_prompt(items[k], items[index]))
+        assert batches == [tuple(items[run.start : run.stop]) for run in runs], budget
+        moved += batches != [tuple(items[run.start : run.stop]) for run in token_runs(sizes, budget, measure)]
+    assert moved >= 7  # at half the budgets or more, some cut kept a prompt's requests together

@@ -40,6 +40,7 @@ class _ModelThreadScorer:
         self.started = [threading.Event() for _ in range(8)]
         self._hold = hold
         self.batch_measure = None
+        self.batch_joins = None
         self.events: list[tuple[str, list[str]]] = []  # launches and finishes, in order
 
     def prepare_all(self, records: Sequence[Any]) -> list[Accepted]:

@@ -28,6 +28,20 @@ def _requests() -> list[ScoreRequest]:
     ]
 
 
+def _check_results(
+    outcome: Any, requests: list[ScoreRequest], model_dir: Path, worker_id: str
+) -> dict[str, str]:
+    """Every request has its one result, equal to the engine's alone; returns the worker's metric labels."""
+    results = {r.request_id: r for r in (decode_result(rec.value or b"") for rec in outcome.results)}
+    assert sorted(results) == sorted(r.request_id for r in requests)
+    alone = Scorer(model_dir, ScorerConfig(device="cpu"))
+    for request, expected in zip(requests, alone.score(requests), strict=True):
+        got = results[request.request_id]
+        assert got.ok, got.error
+        np.testing.assert_allclose(np.array(got.scores), np.array(expected.scores), atol=1e-4)
+    return {"model": alone.model_name, "worker": worker_id}
+
+
 def test_a_batch_counts_a_shared_query_once(kafka_bootstrap: str, tiny_llama_dir: Path) -> None:
     prompts = [QUERY + item for item in ITEMS] + [(*QUERY, 200 + i) for i in range(3)]
     held, computed = sum(map(len, prompts)), packed_length(prompts, MIN_TOKENS)
@@ -49,16 +63,41 @@ def test_a_batch_counts_a_shared_query_once(kafka_bootstrap: str, tiny_llama_dir
         return outcome, worker.metrics
 
     outcome, metrics = asyncio.run(scenario())
-    results = {r.request_id: r for r in (decode_result(rec.value or b"") for rec in outcome.results)}
-    assert sorted(results) == sorted(r.request_id for r in requests)
-    alone = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
-    for request, expected in zip(requests, alone.score(requests), strict=True):
-        got = results[request.request_id]
-        assert got.ok, got.error
-        np.testing.assert_allclose(np.array(got.scores), np.array(expected.scores), atol=1e-4)
-    labels = {"model": alone.model_name, "worker": settings.worker_id}
+    labels = _check_results(outcome, requests, tiny_llama_dir, settings.worker_id)
     assert metrics.registry.get_sample_value("score_worker_batches_total", labels) == 1
     assert metrics.registry.get_sample_value("score_worker_batch_tokens_sum", labels) == computed
     assert metrics.registry.get_sample_value("score_worker_tokens_total", labels) == held
     saved = metrics.registry.get_sample_value("score_worker_shared_prefix_tokens_saved_total", labels)
     assert saved == held - computed
+
+
+def test_a_batch_closing_between_requests_sharing_a_prompt_leaves_them_together(
+    kafka_bootstrap: str, tiny_llama_dir: Path
+) -> None:
+    """Best-of-N requests sent one after another (an RL trainer's order): the budget would close the first
+    batch after the second prompt's second request; the worker moves those two to the next batch with the
+    third instead, so each prompt is computed once, in two batches of 29 tokens rather than 55 and 23."""
+    prompts = (tuple(range(40, 60)), tuple(range(60, 80)))
+    requests = [
+        ScoreRequest(f"p{p}-r{r}", items=(prompts[p] + (100 + r, 101 + r, 102 + r),))
+        for p in range(2)
+        for r in range(3)
+    ]
+    names = Names.unique("shared-cut")
+    # One partition (one key) keeps the order they were sent in; the long wait lets the budget close batches.
+    settings = fast_settings(
+        kafka_bootstrap, tiny_llama_dir, names, max_batch_tokens=56, max_wait_ms=1000, topic_partitions=1
+    )
+    config = ScorerConfig(device="cpu", max_batch_tokens=56, share_prefix_min_tokens=MIN_TOKENS)
+
+    async def scenario() -> Any:
+        worker = ScoreWorker(settings, Scorer(tiny_llama_dir, config))
+        task = asyncio.create_task(worker.run())
+        await produce(kafka_bootstrap, names.requests, [request_record(r, key=b"trainer") for r in requests])
+        outcome = await finish(settings, [(worker, task)], len(requests), len(requests))
+        return outcome, worker.metrics
+
+    outcome, metrics = asyncio.run(scenario())
+    labels = _check_results(outcome, requests, tiny_llama_dir, settings.worker_id)
+    assert metrics.registry.get_sample_value("score_worker_batches_total", labels) == 2
+    assert metrics.registry.get_sample_value("score_worker_batch_tokens_sum", labels) == 2 * 29
