@@ -241,7 +241,7 @@ def pack(
     ends = np.cumsum(lengths)
     starts = ends - lengths
     total = int(ends[-1])
-    ids = np.fromiter((token for prompt in prompts for token in prompt), dtype=np.int64, count=total)
+    ids = np.fromiter(itertools.chain.from_iterable(prompts), dtype=np.int64, count=total)
     positions = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
     if position_pad is not None:
         real = (ids != position_pad).astype(np.int64)
@@ -293,13 +293,16 @@ def _pack_shared(
     row = 0
 
     def emit(tokens: Sequence[int], first_position: int, prefix_rows: np.ndarray) -> np.ndarray:
+        """Lay out one sequence's tokens; returns the rows its prompt's tokens lie in (prefix and own)."""
         nonlocal row
         own = np.arange(row, row + len(tokens), dtype=np.int64)
         ids.append(np.asarray(tokens, dtype=np.int64))
         positions.append(np.arange(first_position, first_position + len(tokens), dtype=np.int64))
-        keys.append(np.concatenate((prefix_rows, own)))
+        rows = np.concatenate((prefix_rows, own)) if len(prefix_rows) else own
+        if gather_keys:
+            keys.append(rows)
         row += len(tokens)
-        return keys[-1]
+        return rows
 
     none = np.empty(0, dtype=np.int64)
     prefix_rows = [emit(prompts[g.members[0]][: g.length], 0, none) for g in groups]
@@ -323,7 +326,6 @@ def _pack_shared(
     lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
     ends = np.cumsum(lengths)
     starts = ends - lengths
-    virtual_ids = np.fromiter((t for prompt in prompts for t in prompt), dtype=np.int64, count=int(ends[-1]))
     row_of_token = np.concatenate(rows_of)
     non_blocking = device.type == "cuda"
     mean = pooling == "mean"
@@ -343,7 +345,7 @@ def _pack_shared(
         cu_seqlens=_to_device(cu, device, non_blocking),
         host_cu_seqlens=torch.from_numpy(cu),
         pooled_rows=_to_device(
-            row_of_token[pooled_positions(virtual_ids, starts, ends, pooling, pad_id)], device, non_blocking
+            row_of_token[_pooled_in_prompts(prompts, starts, ends, pooling, pad_id)], device, non_blocking
         ),
         token_type_ids=None,
         item_of_token=_to_device(
@@ -363,6 +365,30 @@ def _pack_shared(
         ),
         shared=gathered,
     )
+
+
+def _pooled_in_prompts(
+    prompts: Sequence[Sequence[int]], starts: np.ndarray, ends: np.ndarray, pooling: Pooling, pad_id: int | None
+) -> np.ndarray:
+    """`pooled_positions` of the prompts packed whole, without building that row: for the last non-pad
+    token, each prompt is read back from its end (a step or two where it ends unpadded)."""
+    if pooling == "cls":
+        return starts
+    if pooling == "last_token" or pad_id is None:
+        return ends - 1
+    return np.fromiter(
+        (start + _last_not(prompt, pad_id) for prompt, start in zip(prompts, starts.tolist(), strict=True)),
+        dtype=np.int64,
+        count=len(prompts),
+    )
+
+
+def _last_not(prompt: Sequence[int], pad_id: int) -> int:
+    """Index of the prompt's last token other than `pad_id`; 0 when every token is padding."""
+    for index in range(len(prompt) - 1, -1, -1):
+        if prompt[index] != pad_id:
+            return index
+    return 0
 
 
 def pool(hidden: torch.Tensor, packed: PackedBatch) -> torch.Tensor:

@@ -203,6 +203,28 @@ def test_two_groups_lie_in_one_run_of_prefixes_and_one_of_suffixes() -> None:
     assert packed.pooled_rows.tolist() == [4, 7, 5, 8]
 
 
+@pytest.mark.parametrize("pooling", ["last", "last_token", "cls", "mean"])
+def test_shared_packing_pools_the_token_whole_packing_pools(pooling: str) -> None:
+    """Each prompt's pooled row holds the token, at the position, that packing the prompts whole pools:
+    with a pad id, "last" skips padding at a prompt's end (one prompt is padding after its shared prefix;
+    one is padding throughout and pools its first token, as whole packing does)."""
+    pad = 0
+    prompts = [(1, 2, 3, 4, 0, 0), (1, 2, 3, 5), (1, 2, 3, 0), (7, 8, 0), (0, 0, 0)]
+    groups = find_shared_prefixes(prompts, 2)
+    assert groups == [SharedPrefix((0, 1, 2), 3)]
+    cpu = torch.device("cpu")
+    whole = pack(prompts, cpu, pooling, pad_id=pad)  # type: ignore[arg-type]
+    shared = pack(prompts, cpu, pooling, pad_id=pad, shared=groups)  # type: ignore[arg-type]
+    for packed_whole, packed_shared in (
+        (whole.input_ids, shared.input_ids),
+        (whole.position_ids, shared.position_ids),
+    ):
+        assert packed_shared[0, shared.pooled_rows].tolist() == packed_whole[0, whole.pooled_rows].tolist()
+    expected_positions = {"last": [3, 3, 2, 1, 0], "last_token": [5, 3, 3, 2, 2], "cls": [0] * 5}
+    if pooling in expected_positions:
+        assert shared.position_ids[0, shared.pooled_rows].tolist() == expected_positions[pooling]
+
+
 def test_fewer_queries_than_keys_are_the_last_positions() -> None:
     """The exact kernel with a shared prefix: queries 4..5 of a 6-key sequence, causal and windowed."""
     generator = torch.Generator().manual_seed(2)
