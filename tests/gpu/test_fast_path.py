@@ -91,9 +91,10 @@ def test_a_replayed_graph_scores_the_batch_it_is_given(count: int, tiny_qwen3_di
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text"])
 def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(architecture: str) -> None:
-    """A 40-token query computed once for its items, through the real varlen kernel (more keys than
-    queries per sequence), the compiled layers and a replayed CUDA graph: each item as its whole prompt in
-    HF float32, within bf16's error (twice HF's own bf16 error plus 5% of the score scale, as gpu_check)."""
+    """Three requests' 40-token queries, each computed once for its items, through the real varlen kernel
+    (more keys than queries per sequence), the compiled layers and a replayed CUDA graph (three groups in
+    four slots: one left empty, its bounds padded on the device): each item as its whole prompt in HF
+    float32, within bf16's error (twice HF's own bf16 error plus 5% of the score scale, as gpu_check)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
@@ -103,23 +104,28 @@ def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(architecture:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / architecture, architecture, seed=5, num_labels=1)
-        query = tuple(range(40, 80))
+        queries = [tuple(range(start, start + 40)) for start in (40, 140, 240)]
         items = ((5, 6, 7), tuple(range(100, 130)), (30,), (31, 32))
-        request = ScoreRequest("multi", query=query, items=items, return_pooled_hidden_states=True)
+        requests = [
+            ScoreRequest(f"multi-{i}", query=query, items=items, return_pooled_hidden_states=True)
+            for i, query in enumerate(queries)
+        ]
         config = ScorerConfig(device="cuda", dtype="bfloat16", share_prefix_min_tokens=8)
         scorer = Scorer(model_dir, config)
         for _ in range(3):  # the ordinary forward, then a recording, then a replay: the last is checked
-            (result,) = scorer.score([request])
-            assert result.error is None, result.error
+            results = scorer.score(requests)
+            assert all(result.error is None for result in results), results
         assert scorer.graphs is not None and scorer.graphs.replays == 1
-        prompts = [query + item for item in items]
+        prompts = [query + item for query in queries for item in items]
         reference = hf_reference(model_dir, prompts)
         bf16 = hf_reference(model_dir, prompts, dtype=torch.bfloat16)
-    scores = np.array(result.scores, dtype=np.float32)
+    scores = np.array([row for result in results for row in result.scores], dtype=np.float32)
     scale = max(1.0, float(np.abs(reference.logits).max()))
     bound = 2 * float(np.abs(bf16.logits - reference.logits).max()) + 0.05 * scale
     assert float(np.abs(scores - reference.logits).max()) <= bound
-    hidden = np.stack([t.to_numpy().astype(np.float32) for t in result.pooled_hidden_states or ()])
+    hidden = np.stack(
+        [t.to_numpy().astype(np.float32) for result in results for t in result.pooled_hidden_states or ()]
+    )
     relative = np.linalg.norm(hidden - reference.hidden, axis=1) / np.linalg.norm(reference.hidden, axis=1)
     assert relative.max() < 5e-2
 
