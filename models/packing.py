@@ -368,7 +368,11 @@ def _pack_shared(
 
 
 def _pooled_in_prompts(
-    prompts: Sequence[Sequence[int]], starts: np.ndarray, ends: np.ndarray, pooling: Pooling, pad_id: int | None
+    prompts: Sequence[Sequence[int]],
+    starts: np.ndarray,
+    ends: np.ndarray,
+    pooling: Pooling,
+    pad_id: int | None,
 ) -> np.ndarray:
     """`pooled_positions` of the prompts packed whole, without building that row: for the last non-pad
     token, each prompt is read back from its end (a step or two where it ends unpadded)."""
