@@ -312,9 +312,8 @@ class Scorer:
         """Index of the pooled token of one prompt (None for MEAN pooling)."""
         if self.pooling == "mean":
             return None
-        ids = np.asarray(prompt, dtype=np.int64)
         bounds = np.array([0]), np.array([len(prompt)])
-        return int(pooled_positions(ids, *bounds, self.pooling, self.pad_token_id)[0])
+        return int(pooled_positions([prompt], *bounds, self.pooling, self.pad_token_id)[0])
 
     @torch.inference_mode()
     def apply_head(self, pooled: torch.Tensor) -> torch.Tensor:
@@ -753,9 +752,7 @@ class Scorer:
             return (hidden.float() * weights).sum(1) / weights.sum(1)
         lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         starts = np.arange(count, dtype=np.int64) * width
-        rows = pooled_positions(
-            ids.reshape(-1), starts, starts + lengths, self.pooling, self._loaded.pad_token_id
-        )
+        rows = pooled_positions(prompts, starts, starts + lengths, self.pooling, self._loaded.pad_token_id)
         return hidden.reshape(count * width, -1).index_select(0, torch.from_numpy(rows).to(self.device))
 
     def _start_hidden_copy(

@@ -203,17 +203,32 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 
 def pooled_positions(
-    ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, pooling: Pooling, pad_id: int | None
+    prompts: Sequence[Sequence[int]],
+    starts: np.ndarray,
+    ends: np.ndarray,
+    pooling: Pooling,
+    pad_id: int | None,
 ) -> np.ndarray:
-    """Index into the packed row of each item's pooled token (for every pooling but "mean")."""
+    """Index into the row of each item's pooled token, item i being the tokens `prompts[i]` laid out from
+    row starts[i] to ends[i] (for every pooling but "mean"). "last" takes the last token that is not the
+    pad id, read back from the item's end (a step where it ends unpadded); an all-pad item its first."""
     if pooling == "cls":
         return starts
     if pooling == "last_token" or pad_id is None:
         return ends - 1
-    # Last index whose token is not the pad id, per item; -1 where an item is all padding.
-    candidates = np.where(ids != pad_id, np.arange(len(ids), dtype=np.int64), -1)
-    last = np.maximum.reduceat(candidates, starts)
-    return np.where(last >= starts, last, starts)
+    return np.fromiter(
+        (start + _last_not(prompt, pad_id) for prompt, start in zip(prompts, starts.tolist(), strict=True)),
+        dtype=np.int64,
+        count=len(prompts),
+    )
+
+
+def _last_not(prompt: Sequence[int], pad_id: int) -> int:
+    """Index of the prompt's last token other than `pad_id`; 0 when every token is padding."""
+    for index in range(len(prompt) - 1, -1, -1):
+        if prompt[index] != pad_id:
+            return index
+    return 0
 
 
 def pack(
@@ -259,7 +274,9 @@ def pack(
         position_ids=_to_device(positions, device, non_blocking).unsqueeze(0),
         cu_seqlens=_to_device(cu, device, non_blocking),
         host_cu_seqlens=torch.from_numpy(cu),
-        pooled_rows=_to_device(pooled_positions(ids, starts, ends, pooling, pad_id), device, non_blocking),
+        pooled_rows=_to_device(
+            pooled_positions(prompts, starts, ends, pooling, pad_id), device, non_blocking
+        ),
         token_type_ids=None
         if token_types is None
         else _to_device(
@@ -345,7 +362,7 @@ def _pack_shared(
         cu_seqlens=_to_device(cu, device, non_blocking),
         host_cu_seqlens=torch.from_numpy(cu),
         pooled_rows=_to_device(
-            row_of_token[_pooled_in_prompts(prompts, starts, ends, pooling, pad_id)], device, non_blocking
+            row_of_token[pooled_positions(prompts, starts, ends, pooling, pad_id)], device, non_blocking
         ),
         token_type_ids=None,
         item_of_token=_to_device(
@@ -365,34 +382,6 @@ def _pack_shared(
         ),
         shared=gathered,
     )
-
-
-def _pooled_in_prompts(
-    prompts: Sequence[Sequence[int]],
-    starts: np.ndarray,
-    ends: np.ndarray,
-    pooling: Pooling,
-    pad_id: int | None,
-) -> np.ndarray:
-    """`pooled_positions` of the prompts packed whole, without building that row: for the last non-pad
-    token, each prompt is read back from its end (a step or two where it ends unpadded)."""
-    if pooling == "cls":
-        return starts
-    if pooling == "last_token" or pad_id is None:
-        return ends - 1
-    return np.fromiter(
-        (start + _last_not(prompt, pad_id) for prompt, start in zip(prompts, starts.tolist(), strict=True)),
-        dtype=np.int64,
-        count=len(prompts),
-    )
-
-
-def _last_not(prompt: Sequence[int], pad_id: int) -> int:
-    """Index of the prompt's last token other than `pad_id`; 0 when every token is padding."""
-    for index in range(len(prompt) - 1, -1, -1):
-        if prompt[index] != pad_id:
-            return index
-    return 0
 
 
 def pool(hidden: torch.Tensor, packed: PackedBatch) -> torch.Tensor:

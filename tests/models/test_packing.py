@@ -45,12 +45,13 @@ def test_copy_rows_selects_casts_and_keeps_order() -> None:
 def test_pooled_positions_follow_each_rule() -> None:
     # Items: [5 6 0], [0], [7 0 0], [8 9]; pad id 0. HF's LAST skips trailing pad ids (and a pad id inside
     # an item too: it takes the last token that is not the pad id); an all-pad item pools its first token.
-    ids = np.array([5, 6, 0, 0, 7, 0, 0, 8, 9])
+    prompts = [(5, 6, 0), (0,), (7, 0, 0), (8, 9)]
     starts, ends = np.array([0, 3, 4, 7]), np.array([3, 4, 7, 9])
-    assert pooled_positions(ids, starts, ends, "last", 0).tolist() == [1, 3, 4, 8]
-    assert pooled_positions(ids, starts, ends, "last", None).tolist() == [2, 3, 6, 8]  # no pad id: true last
-    assert pooled_positions(ids, starts, ends, "last_token", 0).tolist() == [2, 3, 6, 8]
-    assert pooled_positions(ids, starts, ends, "cls", 0).tolist() == [0, 3, 4, 7]
+    assert pooled_positions(prompts, starts, ends, "last", 0).tolist() == [1, 3, 4, 8]
+    # No pad id: the true last token.
+    assert pooled_positions(prompts, starts, ends, "last", None).tolist() == [2, 3, 6, 8]
+    assert pooled_positions(prompts, starts, ends, "last_token", 0).tolist() == [2, 3, 6, 8]
+    assert pooled_positions(prompts, starts, ends, "cls", 0).tolist() == [0, 3, 4, 7]
 
 
 def test_mean_pooling_averages_each_item_in_float32() -> None:
