@@ -39,7 +39,6 @@ from bench.w1 import W1_SHAPES
 from bench.w2 import QUICK_SHAPES as W2_QUICK
 from bench.w2 import W2_SHAPES, build_model_dir, check_sample
 from models import PreparedRequest, Scorer, ScorerConfig
-from models.chunks import token_runs
 from schemas import ScoreRequest, ScoreResult
 
 VOCAB_LOW = 4  # ids 0..3 are special tokens in the tiny tokenizers
@@ -108,17 +107,10 @@ def chunks(requests: Sequence[ScoreRequest], budget: int, scorer: Scorer | None 
     if scorer is None:
         return token_budget_chunks(sizes, budget)
 
-    def measure(start: int, stop: int) -> int:
-        return scorer.batch_tokens([p for group in prompts[start:stop] for p in group])
-
     prepared = [
         PreparedRequest(r, tuple(group), tokenize_s=0.0) for r, group in zip(requests, prompts, strict=True)
     ]
-
-    def joins(earlier: int, later: int) -> bool:
-        return scorer.share_prefix(prepared[earlier], prepared[later])
-
-    return [list(run) for run in token_runs(sizes, budget, measure, joins)]
+    return [list(run) for run in scorer.batch_runs(prepared, budget)]
 
 
 def time_path(

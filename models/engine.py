@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from models.attention import register_attention
-from models.chunks import RangeJoins, RangeMeasure, token_runs
+from models.chunks import token_runs
 from models.config import ScorerConfig
 from models.errors import DeviceLostError, ModelLoadError
 from models.fp8 import fp8_supported, quantize_layers
@@ -415,21 +415,28 @@ class Scorer:
         pending = [(i, item) for i, item in enumerate(prepared) if isinstance(item, PreparedRequest)]
         # Deterministic: one request per batch (a judge's label columns then depend on the request alone).
         budget = 0 if self.config.deterministic else self.config.max_batch_tokens
-        measure: RangeMeasure | None = None
-        joins: RangeJoins | None = None
-        if self.shares_prefixes:  # the budget counts a shared prefix once, as the packed row holds it
-
-            def measure(start: int, stop: int) -> int:
-                return self.batch_tokens([prompt for _, p in pending[start:stop] for prompt in p.prompts])
-
-            def joins(earlier: int, later: int) -> bool:
-                return self.share_prefix(pending[earlier][1], pending[later][1])
-
+        indices, requests = [i for i, _ in pending], [p for _, p in pending]
         batches = [
-            ([index for index, _ in batch], self._launch_or_recover([p for _, p in batch], on_batch))
-            for batch in _split(pending, budget, measure, joins)
+            (indices[run.start : run.stop], self._launch_or_recover(requests[run.start : run.stop], on_batch))
+            for run in self.batch_runs(requests, budget)
         ]
         return PendingScores(results, batches, on_batch)
+
+    def batch_runs(self, prepared: Sequence[PreparedRequest], max_tokens: int) -> Iterator[range]:
+        """The requests cut, in order, into runs of at most `max_tokens` tokens each (a request over it
+        alone), as the engine's split cuts a call: with shared prefixes, by what a run computes, and with
+        the requests that share a prompt kept together at a cut (models.chunks.token_runs)."""
+        sizes = [p.num_tokens for p in prepared]
+        if not self.shares_prefixes:
+            return token_runs(sizes, max_tokens)
+
+        def measure(start: int, stop: int) -> int:
+            return self.batch_tokens([prompt for p in prepared[start:stop] for prompt in p.prompts])
+
+        def joins(earlier: int, later: int) -> bool:
+            return self.share_prefix(prepared[earlier], prepared[later])
+
+        return token_runs(sizes, max_tokens, measure, joins)
 
     def finish(self, pending: PendingScores) -> list[ScoreResult]:
         """Wait for a launched call's batches and return its results, in request order."""
@@ -902,18 +909,6 @@ def _item_ranges(item_counts: Sequence[int]) -> Iterator[range]:
     for count in item_counts:
         yield range(start, start + count)
         start += count
-
-
-def _split(
-    pending: Sequence[tuple[int, PreparedRequest]],
-    max_tokens: int,
-    measure: RangeMeasure | None = None,
-    joins: RangeJoins | None = None,
-) -> Iterator[list[tuple[int, PreparedRequest]]]:
-    """Consecutive batches of at most max_tokens tokens (as `measure` counts a run, when given, requests
-    sharing a prefix kept together at a cut where `joins` says so); a request over the budget runs alone."""
-    for run in token_runs([entry[1].num_tokens for entry in pending], max_tokens, measure, joins):
-        yield list(pending[run.start : run.stop])
 
 
 def _describe(exc: BaseException) -> str:
