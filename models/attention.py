@@ -307,16 +307,64 @@ def _default_varlen_kernel() -> VarlenKernel:
     return flash_varlen_gqa
 
 
+def triton_or_flash(flash: VarlenKernel) -> VarlenKernel:
+    """Our Triton kernel (models/triton_attention.py) where it applies and gains, `flash` elsewhere: a layer
+    with a sliding window, and batches of short sequences only (under triton_attention.MIN_LENGTH, where
+    flash is faster). Same signature as varlen_attn, grouped-query attention included."""
+    from models import triton_attention
+    from models.triton_attention import SUPPORTED_WINDOWS, triton_varlen_attn
+
+    flash_gqa = kernel_supports_gqa(flash)
+
+    def kernel(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cu_seq_q: torch.Tensor,
+        cu_seq_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        *,
+        scale: float | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+        enable_gqa: bool = False,
+        return_aux: LseRequest | None = None,
+    ) -> Any:
+        if tuple(window_size) in SUPPORTED_WINDOWS and max_q >= triton_attention.MIN_LENGTH:
+            return triton_varlen_attn(
+                query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                scale=scale, window_size=window_size, enable_gqa=enable_gqa, return_aux=return_aux,
+            )  # fmt: skip
+        extra: dict[str, Any] = {}
+        if key.shape[1] != query.shape[1]:
+            if flash_gqa:
+                extra["enable_gqa"] = True
+            else:
+                key, value, _ = _kernel_kv(query.shape[1], key, value, False)
+        if return_aux is not None:
+            extra["return_aux"] = return_aux
+        return flash(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size, **extra
+        )
+
+    return kernel
+
+
 _registered_kernels: dict[int, tuple[VarlenKernel, str]] = {}
 
 
-def register_attention(kind: str, kernel: VarlenKernel | None = None) -> str:
-    """Register the attention (and no-op mask) function for `kind`; returns the attn_implementation name."""
+def register_attention(kind: str, kernel: VarlenKernel | None = None, kernel_choice: str = "flash") -> str:
+    """Register the attention (and no-op mask) function for `kind`; returns the attn_implementation name.
+
+    For "varlen", `kernel` (injected: tests, benchmarks) or else `kernel_choice`: "flash" (torch's
+    kernel) or "triton" (models/triton_attention.py, flash for sliding windows)."""
     if kind == "reference":
         name = REFERENCE_ATTENTION
         AttentionInterface.register(name, reference_attention)
     elif kind == "varlen":
-        if kernel is None:
+        if kernel is None and kernel_choice == "triton":
+            name, kernel = f"{VARLEN_ATTENTION}_triton", triton_or_flash(_default_varlen_kernel())
+        elif kernel is None:
             name, kernel = VARLEN_ATTENTION, _default_varlen_kernel()
         else:
             # One name per distinct injected kernel; the registry is global, so names must not collide.

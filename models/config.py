@@ -14,6 +14,7 @@ from models.packing import POOLINGS, Pooling
 AttentionChoice = Literal["auto", "varlen", "reference"]
 CompileChoice = Literal["auto", "on", "off"]
 GraphChoice = Literal["auto", "on", "off"]
+AttentionKernel = Literal["auto", "flash", "triton"]
 Quantization = Literal["none", "fp8"]
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -42,6 +43,11 @@ class ScorerConfig:
     max_request_tokens: int | None = None
     # Replaces torch's varlen_attn for attention="varlen"; lets CPU tests drive the GPU wrapper logic.
     varlen_kernel: VarlenKernel | None = None
+    # The varlen path's kernel: torch's flash kernel, or ours in Triton (models/triton_attention.py), which
+    # runs batches whose longest sequence reaches triton_attention.MIN_LENGTH tokens and leaves sliding-window
+    # layers and shorter batches to flash. "auto" is flash: Triton is faster on Hopper (docs/benchmarks.md)
+    # but not yet through the GPU check of every architecture. An injected varlen_kernel overrides both.
+    attention_kernel: AttentionKernel = "auto"
     # "auto": what the model's own HF head pools; else one of models.packing.POOLINGS.
     pooling: str = "auto"
     # Bit-identical results whatever else is in a request's batch and however batches are cut: every item
@@ -76,6 +82,10 @@ class ScorerConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.attention not in ("auto", "varlen", "reference"):
             raise ValueError(f"attention must be 'auto', 'varlen' or 'reference', got {self.attention!r}")
+        if self.attention_kernel not in ("auto", "flash", "triton"):
+            raise ValueError(
+                f"attention_kernel must be 'auto', 'flash' or 'triton', got {self.attention_kernel!r}"
+            )
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
@@ -125,6 +135,16 @@ class ScorerConfig:
         if self.compile == "auto":
             return attention == "varlen"
         return self.compile == "on"
+
+    def resolve_attention_kernel(self) -> Literal["flash", "triton"]:
+        """The varlen path's kernel (models.attention.register_attention)."""
+        from models import triton_attention
+
+        if self.attention_kernel == "auto":
+            return "flash"
+        if self.attention_kernel == "triton" and not triton_attention.available():
+            raise ValueError("attention_kernel='triton' needs the triton package (CUDA torch ships it)")
+        return self.attention_kernel
 
     def resolve_graphs(self, device: torch.device, attention: str) -> bool:
         """Whether to replay small packed batches from CUDA graphs (the varlen path only: the exact path

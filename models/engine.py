@@ -72,6 +72,7 @@ class ModelInfo:
     device: str
     hidden_size: int
     attention: str = "unknown"  # "varlen" (the packed kernel) or "reference" (exact, per item)
+    attention_kernel: str = "none"  # the varlen path's kernel: "flash", "triton" or "injected"
     pooling: str = "unknown"  # models.packing.Pooling
     compiled: bool = False  # the decoder layers run under torch.compile
     cuda_graphs: bool = False  # small packed batches replay recorded CUDA graphs
@@ -175,6 +176,14 @@ class Scorer:
             self.dtype = self.config.resolve_dtype(self.device)
             # "varlen" or "reference" (packed), or "plain" below for a model that cannot run packed.
             self.attention: str = self.config.resolve_attention(self.device, self.dtype, softcap)
+            # The varlen path's kernel: "flash", "triton", or "injected" (config.varlen_kernel).
+            self.attention_kernel = (
+                "none"
+                if self.attention != "varlen"
+                else "injected"
+                if self.config.varlen_kernel is not None
+                else self.config.resolve_attention_kernel()
+            )
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
         if softcap is not None and self.device.type == "cuda":
@@ -182,7 +191,7 @@ class Scorer:
                 "%s caps attention logits (%s): the varlen kernel cannot, so it runs the exact per-item "
                 "attention path, several times slower on long batches", Path(model_dir).name, softcap,
             )  # fmt: skip
-        implementation = register_attention(self.attention, self.config.varlen_kernel)
+        implementation = register_attention(self.attention, self.config.varlen_kernel, self.attention_kernel)
         self._loaded: LoadedModel = load_model(
             Path(model_dir),
             device=self.device,
@@ -196,6 +205,7 @@ class Scorer:
             limit = min(limit, self.config.max_input_tokens)
         if not self._loaded.packable:
             self.attention = "plain"  # the model's own attention on a padded batch (see _plain_pooled_hidden)
+            self.attention_kernel = "none"
             log.info("%s cannot run packed: it takes the plain padded path", Path(model_dir).name)
         template = PairTemplate.from_tokenizer(self._loaded.tokenizer) if self._loaded.encoder else None
         self._prompts = PromptBuilder(
@@ -357,6 +367,7 @@ class Scorer:
             device=str(self.device),
             hidden_size=self.hidden_size,
             attention=self.attention,
+            attention_kernel=self.attention_kernel,
             pooling=self.pooling,
             compiled=self.compiled,
             cuda_graphs=self._graphs is not None and self._graphs.enabled,

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels (models/triton_attention.py) run in Triton's interpreter on CPU tensors.
+# Triton reads the choice when it is imported, which importing `models` does: so it is made here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from models import write_tiny_model
 

@@ -185,6 +185,7 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
         deterministic=settings.deterministic,
         trust_remote_code=settings.trust_remote_code,
         allow_pickle_weights=settings.allow_pickle_weights,
+        attention_kernel=settings.attention_kernel,
         compile=settings.compile,
         cuda_graphs=settings.cuda_graphs,
         graph_max_tokens=settings.graph_max_tokens or settings.max_batch_tokens,

@@ -185,6 +185,12 @@ class WorkerSettings(KafkaSecurity):
         False,
         description="bit-identical results whatever shares a request's batch (each item runs alone: slower)",
     )
+    attention_kernel: Literal["auto", "flash", "triton"] = Field(
+        "auto",
+        description="the packed path's attention kernel: torch's flash kernel, or the project's Triton "
+        "kernel for batches with a sequence of 256 tokens or more (faster on Hopper; sliding-window layers "
+        "and shorter batches still take flash); auto: flash",
+    )
     compile: Literal["auto", "on", "off"] = Field(
         "auto",
         description="run the decoder layers under torch.compile (fused kernels; seconds of compiling at "

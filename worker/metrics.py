@@ -198,6 +198,7 @@ class WorkerMetrics:
                 "device": info.device,
                 "hidden_size": str(info.hidden_size),
                 "attention": info.attention,
+                "attention_kernel": info.attention_kernel,
                 "pooling": info.pooling,
                 "compiled": str(info.compiled).lower(),
                 "cuda_graphs": str(info.cuda_graphs).lower(),

@@ -62,7 +62,7 @@ class WorkerService:
                 "loaded model %s (%s, %s%s on %s, hidden size %d, %s attention, %s, %s)",
                 info.name, info.architecture, info.dtype,
                 " with FP8 projections" if info.quantization == "fp8" else "", info.device, info.hidden_size,
-                info.attention,
+                info.attention + ("" if info.attention_kernel == "none" else f" ({info.attention_kernel})"),
                 "compiled layers" if info.compiled else "eager layers",
                 "CUDA graphs for small batches" if info.cuda_graphs else "no CUDA graphs",
             )  # fmt: skip

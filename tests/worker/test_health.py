@@ -30,6 +30,7 @@ DESCRIPTION_LABELS = {
     "device",
     "hidden_size",
     "attention",
+    "attention_kernel",
     "pooling",
     "compiled",
     "cuda_graphs",

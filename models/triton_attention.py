@@ -1,0 +1,271 @@
+"""A varlen flash-attention forward in Triton, for packed batches on Hopper.
+
+torch 2.11's varlen flash kernel is FlashAttention-2's Ampere code: on an H200 it runs W1's batches (8B
+shapes, sequences of a few hundred tokens) at 150-210 TFLOP/s. Triton compiles `tl.dot` to Hopper's
+warpgroup instructions, and this kernel, the same online-softmax algorithm, runs those batches at 250-300
+TFLOP/s and W3's whole prompts 1.8x as fast (bench/attention.py, docs/benchmarks.md). On 64 requests of 100
+tokens flash stays faster, so short batches keep it (MIN_LENGTH). cuDNN's ragged attention ran W1's batches
+faster still, but torch 2.11 builds its cuDNN graph again on every call (about 55 ms), which no batch affords.
+
+The kernel has the signature of torch's `varlen_attn` (models.config.VarlenKernel): q [T, H, D], k/v
+[T, Hkv, D] (grouped-query: each K/V head serves H // Hkv consecutive query heads), cumulative sequence
+offsets, causal or not, optionally the log-sum-exp of each row (the two-pass shared-prefix merge reads it).
+A causal query row i of a sequence with Lq queries and Lk keys sees keys 0..i + Lk - Lq (queries are the
+last Lq positions, as flash attention aligns them). Sliding windows are not here: a layer with one takes
+torch's flash kernel (models.attention).
+
+The same kernel source runs in Triton's interpreter on CPU tensors, so the CPU tests check this code path
+(the arithmetic, masks and offsets) against the exact attention; only its speed needs the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install may lack Triton; models.attention then keeps torch's kernel
+    triton = None
+    tl = None
+
+# Query rows and key columns per block, warps and pipeline stages: the fastest of five configurations on the
+# H200 for head dim 128 on W1's and W3's batches (bench/attention.py, docs/benchmarks.md).
+BLOCK_M = 64
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+# Below this longest sequence a batch takes flash: on 64 requests of 100 tokens flash measured 0.05 ms a
+# layer against 0.12 ms (bench/attention.py), and such batches spend little of their time in attention.
+MIN_LENGTH = 256
+LOG2_E = 1.4426950408889634
+# varlen_attn's window_size values the kernel runs: causal, and full (encoders, the shared-prefix cross pass).
+SUPPORTED_WINDOWS = ((-1, 0), (-1, -1))
+OP_NAME = "score_worker::varlen_flash_forward"
+
+
+def available() -> bool:
+    """Whether Triton is installed (the kernel needs it; the GPU also needs a CUDA build of torch)."""
+    return triton is not None
+
+
+def _varlen_attention_forward(  # type: ignore[no-untyped-def]  # a Triton kernel: its annotations are Triton's
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+    head_dim,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M query rows of one sequence and one head, over all the keys it may see.
+
+    Online softmax in base 2 (scores scaled by scale * log2(e)), accumulated in float32 (the scores are cast
+    so: torch.compile may pass the scale as a float64 constant). Key blocks wholly
+    before the block's first row's diagonal need no mask; the rest (the diagonal, the sequence's end) do.
+    """
+    block = tl.program_id(0)
+    sequence = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + sequence)
+    q_len = tl.load(cu_q_ptr + sequence + 1) - q_start
+    if block * BLOCK_M >= q_len:
+        return
+    k_start = tl.load(cu_k_ptr + sequence)
+    k_len = tl.load(cu_k_ptr + sequence + 1) - k_start
+    kv_head = head // GROUP
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < q_len
+    dim_ok = dims < head_dim
+    q = tl.load(
+        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    k_base = k_ptr + k_start * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + k_start * stride_vt + kv_head * stride_vh
+    # A causal row r sees keys up to r + shift; the block's first row bounds the unmasked blocks, its last
+    # row (or the sequence's last key) the masked ones.
+    shift = k_len - q_len
+    if CAUSAL:
+        end = tl.minimum(k_len, (block + 1) * BLOCK_M + shift)
+        free = tl.maximum(block * BLOCK_M + shift + 1, 0)
+    else:
+        end = k_len
+        free = k_len
+    free = (free // BLOCK_N) * BLOCK_N
+    best = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(0, free, BLOCK_N):
+        key_cols = start + cols
+        k = tl.load(k_base + key_cols[None, :] * stride_kt + dims[:, None], mask=dim_ok[:, None], other=0.0)
+        scores = (tl.dot(q, k) * scale_log2).to(tl.float32)
+        top = tl.maximum(best, tl.max(scores, 1))
+        weights = tl.math.exp2(scores - top[:, None])
+        rescale = tl.math.exp2(best - top)
+        total = total * rescale + tl.sum(weights, 1)
+        v = tl.load(v_base + key_cols[:, None] * stride_vt + dims[None, :], mask=dim_ok[None, :], other=0.0)
+        acc = tl.dot(weights.to(v.dtype), v, acc * rescale[:, None])
+        best = top
+    for start in range(free, end, BLOCK_N):
+        key_cols = start + cols
+        col_ok = key_cols < k_len
+        k = tl.load(
+            k_base + key_cols[None, :] * stride_kt + dims[:, None],
+            mask=dim_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        seen = col_ok[None, :]
+        if CAUSAL:
+            seen = seen & (key_cols[None, :] <= rows[:, None] + shift)
+        scores = tl.where(seen, (tl.dot(q, k) * scale_log2).to(tl.float32), float("-inf"))
+        top = tl.maximum(best, tl.max(scores, 1))
+        # A row that has seen no key yet keeps -inf; exp2 of (-inf) - (-inf) must give 0, not NaN.
+        safe_top = tl.where(top == float("-inf"), 0.0, top)
+        weights = tl.math.exp2(scores - safe_top[:, None])
+        rescale = tl.math.exp2(best - safe_top)
+        total = total * rescale + tl.sum(weights, 1)
+        v = tl.load(
+            v_base + key_cols[:, None] * stride_vt + dims[None, :],
+            mask=col_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(weights.to(v.dtype), v, acc * rescale[:, None])
+        best = top
+    # A row that sees no key (a causal row before every key) is 0 with log-sum-exp -inf, as flash's.
+    seen_any = total > 0.0
+    out = acc / tl.where(seen_any, total, 1.0)[:, None]
+    tl.store(
+        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
+    if WRITE_LSE:
+        lse = tl.where(seen_any, (best + tl.math.log2(tl.where(seen_any, total, 1.0))) / 1.4426950408889634,
+                       float("-inf"))  # fmt: skip
+        tl.store(lse_ptr + head * stride_lh + q_start + rows, lse, mask=row_ok)
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The kernel, compiled for the GPU; in Triton's interpreter (CPU tensors) where the process started
+    with TRITON_INTERPRET=1, which Triton reads when it is imported."""
+    if triton is None:
+        raise RuntimeError("the Triton attention kernel needs the triton package")
+    return triton.jit(_varlen_attention_forward)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (on CPU tensors): TRITON_INTERPRET=1 at import."""
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    scale: float,
+    causal: bool,
+    want_lse: bool,
+    wrap: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((heads, tokens) if want_lse else (1, 1), dtype=torch.float32, device=q.device)
+    kernel = _kernel() if wrap is None else wrap(_kernel())
+    grid = (triton.cdiv(max_q, BLOCK_M), cu_q.shape[0] - 1, heads)
+    kernel[grid](
+        q, k, v, out, lse, cu_q, cu_k,
+        scale * LOG2_E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        head_dim,
+        GROUP=heads // k.shape[1], CAUSAL=causal, WRITE_LSE=want_lse,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    return out, lse
+
+
+def _varlen_flash_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    scale: float,
+    causal: bool,
+    want_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    wrap = None if interpreting() else torch.library.wrap_triton
+    return _launch(q, k, v, cu_q, cu_k, max_q, scale, causal, want_lse, wrap)
+
+
+def _varlen_flash_shapes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    scale: float,
+    causal: bool,
+    want_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lse_shape = (q.shape[1], q.shape[0]) if want_lse else (1, 1)
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+# The kernel as one operator, so that torch.compile keeps it whole inside a compiled layer and CUDA graphs
+# record its launch. Compiled for the GPU, a triton_op: torch.compile sees the Triton kernel itself. In the
+# interpreter (CPU tests), an opaque custom op: the interpreter cannot run inside a compiled graph.
+if triton is not None and not interpreting():
+    torch.library.triton_op(OP_NAME, _varlen_flash_forward, mutates_args=())
+elif triton is not None:
+    interpreted = torch.library.custom_op(OP_NAME, _varlen_flash_forward, mutates_args=())
+    interpreted.register_fake(_varlen_flash_shapes)
+
+
+def triton_varlen_attn(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+    return_aux: Any = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Varlen attention with varlen_attn's signature: causal for window_size (-1, 0), full for (-1, -1).
+    With `return_aux.lse`, also the natural log-sum-exp of each row's scores, [H, T] float32."""
+    if tuple(window_size) not in SUPPORTED_WINDOWS:
+        raise ValueError(f"the Triton kernel has no sliding window, got window_size={window_size}")
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads")
+    if kv_heads != heads and not enable_gqa:
+        raise ValueError("fewer key/value heads than query heads needs enable_gqa=True")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} needs a unit-stride last dimension")
+    want_lse = bool(return_aux is not None and getattr(return_aux, "lse", False))
+    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    out, lse = torch.ops.score_worker.varlen_flash_forward(
+        query, key, value, cu_seq_q, cu_seq_k, int(max_q), float(scale),
+        tuple(window_size) == (-1, 0), want_lse,
+    )  # fmt: skip
+    return (out, lse) if want_lse else out

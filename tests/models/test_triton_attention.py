@@ -1,0 +1,242 @@
+"""The Triton varlen attention kernel, run in Triton's interpreter on CPU tensors (tests/conftest.py turns it
+on without a GPU): its masks, offsets, grouped-query heads and log-sum-exp against exact float32 attention,
+and the engine through it against the reference path. Its speed, and bfloat16 (which the interpreter does not
+compute faithfully), are the GPU's: bench/attention.py and tests/gpu."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+from scoring_testkit import _reference_varlen, hidden_of, scores_of, token_requests
+
+pytest.importorskip("triton")
+
+from models import Scorer, ScorerConfig, triton_attention
+from models.attention import WANT_LSE, attend_causal, triton_or_flash
+from schemas import ScoreRequest
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or not triton_attention.interpreting(),
+    reason="these drive the kernel in Triton's interpreter; on a GPU, tests/gpu runs it compiled",
+)
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32)
+
+
+def _attention_case(
+    q_lengths: list[int],
+    k_lengths: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    causal: bool,
+    dtype: torch.dtype,
+) -> None:
+    generator = torch.Generator().manual_seed(sum(q_lengths) + heads + head_dim)
+    q = torch.randn(sum(q_lengths), heads, head_dim, generator=generator).to(dtype)
+    k = torch.randn(sum(k_lengths), kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(sum(k_lengths), kv_heads, head_dim, generator=generator).to(dtype)
+    cu_q, cu_k = _offsets(q_lengths), _offsets(k_lengths)
+    out, lse = triton_attention.triton_varlen_attn(
+        q, k, v, cu_q, cu_k, max(q_lengths), max(k_lengths),
+        scale=0.3, window_size=(-1, 0) if causal else (-1, -1), enable_gqa=kv_heads != heads,
+        return_aux=WANT_LSE,
+    )  # fmt: skip
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (heads, sum(q_lengths))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    for i, (q_len, k_len) in enumerate(zip(q_lengths, k_lengths, strict=True)):
+        rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        keys = slice(int(cu_k[i]), int(cu_k[i + 1]))
+        if q_len == 0:
+            continue
+        qs, ks, vs = q[rows].transpose(0, 1), k[keys].transpose(0, 1), v[keys].transpose(0, 1)
+        expected = attend_causal(qs, ks, vs, scale=0.3, causal=causal).transpose(0, 1)
+        torch.testing.assert_close(out[rows].float(), expected, atol=tolerance, rtol=tolerance)
+        scores = qs.float() @ ks.float().repeat_interleave(heads // kv_heads, 0).transpose(1, 2) * 0.3
+        if causal:  # queries are the last q_len positions, as flash aligns them
+            allowed = torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        torch.testing.assert_close(lse[:, rows], torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "heads", "kv_heads", "head_dim"),
+    [
+        ([5, 130, 1, 0, 64], 4, 2, 64),  # a row past one block, one token alone, an empty sequence
+        ([200, 3], 4, 1, 80),  # head dim not a power of two (padded lanes masked); one K/V head for 4
+        ([64, 129], 2, 2, 32),  # block edges exactly; no grouping
+    ],
+)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_matches_exact_attention(
+    lengths: list[int], heads: int, kv_heads: int, head_dim: int, causal: bool, dtype: torch.dtype
+) -> None:
+    _attention_case(lengths, lengths, heads, kv_heads, head_dim, causal, dtype)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fewer_queries_than_keys_are_the_last_positions(causal: bool) -> None:
+    # The shared-prefix cross pass: suffixes' queries over their prefix's keys (not causal there); causal
+    # with fewer queries than keys aligns the queries to the end, as flash attention does.
+    _attention_case([3, 20, 70], [40, 7 if not causal else 20, 140], 4, 2, 64, causal, torch.float32)
+
+
+def test_rows_that_see_no_key_are_zero_with_lse_minus_infinity() -> None:
+    # Causal with more queries than keys: the first rows precede every key.
+    q = torch.randn(6, 2, 16)
+    k = v = torch.randn(2, 2, 16)
+    out, lse = triton_attention.triton_varlen_attn(
+        q, k, v, _offsets([6]), _offsets([2]), 6, 2, window_size=(-1, 0), return_aux=WANT_LSE
+    )
+    assert torch.equal(out[:4], torch.zeros_like(out[:4]))
+    assert torch.isinf(lse[:, :4]).all() and (lse[:, :4] < 0).all()
+    assert torch.isfinite(out[4:]).all() and torch.isfinite(lse[:, 4:]).all()
+
+
+def test_kernel_refuses_what_it_cannot_run() -> None:
+    q = torch.randn(4, 4, 16)
+    kv = torch.randn(4, 2, 16)
+    cu = _offsets([4])
+    with pytest.raises(ValueError, match="sliding window"):
+        triton_attention.triton_varlen_attn(q, q, q, cu, cu, 4, 4, window_size=(3, 0))
+    with pytest.raises(ValueError, match="enable_gqa"):
+        triton_attention.triton_varlen_attn(q, kv, kv, cu, cu, 4, 4, window_size=(-1, 0))
+    with pytest.raises(ValueError, match="unit-stride"):
+        strided = torch.randn(4, 4, 32)[..., ::2]
+        triton_attention.triton_varlen_attn(strided, q, q, cu, cu, 4, 4)
+
+
+@torch.library.custom_op("score_worker_tests::flash_stand_in", mutates_args=())
+def _flash_stand_in(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+    left: int,
+    right: int,
+) -> torch.Tensor:
+    FlashStandIn.windows.append((left, right))
+    out = _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(left, right))
+    assert isinstance(out, torch.Tensor)
+    return out.clone()
+
+
+@_flash_stand_in.register_fake
+def _(q: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+class FlashStandIn:
+    """torch's flash kernel's part, exact on the CPU and, like it, one opaque operator to torch.compile
+    (a Python stand-in would break the compiled graph where the real kernel does not)."""
+
+    windows: ClassVar[list[tuple[int, int]]] = []
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        *,
+        scale: float | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        return torch.ops.score_worker_tests.flash_stand_in(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size[0], window_size[1]
+        )
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text"])
+def test_engine_through_the_kernel_matches_the_reference_path(
+    architecture: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The production wrapper under compiled layers: Triton where it applies, flash for sliding windows.
+    monkeypatch.setattr(triton_attention, "MIN_LENGTH", 0)  # these prompts are short
+    FlashStandIn.windows.clear()
+    config = ScorerConfig(device="cpu", attention="varlen", varlen_kernel=triton_or_flash(FlashStandIn()))
+    varlen = Scorer(model_dirs[architecture], config)
+    assert varlen.compiled
+    reference = Scorer(model_dirs[architecture], ScorerConfig(device="cpu", attention="reference"))
+    requests = token_requests([(30,), (3, 41), (17,), (1,)])
+    for got, expected in zip(varlen.score(requests), reference.score(requests), strict=True):
+        np.testing.assert_allclose(scores_of(got), scores_of(expected), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(hidden_of(got), hidden_of(expected), atol=1e-5, rtol=0)
+    # Flash served the sliding-window layers and nothing else (tiny mistral and gemma3 have windows).
+    windowed = architecture in ("mistral", "gemma3_text")
+    assert bool(FlashStandIn.windows) == windowed
+    assert all(window not in triton_attention.SUPPORTED_WINDOWS for window in FlashStandIn.windows)
+
+
+def test_shared_prefixes_through_the_kernel_match_whole_prompts(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two passes merged by their log-sum-exps: each suffix over itself (causal) and over its prefix (full).
+    monkeypatch.setattr(triton_attention, "MIN_LENGTH", 0)
+    config = ScorerConfig(
+        device="cpu",
+        attention="varlen",
+        varlen_kernel=triton_or_flash(FlashStandIn()),
+        share_prefix_min_tokens=8,
+    )
+    shared = Scorer(tiny_llama_dir, config)
+    reference = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", attention="reference"))
+    prefix = tuple(range(5, 45))
+    requests = [
+        ScoreRequest(
+            request_id=f"r{n}",
+            return_pooled_hidden_states=True,
+            items=tuple(prefix + tuple(range(100 + n, 103 + n + item)) for item in range(3)),
+        )
+        for n in range(2)
+    ]
+    for got, expected in zip(shared.score(requests), reference.score(requests), strict=True):
+        np.testing.assert_allclose(scores_of(got), scores_of(expected), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(hidden_of(got), hidden_of(expected), atol=1e-5, rtol=0)
+
+
+def test_short_batches_take_flash() -> None:
+    # Under MIN_LENGTH tokens in the longest sequence flash measured faster; from it on, Triton runs.
+    FlashStandIn.windows.clear()
+    kernel = triton_or_flash(FlashStandIn())
+    for longest in (triton_attention.MIN_LENGTH - 1, triton_attention.MIN_LENGTH):
+        lengths = [3, longest]
+        q = torch.randn(sum(lengths), 2, 16)
+        cu = _offsets(lengths)
+        out = kernel(q, q, q, cu, cu, longest, longest, window_size=(-1, 0))
+        for start, end in ((0, 3), (3, 3 + longest)):
+            rows = q[start:end].transpose(0, 1)
+            expected = attend_causal(rows, rows, rows, scale=None).transpose(0, 1)
+            torch.testing.assert_close(out[start:end], expected, atol=1e-5, rtol=1e-5)
+    assert FlashStandIn.windows == [(-1, 0)]  # the short batch only
+
+
+def test_kernel_choice() -> None:
+    assert ScorerConfig().resolve_attention_kernel() == "flash"  # Triton is opt-in
+    assert ScorerConfig(attention_kernel="triton").resolve_attention_kernel() == "triton"
+    with pytest.raises(ValueError, match="attention_kernel"):
+        ScorerConfig(attention_kernel="cudnn")  # type: ignore[arg-type]
+
+
+def test_kernel_choice_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_attention, "available", lambda: False)
+    with pytest.raises(ValueError, match="needs the triton package"):
+        ScorerConfig(attention_kernel="triton").resolve_attention_kernel()
