@@ -160,6 +160,20 @@ def matmul_tflops(
     }
 
 
+def gpu_ms(fn: Callable[[], Any], repeats: int = 30, warmup: int = 5) -> float:
+    """Mean GPU milliseconds of a call to fn over `repeats` calls after warm-up (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    start, end = _event(), _event()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end)) / repeats
+
+
 def call_percentiles(run: Callable[[], Any], warmup: int, repeats: int) -> dict[str, float]:
     """Milliseconds per call (synchronised on CUDA), p50 and p90 over `repeats` calls after `warmup`."""
     for _ in range(warmup):

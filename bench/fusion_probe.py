@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from bench.common import gpu_ms
 
 # (name, tokens, hidden, q width, k/v width, MLP width)
 CASES = (
@@ -24,19 +25,6 @@ CASES = (
 )
 # bf16 outputs of the same dot products in another GEMM: within a few bf16 ulps of each other.
 TOLERANCE = 2e-2
-
-
-def time_ms(fn: Callable[[], Any], repeats: int = 30) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return float(start.elapsed_time(end)) / repeats
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -61,10 +49,10 @@ def case(name: str, tokens: int, hidden: int, q: int, kv: int, mlp: int) -> dict
     }
     flops_qkv, flops_gu = 2 * tokens * hidden * (q + 2 * kv), 2 * tokens * hidden * 2 * mlp
     timings = {
-        "qkv_separate_ms": time_ms(lambda: [F.linear(x, w[k]) for k in ("q", "k", "v")]),
-        "qkv_fused_ms": time_ms(lambda: F.linear(x, qkv)),
-        "gate_up_separate_ms": time_ms(lambda: [F.linear(x, w[k]) for k in ("gate", "up")]),
-        "gate_up_fused_ms": time_ms(lambda: F.linear(x, gate_up)),
+        "qkv_separate_ms": gpu_ms(lambda: [F.linear(x, w[k]) for k in ("q", "k", "v")]),
+        "qkv_fused_ms": gpu_ms(lambda: F.linear(x, qkv)),
+        "gate_up_separate_ms": gpu_ms(lambda: [F.linear(x, w[k]) for k in ("gate", "up")]),
+        "gate_up_fused_ms": gpu_ms(lambda: F.linear(x, gate_up)),
     }
     rates = {
         "qkv_separate_tflops": flops_qkv / timings["qkv_separate_ms"] / 1e9,

@@ -63,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--repeats", type=int, default=100, help="timed calls per path and case")
+    parser.add_argument("--profile-top", type=int, default=8, help="kernels listed in the profile")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the latency benchmark needs a CUDA GPU", file=sys.stderr)
@@ -100,7 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         outputs[name] = packed_path.results_to_arrays(scorer.score(requests), QWEN3_06B["hidden_size"])
     # Where the 64-request model step goes on the GPU (kernels replayed from the graph); `prepared` holds
     # the last, largest case.
-    report["profile_64"] = kernel_breakdown(functools.partial(graphed.score_prepared, prepared), top=8)
+    report["profile_64"] = kernel_breakdown(
+        functools.partial(graphed.score_prepared, prepared), top=args.profile_top
+    )
     print_breakdown("scorer_graphs, 64 requests", timings["scorer_graphs_prepared/64"]["p50_ms"] / 1e3,
                     report["profile_64"])  # fmt: skip
     counted = graphed.graphs

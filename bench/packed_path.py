@@ -80,6 +80,7 @@ def make_scorer(
     compile: str = "auto",
     cuda_graphs: str = "auto",
     share_prefix_min_tokens: int = 0,
+    attention_kernel: str = "auto",
 ) -> Any:
     from models import Scorer, ScorerConfig
 
@@ -92,6 +93,7 @@ def make_scorer(
         compile=compile,  # type: ignore[arg-type]
         cuda_graphs=cuda_graphs,  # type: ignore[arg-type]
         share_prefix_min_tokens=share_prefix_min_tokens,
+        attention_kernel=attention_kernel,  # type: ignore[arg-type]
     )
     return Scorer(str(model_dir), config)
 

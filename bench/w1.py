@@ -148,6 +148,8 @@ def packed_run(
     eager: bool = False,
     budgets: Sequence[int] = (),
     share_min: int = 0,
+    profile_top: int = 12,
+    other_kernels: Sequence[str] = (),
 ) -> dict[str, Any]:
     """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request,
     its decoder layers compiled (the default on CUDA).
@@ -156,6 +158,7 @@ def packed_run(
     With `eager`, the same path with the layers left eager: what compiling them gains, in the same run.
     `budgets`: other token budgets to time one pass each with the same Scorer (result["sweep_runs"]).
     `share_min`: also time a Scorer looking for shared prefixes of that many tokens (W1 has none).
+    `other_kernels`: also time Scorers with these attention kernels ("flash", "triton") on the same batches.
     """
     name = "packed_deterministic" if deterministic else "packed_eager" if eager else "packed_varlen"
     model_dir = workdir / "w1-model"
@@ -184,7 +187,14 @@ def packed_run(
     # Results become arrays outside the timed region: that conversion is the benchmark's, not the engine's.
     result["stage_timings"] = packed_path.stage_timings(result["output"])
     result["output"] = packed_path.results_to_arrays(result["output"], hidden_size)
-    result.update(batches=len(chunks), save_seconds=save_s, load_seconds=load_s, compiled=scorer.compiled)
+    result.update(
+        batches=len(chunks),
+        save_seconds=save_s,
+        load_seconds=load_s,
+        compiled=scorer.compiled,
+        attention_kernel=scorer.info.attention_kernel,
+    )
+    print(f"  {name}: attention kernel {scorer.info.attention_kernel}", flush=True)
     if deterministic or eager:
         return result
     result["sweep_runs"] = {}
@@ -212,6 +222,22 @@ def packed_run(
         looked.update(batches=len(chunks), max_batch_tokens=max_batch_tokens)
         result["sweep_runs"][looked["name"]] = looked
         del sharing
+    for kernel in other_kernels:
+        if kernel == scorer.info.attention_kernel:
+            continue
+        other = packed_path.make_scorer(model_dir, largest, attention_kernel=kernel)
+        timed_other = measure(
+            f"{name}_{kernel}",
+            lambda other=other: packed_path.run_scorer(other, requests, chunks),
+            lambda other=other: packed_path.run_scorer(other, requests, chunks[:1]),
+            repeats,
+        )
+        timed_other["output"] = packed_path.results_to_arrays(timed_other["output"], hidden_size)
+        timed_other.update(batches=len(chunks), max_batch_tokens=max_batch_tokens, attention_kernel=kernel)
+        result["sweep_runs"][timed_other["name"]] = timed_other
+        del other
+        gc.collect()
+        torch.cuda.empty_cache()
     for budget in budgets:
         cut = token_budget_chunks(work.lengths, budget)
         run = measure(
@@ -233,7 +259,9 @@ def packed_run(
     sample = chunks[: min(4, len(chunks))]
     try:
         _, wall = timed(lambda: packed_path.run_scorer(scorer, requests, sample))
-        result["profile"] = kernel_breakdown(lambda: packed_path.run_scorer(scorer, requests, sample))
+        result["profile"] = kernel_breakdown(
+            lambda: packed_path.run_scorer(scorer, requests, sample), top=profile_top
+        )
     except Exception:  # the profile is a diagnostic: its failure must not cost the timed figures
         traceback.print_exc()
         return result
@@ -407,6 +435,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also time the default path looking for shared prefixes this long (0: not)",
     )
     parser.add_argument("--fp32-requests", type=int, default=16, help="requests in the float32 reference")
+    parser.add_argument("--profile-top", type=int, default=12, help="kernels listed in the profile")
+    parser.add_argument(
+        "--other-kernels",
+        type=lambda text: [part for part in text.split(",") if part],
+        default=["flash", "triton"],
+        help="attention kernels also timed at the default budget, besides the default's ('' for none)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/w1.json)")
     return parser.parse_args(argv)
 
@@ -436,6 +471,8 @@ def run_paths(args: argparse.Namespace, model: torch.nn.Module, work: Workload) 
                 Path(workdir),
                 budgets=args.budgets,
                 share_min=args.share_prefix_min_tokens,
+                profile_top=args.profile_top,
+                other_kernels=args.other_kernels,
             )
             runs.update(runs["packed_varlen"].pop("sweep_runs", {}))
             gc.collect()

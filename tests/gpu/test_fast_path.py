@@ -89,13 +89,21 @@ def test_a_replayed_graph_scores_the_batch_it_is_given(count: int, tiny_qwen3_di
     assert apart.min() > 0.1
 
 
+@pytest.mark.parametrize("kernel", ["flash", "triton"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text"])
-def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(architecture: str) -> None:
+def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(
+    architecture: str, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three requests' 40-token queries, each computed once for its items, through the real varlen kernel
     (more keys than queries per sequence), the compiled layers and a replayed CUDA graph (three groups in
     four slots: one left empty, its bounds padded on the device): each item as its whole prompt in HF
-    float32, within bf16's error (twice HF's own bf16 error plus 5% of the score scale, as gpu_check)."""
+    float32, within bf16's error (twice HF's own bf16 error plus 5% of the score scale, as gpu_check).
+    With kernel "triton", both passes take the Triton kernel (these prompts are shorter than its minimum)."""
     import sys
+
+    from models import triton_attention
+
+    monkeypatch.setattr(triton_attention, "MIN_LENGTH", 0)
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
     from scoring_testkit import hf_reference
@@ -110,7 +118,12 @@ def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(architecture:
             ScoreRequest(f"multi-{i}", query=query, items=items, return_pooled_hidden_states=True)
             for i, query in enumerate(queries)
         ]
-        config = ScorerConfig(device="cuda", dtype="bfloat16", share_prefix_min_tokens=8)
+        config = ScorerConfig(
+            device="cuda",
+            dtype="bfloat16",
+            share_prefix_min_tokens=8,
+            attention_kernel=kernel,  # type: ignore[arg-type]
+        )
         scorer = Scorer(model_dir, config)
         for _ in range(3):  # the ordinary forward, then a recording, then a replay: the last is checked
             results = scorer.score(requests)
@@ -128,6 +141,68 @@ def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(architecture:
     )
     relative = np.linalg.norm(hidden - reference.hidden, axis=1) / np.linalg.norm(reference.hidden, axis=1)
     assert relative.max() < 5e-2
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text", "phi3"])
+def test_triton_kernel_in_the_engine_matches_float32_hf(
+    architecture: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton attention kernel through compiled layers and a replayed CUDA graph, on prompts that cross
+    its blocks (1 to 300 tokens), against HF float32 within bf16's error (as the shared-prefix test)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    from scoring_testkit import hf_reference
+
+    from models import triton_attention
+    from models.tiny import write_tiny_model
+
+    monkeypatch.setattr(triton_attention, "MIN_LENGTH", 0)
+    generator = torch.Generator().manual_seed(11)
+    prompts = [
+        tuple(torch.randint(4, 500, (n,), generator=generator).tolist()) for n in (300, 17, 130, 1, 64, 65)
+    ]
+    requests = [
+        ScoreRequest(f"r{i}", items=(prompt,), return_pooled_hidden_states=True)
+        for i, prompt in enumerate(prompts)
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_model(Path(tmp) / architecture, architecture, seed=5, num_labels=1)
+        scorer = Scorer(model_dir, ScorerConfig(device="cuda", dtype="bfloat16", attention_kernel="triton"))
+        assert scorer.info.attention_kernel == "triton"
+        for _ in range(3):  # the ordinary forward, then a recording, then a replay: the last is checked
+            results = scorer.score(requests)
+        assert scorer.graphs is not None and scorer.graphs.replays == 1
+        reference = hf_reference(model_dir, list(prompts))
+        bf16 = hf_reference(model_dir, list(prompts), dtype=torch.bfloat16)
+    scores, hidden = _arrays(results)
+    scale = max(1.0, float(np.abs(reference.logits).max()))
+    bound = 2 * float(np.abs(bf16.logits - reference.logits).max()) + 0.05 * scale
+    assert float(np.abs(scores.reshape(-1) - reference.logits.reshape(-1)).max()) <= bound
+    relative = np.linalg.norm(hidden - reference.hidden, axis=1) / np.linalg.norm(reference.hidden, axis=1)
+    assert relative.max() < 5e-2
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1)])
+def test_triton_kernel_matches_flash_in_bfloat16(window: tuple[int, int], head_dim: int) -> None:
+    """The compiled Triton kernel against torch's flash kernel on the same bf16 packed batch: grouped heads,
+    sequences of 1 to 700 tokens, an empty one; outputs within bf16 rounding, log-sum-exps within 1e-3."""
+    from models.attention import WANT_LSE, flash_varlen_gqa
+    from models.triton_attention import triton_varlen_attn
+
+    lengths = [700, 1, 0, 65, 64, 129, 300]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    total = sum(lengths)
+    q = torch.randn(total, 8, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    k = torch.randn(total, 2, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    v = torch.randn(total, 2, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32, device="cuda")
+    args = (q, k, v, cu, cu, max(lengths), max(lengths))
+    want, want_lse = flash_varlen_gqa(*args, window_size=window, enable_gqa=True, return_aux=WANT_LSE)
+    got, got_lse = triton_varlen_attn(*args, window_size=window, enable_gqa=True, return_aux=WANT_LSE)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("window", [(-1, 0), (7, 0), (-1, -1)])
