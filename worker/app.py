@@ -13,7 +13,7 @@ from aiokafka.structs import TopicPartition
 from models import ModelInfo
 from worker.config import WorkerSettings
 from worker.errors import ModelStuckError
-from worker.gc_pauses import GcPauses, freeze_startup_heap
+from worker.gc_pauses import GcPauses, freeze_startup_heap, thaw_heap
 from worker.health import Readiness
 from worker.intake import Intake, ScorerLike, record_size
 from worker.intake_processes import IntakeProcesses, builder_of, process_count
@@ -120,6 +120,8 @@ class ScoreWorker:
         finally:
             self._pipeline.close()
             self.readiness.update(group_joined=False)
+            if settings.gc_freeze:
+                thaw_heap()
             for task in list(self._tasks):  # only left after an error: their offsets stay uncommitted
                 task.cancel()
         if self._fatal is not None:

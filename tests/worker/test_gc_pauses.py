@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.gc_pauses import GcPauses, freeze_startup_heap
+from worker.gc_pauses import GcPauses, freeze_startup_heap, thaw_heap
 
 
 @pytest.fixture
@@ -34,6 +34,10 @@ def test_freezing_takes_the_heap_out_of_full_collections(unfrozen: None) -> None
     later = Cycle()
     del later
     assert gc.collect() >= 1
+    # A stopping worker gives them back: the collector (and the interpreter's exit) sees them again.
+    thaw_heap()
+    assert gc.get_freeze_count() == 0
+    assert any(x is alive[0] for x in gc.get_objects())
 
 
 def test_every_collection_is_timed_while_installed_and_none_after() -> None:
