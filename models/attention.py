@@ -335,12 +335,7 @@ def triton_or_flash(flash: VarlenKernel) -> VarlenKernel:
                 query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
                 scale=scale, window_size=window_size, enable_gqa=enable_gqa, return_aux=return_aux,
             )  # fmt: skip
-        extra: dict[str, Any] = {}
-        if key.shape[1] != query.shape[1]:
-            if flash_gqa:
-                extra["enable_gqa"] = True
-            else:
-                key, value, _ = _kernel_kv(query.shape[1], key, value, False)
+        key, value, extra = _kernel_kv(query.shape[1], key, value, flash_gqa)
         if return_aux is not None:
             extra["return_aux"] = return_aux
         return flash(

@@ -138,13 +138,13 @@ class ScorerConfig:
 
     def resolve_attention_kernel(self) -> Literal["flash", "triton"]:
         """The varlen path's kernel (models.attention.register_attention)."""
+        if self.attention_kernel != "triton":
+            return "flash"
         from models import triton_attention
 
-        if self.attention_kernel == "auto":
-            return "flash"
-        if self.attention_kernel == "triton" and not triton_attention.available():
+        if not triton_attention.available():
             raise ValueError("attention_kernel='triton' needs the triton package (CUDA torch ships it)")
-        return self.attention_kernel
+        return "triton"
 
     def resolve_graphs(self, device: torch.device, attention: str) -> bool:
         """Whether to replay small packed batches from CUDA graphs (the varlen path only: the exact path

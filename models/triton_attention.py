@@ -166,7 +166,13 @@ def interpreting() -> bool:
     return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
-def _launch(
+def _outputs(q: torch.Tensor, want_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output [T, H, D] and the log-sum-exp [H, T] float32 (a 1x1 placeholder when not wanted)."""
+    lse_shape = (q.shape[1], q.shape[0]) if want_lse else (1, 1)
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _varlen_flash_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -176,12 +182,12 @@ def _launch(
     scale: float,
     causal: bool,
     want_lse: bool,
-    wrap: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, heads, head_dim = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty((heads, tokens) if want_lse else (1, 1), dtype=torch.float32, device=q.device)
-    kernel = _kernel() if wrap is None else wrap(_kernel())
+    heads, head_dim = q.shape[1], q.shape[2]
+    out, lse = _outputs(q, want_lse)
+    # Compiled, the launch goes through wrap_triton so that torch.compile traces the kernel; interpreted, it
+    # is called as it is (wrap_triton takes compiled kernels only).
+    kernel = _kernel() if interpreting() else torch.library.wrap_triton(_kernel())
     grid = (triton.cdiv(max_q, BLOCK_M), cu_q.shape[0] - 1, heads)
     kernel[grid](
         q, k, v, out, lse, cu_q, cu_k,
@@ -196,21 +202,6 @@ def _launch(
     return out, lse
 
 
-def _varlen_flash_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    max_q: int,
-    scale: float,
-    causal: bool,
-    want_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    wrap = None if interpreting() else torch.library.wrap_triton
-    return _launch(q, k, v, cu_q, cu_k, max_q, scale, causal, want_lse, wrap)
-
-
 def _varlen_flash_shapes(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -222,8 +213,7 @@ def _varlen_flash_shapes(
     causal: bool,
     want_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    lse_shape = (q.shape[1], q.shape[0]) if want_lse else (1, 1)
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+    return _outputs(q, want_lse)
 
 
 # The kernel as one operator, so that torch.compile keeps it whole inside a compiled layer and CUDA graphs
