@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import signal
 import socket
 import struct
@@ -98,7 +99,9 @@ class EmbeddedBroker:
     """A single Tansu broker with in-memory storage on a free loopback port.
 
     Use as a context manager or call start()/stop(). Its storage is memory only: a restarted broker is empty.
-    The broker's output goes to `log_path` (kept after stop, for debugging).
+    The broker's output goes to `log_path`, in `log_dir` when one is given (kept). Without one the broker
+    makes a directory in the temp dir: a clean stop removes it, while a broker that failed to start or
+    exited on its own leaves it, for its log.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class EmbeddedBroker:
         self._advertised = advertised
         self._port: int | None = None
         self._log_dir = log_dir
+        self._made_log_dir: Path | None = None  # the temp directory start() made, removed by a clean stop
         self._start_timeout_s = start_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
         self._finalizer: weakref.finalize[[subprocess.Popen[bytes]], EmbeddedBroker] | None = None
@@ -137,7 +141,9 @@ class EmbeddedBroker:
         if self._process is not None:
             return self
         binary = resolve_tansu_binary()
-        log_dir = self._log_dir or Path(tempfile.mkdtemp(prefix="score-worker-tansu-"))
+        log_dir = self._log_dir or self._made_log_dir or Path(tempfile.mkdtemp(prefix="score-worker-tansu-"))
+        if self._log_dir is None:
+            self._made_log_dir = log_dir
         try:
             log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -172,7 +178,7 @@ class EmbeddedBroker:
         try:
             self._wait_ready(port)
         except BrokerError:
-            self.stop()
+            self.stop(keep_log=True)  # the error names the log
             raise
 
     def _wait_ready(self, port: int) -> None:
@@ -205,13 +211,19 @@ class EmbeddedBroker:
         """Whether the broker process has ended on its own (it was started and is not running)."""
         return self._process is not None and self._process.poll() is not None
 
-    def stop(self) -> None:
-        """Stop the broker (idempotent); its data is gone afterwards."""
+    def stop(self, keep_log: bool = False) -> None:
+        """Stop the broker (idempotent); its data is gone afterwards. The log directory the broker made
+        itself goes too, unless `keep_log` or the broker had exited on its own (its log says why)."""
+        crashed = self.exited()
         if self._finalizer is not None:
             self._finalizer()  # runs _terminate once
             self._finalizer = None
         self._process = None
         self._port = None
+        if self._made_log_dir is not None and not (keep_log or crashed):
+            shutil.rmtree(self._made_log_dir, ignore_errors=True)
+            self._made_log_dir = None
+            self.log_path = None
 
     def __enter__(self) -> EmbeddedBroker:
         return self.start()

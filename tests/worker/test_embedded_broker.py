@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,49 @@ def test_a_log_directory_that_does_not_exist_yet_is_created(tmp_path: Path) -> N
     occupied.write_text("")
     with pytest.raises(BrokerError, match="cannot create the broker's log directory"):
         EmbeddedBroker(log_dir=occupied / "logs").start()
+
+
+def test_a_clean_stop_removes_the_log_directory_it_made(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with EmbeddedBroker() as broker:
+        assert broker.log_path is not None
+        made = broker.log_path.parent
+        assert made.parent == tmp_path and made.name.startswith("score-worker-tansu-")
+        assert broker.log_path.is_file()
+    assert not made.exists() and broker.log_path is None
+    with broker:  # started again: a new directory, removed again
+        assert broker.log_path is not None and broker.log_path.parent != made
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_broker_that_exited_on_its_own_keeps_its_log(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    broker = EmbeddedBroker().start()
+    log_path = broker.log_path
+    assert log_path is not None and broker._process is not None
+    broker._process.send_signal(signal.SIGKILL)
+    broker._process.wait(timeout=10)
+    assert broker.exited()
+    broker.stop()
+    assert broker.log_path == log_path and log_path.is_file()
+
+
+def test_a_broker_that_fails_to_start_keeps_its_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = tmp_path / "tansu"
+    fake.write_text("#!/bin/sh\necho 'no memory for you' >&2\nexit 4\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CALF_TANSU_BIN", str(fake))
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    with pytest.raises(BrokerError, match=r"(?s)exited with code 4.*no memory for you"):
+        EmbeddedBroker().start()
+    (made,) = temp.iterdir()
+    assert "no memory for you" in (made / "tansu.log").read_text()
 
 
 def test_missing_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
