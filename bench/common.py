@@ -264,7 +264,13 @@ def out_dir() -> Path | None:
 
 
 def layer_gemm_ceiling(
-    hidden: int, heads: int, kv_heads: int, head_dim: int, mlp: int, tokens: int = 16384, repeats: int = 10
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    mlp: int,
+    tokens: int = 16384,
+    repeats: int = 10,
 ) -> dict[str, float]:
     """A decoder layer's seven projections at M=tokens, timed alone: what the matmuls allow a packed batch."""
     # (in, out) of q, k, v, o, gate, up, down: F.linear with weight [out, in], as the HF layers call it.
@@ -285,6 +291,12 @@ def layer_gemm_ceiling(
         )
         for k, n in shapes
     ]
+    # The products must be products: the first against float32, within bf16's rounding.
+    x, w = operands[0]
+    exact = x.float() @ w.float().t()
+    error = float(((torch.nn.functional.linear(x, w).float() - exact).norm() / exact.norm()).item())
+    if not error < 0.01:
+        raise RuntimeError(f"layer_gemm_ceiling: product off float32 by {error:.3g}")
 
     def layer() -> None:
         for x, w in operands:

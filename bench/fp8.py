@@ -48,6 +48,7 @@ from bench.common import (
     write_verdict,
 )
 from bench.hf_paths import PathOutput
+from bench.profiling import kernel_breakdown, print_breakdown
 from bench.w1 import QUICK_SHAPES as W1_QUICK
 from bench.w1 import W1_SHAPES
 
@@ -193,6 +194,7 @@ def l1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
     packed_path.save_model_dir(model, model_dir)
     timings: dict[str, dict[str, float]] = {}
     outputs: dict[str, PathOutput] = {}
+    profiles: dict[str, Any] = {}
     for quantization in PATHS:
         scorer = make_scorer(model_dir, quantization, device, 16384)
         for case in L1_CASES:
@@ -203,11 +205,17 @@ def l1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
             print(
                 f"  L1 {quantization} {case} x {L1_TOKENS}: {timings[f'{quantization}/{case}']}", flush=True
             )
+        if device == "cuda" and args.profile_top:  # where the largest case's step goes, kernel by kernel
+            profiles[quantization] = kernel_breakdown(
+                lambda s=scorer, p=prepared: s.score_prepared(p), top=args.profile_top
+            )
+            wall_s = timings[f"{quantization}/{len(prepared)}"]["p50_ms"] / 1e3
+            print_breakdown(f"L1 {quantization}, {len(prepared)} requests", wall_s, profiles[quantization])
         outputs[quantization] = packed_path.results_to_arrays(scorer.score(requests), shapes["hidden_size"])
         del scorer
         gc.collect()
     checks = accuracy(model, rows, outputs, len(rows))
-    return {"shapes": shapes, "timings": timings, "correctness": checks}
+    return {"shapes": shapes, "timings": timings, "correctness": checks, "profiles": profiles}
 
 
 def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, Any]:
@@ -279,6 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cases", default="l1,w1", help="which of l1, w1 to run")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (L1) / passes (W1)")
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument(
+        "--profile-top", type=int, default=0, help="L1: kernels listed per path (0: no profile)"
+    )
     parser.add_argument("--fp32-requests", type=int, default=16, help="W1 requests checked against float32")
     parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/fp8.json)")
     args = parser.parse_args(argv)

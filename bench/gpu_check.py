@@ -18,7 +18,7 @@ import json
 import random
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -271,13 +271,20 @@ class Case:
     device: str  # "cuda"; "cpu" only for --cpu-smoke
 
 
-def check_one(case: Case, dtype: str, attention: Attention, same_model: torch.nn.Module) -> Outcome:
-    """Score the mixed batch with the Scorer in `dtype` and `attention` and check it from every side."""
+def check_one(
+    case: Case, dtype: str, attention: Attention, same_model: torch.nn.Module, kernel: str = "auto"
+) -> Outcome:
+    """Score the mixed batch with the Scorer in `dtype`, `attention` and attention `kernel` (ScorerConfig's
+    attention_kernel) and check it from every side."""
     from models import ModelLoadError, Scorer, ScorerConfig
 
     outcome = Outcome(model=case.name, dtype=dtype, attention=attention)
     config = ScorerConfig(
-        device=case.device, dtype=dtype, attention=attention, max_batch_tokens=MAX_BATCH_TOKENS
+        device=case.device,
+        dtype=dtype,
+        attention=attention,
+        max_batch_tokens=MAX_BATCH_TOKENS,
+        attention_kernel=kernel,
     )
     try:
         scorer = Scorer(str(case.model_dir), config)
@@ -341,9 +348,15 @@ def check_one(case: Case, dtype: str, attention: Attention, same_model: torch.nn
 
 
 def check_model(
-    name: str, model_dir: Path, device: str, runs: Sequence[tuple[str, Attention]]
+    name: str,
+    model_dir: Path,
+    device: str,
+    runs: Sequence[tuple[str, Attention]],
+    kernel: str = "auto",
+    report: Callable[[Outcome], None] | None = None,
 ) -> list[Outcome]:
-    """float32 HF reference once per model, then every dtype of the packed path against it."""
+    """float32 HF reference once per model, then every dtype of the packed path against it, the varlen runs
+    through attention `kernel`; `report` sees each outcome as soon as it is known."""
     from models import Scorer, ScorerConfig
     from schemas import ScoreRequest
 
@@ -371,14 +384,24 @@ def check_model(
     for dtype, attention in runs:
         same_model = load_hf(model_dir, getattr(torch, dtype), device)
         try:
-            outcomes.append(check_one(case, dtype, attention, same_model))
+            outcomes.append(check_one(case, dtype, attention, same_model, kernel))
         except Exception as exc:  # a kernel refusing a dtype is a result to report, not a crash of the check
             failure = f"raised {type(exc).__name__}: {exc}"
             outcomes.append(Outcome(model=name, dtype=dtype, attention=attention, failures=[failure]))
+        if report is not None:
+            report(outcomes[-1])
         del same_model
         if device == "cuda":
             torch.cuda.empty_cache()
     return outcomes
+
+
+def print_outcome(o: Outcome) -> None:
+    """One PASS/FAIL line with the numbers, printed as the check goes (a run cut short still says why)."""
+    status = "PASS" if not o.failures else "FAIL"
+    numbers = " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in o.numbers.items())
+    label = f"{o.dtype}/{o.attention}"
+    print(f"{status} {o.model:<24} {label:<17} {numbers} {'; '.join(o.failures)[:400]}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -390,6 +413,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="the same checks on the CPU with exact reference attention (tests this script, not the kernel)",
     )
+    parser.add_argument(
+        "--attention-kernel",
+        default="auto",
+        choices=("auto", "flash", "triton"),
+        help="the varlen runs' attention kernel (ScorerConfig.attention_kernel)",
+    )
+    parser.add_argument("--models", default="", help="comma-separated model names to check (default: all)")
+    parser.add_argument(
+        "--runs",
+        default=",".join(f"{d}/{a}" for d, a in GPU_RUNS),
+        help="comma-separated dtype/attention runs per model (default: all of them)",
+    )
     args = parser.parse_args(argv)
     device = "cpu" if args.cpu_smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -399,17 +434,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(environment()), flush=True)
     outcomes: list[Outcome] = []
     # On the CPU only float32 is checked: half-precision CPU kernels are not what this script is about.
-    runs: tuple[tuple[str, Attention], ...] = (("float32", "reference"),) if args.cpu_smoke else GPU_RUNS
+    runs: tuple[tuple[str, Attention], ...] = (("float32", "reference"),)
+    if not args.cpu_smoke:
+        runs = tuple(r for r in GPU_RUNS if f"{r[0]}/{r[1]}" in args.runs.split(","))
+        if not runs:
+            print(f"no known run in {args.runs!r}", file=sys.stderr)
+            return 2
+    wanted = {m for m in args.models.split(",") if m}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, model_dir in write_models(Path(tmp)).items():
-            outcomes.extend(check_model(name, model_dir, device, runs))
-    for o in outcomes:
-        status = "PASS" if not o.failures else "FAIL"
-        numbers = " ".join(
-            f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in o.numbers.items()
-        )
-        label = f"{o.dtype}/{o.attention}"
-        print(f"{status} {o.model:<24} {label:<17} {numbers} {'; '.join(o.failures)[:400]}")
+        models = write_models(Path(tmp))
+        unknown = wanted - models.keys()
+        if unknown:
+            print(f"unknown models {sorted(unknown)}; known: {', '.join(models)}", file=sys.stderr)
+            return 2
+        for name, model_dir in models.items():
+            if not wanted or name in wanted:
+                outcomes.extend(
+                    check_model(name, model_dir, device, runs, args.attention_kernel, print_outcome)
+                )
     failed = sum(bool(o.failures) for o in outcomes)
     print(f"gpu_check: {len(outcomes) - failed} PASS, {failed} FAIL")
     target = (out_dir() or Path(".")) / "gpu_check.json"

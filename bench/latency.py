@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from bench import hf_paths, packed_path
-from bench.common import QWEN3_06B_SHAPES, call_percentiles, environment, out_dir
+from bench.common import QWEN3_06B_SHAPES, call_percentiles, environment, layer_gemm_ceiling, out_dir
 from bench.hf_paths import PathOutput
 from bench.profiling import kernel_breakdown, print_breakdown
 
@@ -56,6 +56,21 @@ def check(name: str, got: PathOutput, ref: PathOutput, bound: float) -> dict[str
     ok = bool(np.isfinite(got.scores).all() and np.isfinite(got.hidden).all() and score_err <= bound)
     print(f"  {name:<18} max|dscore| {score_err:.4f} (bound {bound:.3f})  hidden rel err max {rel.max():.2e}")
     return {"max_abs_score_diff": score_err, "hidden_rel_err_max": float(rel.max()), "ok": ok}
+
+
+def projection_floor(tokens: int) -> dict[str, float]:
+    """The model's bf16 projections alone at `tokens` rows, every layer: no step of these shapes is faster."""
+    shapes = QWEN3_06B
+    layer = layer_gemm_ceiling(
+        shapes["hidden_size"],
+        shapes["num_attention_heads"],
+        shapes["num_key_value_heads"],
+        shapes["head_dim"],
+        shapes["intermediate_size"],
+        tokens=tokens,
+        repeats=30,
+    )
+    return {**layer, "ms_all_layers": layer["ms_per_layer"] * shapes["num_hidden_layers"]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,6 +121,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print_breakdown("scorer_graphs, 64 requests", timings["scorer_graphs_prepared/64"]["p50_ms"] / 1e3,
                     report["profile_64"])  # fmt: skip
+    # The floor under the 64-request step: its projections alone, timed here, on this GPU at its clocks now.
+    tokens = max(CASES) * TOKENS
+    floor = projection_floor(tokens)
+    step_ms = timings[f"scorer_graphs_prepared/{max(CASES)}"]["p50_ms"]
+    report["projection_floor_64"] = floor
+    print(
+        f"\n{max(CASES)} requests: the projections alone ({tokens} rows, every layer) take "
+        f"{floor['ms_all_layers']:.2f} ms ({floor['tflops']:.0f} TFLOP/s); the step {step_ms:.2f} ms, "
+        f"{step_ms - floor['ms_all_layers']:.2f} ms above them"
+    )
     counted = graphed.graphs
     graph_counts = {"recorded": counted.recorded, "replays": counted.replays}
     del scorers, graphed, model

@@ -34,6 +34,15 @@ def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
     assert json.loads(written[0].read_text())
 
 
+def test_gpu_check_checks_the_models_asked_for_and_refuses_unknown_ones(tmp_path: Path) -> None:
+    proc = _run_script(["bench/gpu_check.py", "--cpu-smoke", "--models", "qwen3,bert"], tmp_path, 300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    checked = re.findall(r"^PASS (\S+)", proc.stdout, flags=re.MULTILINE)
+    assert sorted(checked) == ["bert", "qwen3"], proc.stdout[-2000:]
+    proc = _run_script(["bench/gpu_check.py", "--cpu-smoke", "--models", "qwen3,gpt9"], tmp_path, 300)
+    assert proc.returncode == 2 and "unknown models ['gpt9']" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_w1_fails_when_a_timed_path_is_wrong() -> None:
     """W1 exits non-zero when a timed path's scores are off the float32 reference (its figure is void)."""
     import sys

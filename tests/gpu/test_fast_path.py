@@ -36,13 +36,16 @@ def gpu_models() -> Iterator[dict[str, Path]]:
         yield write_models(Path(tmp))
 
 
+@pytest.mark.parametrize("kernel", ["auto", "flash"])
 @pytest.mark.parametrize("name", [*ARCHITECTURES, GQA_MODEL])
-def test_every_architecture_matches_float32_hf(name: str, gpu_models: dict[str, Path]) -> None:
-    """bench/gpu_check.py's checks of one model in bf16 with the worker's defaults: scores and hidden states
-    within twice HF's own bf16 error, batch drift, deterministic mode, the varlen kernel, graph replays."""
+def test_every_architecture_matches_float32_hf(name: str, kernel: str, gpu_models: dict[str, Path]) -> None:
+    """bench/gpu_check.py's checks of one model in bf16 with the worker's defaults (the Triton attention
+    kernel on Hopper), and again with flash: scores and hidden states within twice HF's own bf16 error,
+    batch drift, deterministic mode, the varlen kernel, graph replays."""
     from bench.gpu_check import check_model
 
-    outcomes = check_model(name, gpu_models[name], "cuda", (("bfloat16", "auto"), ("float16", "varlen")))
+    runs = (("bfloat16", "auto"), ("float16", "varlen")) if kernel == "auto" else (("bfloat16", "varlen"),)
+    outcomes = check_model(name, gpu_models[name], "cuda", runs, kernel)
     failures = [f"{o.dtype}/{o.attention}: {f}" for o in outcomes for f in o.failures]
     assert not failures, failures
 
