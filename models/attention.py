@@ -309,8 +309,9 @@ def _default_varlen_kernel() -> VarlenKernel:
 
 def triton_or_flash(flash: VarlenKernel) -> VarlenKernel:
     """Our Triton kernel (models/triton_attention.py) where it applies and gains, `flash` elsewhere: a layer
-    with a sliding window, and batches of short sequences only (under triton_attention.MIN_LENGTH, where
-    flash is faster). Same signature as varlen_attn, grouped-query attention included."""
+    with a sliding window, and batches of short sequences only (triton_attention.takes: none over
+    MIN_LENGTH tokens, where flash is faster). Same signature as varlen_attn, grouped-query attention
+    included."""
     from models import triton_attention
     from models.triton_attention import SUPPORTED_WINDOWS, triton_varlen_attn
 
@@ -330,7 +331,7 @@ def triton_or_flash(flash: VarlenKernel) -> VarlenKernel:
         enable_gqa: bool = False,
         return_aux: LseRequest | None = None,
     ) -> Any:
-        if tuple(window_size) in SUPPORTED_WINDOWS and max_q >= triton_attention.MIN_LENGTH:
+        if tuple(window_size) in SUPPORTED_WINDOWS and triton_attention.takes(max_q):
             return triton_varlen_attn(
                 query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
                 scale=scale, window_size=window_size, enable_gqa=enable_gqa, return_aux=return_aux,

@@ -15,6 +15,8 @@ AttentionChoice = Literal["auto", "varlen", "reference"]
 CompileChoice = Literal["auto", "on", "off"]
 GraphChoice = Literal["auto", "on", "off"]
 AttentionKernel = Literal["auto", "flash", "triton"]
+# "auto" takes the Triton attention kernel from this compute capability on (Hopper), where it was measured.
+TRITON_AUTO_CAPABILITY = (9, 0)
 Quantization = Literal["none", "fp8"]
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -44,9 +46,9 @@ class ScorerConfig:
     # Replaces torch's varlen_attn for attention="varlen"; lets CPU tests drive the GPU wrapper logic.
     varlen_kernel: VarlenKernel | None = None
     # The varlen path's kernel: torch's flash kernel, or ours in Triton (models/triton_attention.py), which
-    # runs batches whose longest sequence reaches triton_attention.MIN_LENGTH tokens and leaves sliding-window
-    # layers and shorter batches to flash. "auto" is flash: Triton is faster on Hopper (docs/benchmarks.md)
-    # but not yet through the GPU check of every architecture. An injected varlen_kernel overrides both.
+    # runs batches whose longest sequence is over triton_attention.MIN_LENGTH tokens and leaves sliding-window
+    # layers and shorter batches to flash. "auto" is Triton on Hopper and later GPUs (faster there,
+    # docs/benchmarks.md), flash elsewhere. An injected varlen_kernel overrides both.
     attention_kernel: AttentionKernel = "auto"
     # "auto": what the model's own HF head pools; else one of models.packing.POOLINGS.
     pooling: str = "auto"
@@ -136,12 +138,21 @@ class ScorerConfig:
             return attention == "varlen"
         return self.compile == "on"
 
-    def resolve_attention_kernel(self) -> Literal["flash", "triton"]:
-        """The varlen path's kernel (models.attention.register_attention)."""
-        if self.attention_kernel != "triton":
+    def resolve_attention_kernel(self, device: torch.device | None = None) -> Literal["flash", "triton"]:
+        """The varlen path's kernel on `device` (models.attention.register_attention). "auto" is Triton on
+        Hopper and later GPUs, where it was measured faster and checked (docs/benchmarks.md), when Triton is
+        installed; flash elsewhere."""
+        if self.attention_kernel == "flash":
             return "flash"
         from models import triton_attention
 
+        if self.attention_kernel == "auto":
+            hopper = (
+                device is not None
+                and device.type == "cuda"
+                and torch.cuda.get_device_capability(device) >= TRITON_AUTO_CAPABILITY
+            )
+            return "triton" if hopper and triton_attention.available() else "flash"
         if not triton_attention.available():
             raise ValueError("attention_kernel='triton' needs the triton package (CUDA torch ships it)")
         return "triton"

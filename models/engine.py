@@ -182,7 +182,7 @@ class Scorer:
                 if self.attention != "varlen"
                 else "injected"
                 if self.config.varlen_kernel is not None
-                else self.config.resolve_attention_kernel()
+                else self.config.resolve_attention_kernel(self.device)
             )
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc

@@ -39,13 +39,24 @@ BLOCK_M = 64
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
-# Below this longest sequence a batch takes flash: on 64 requests of 100 tokens flash measured 0.05 ms a
-# layer against 0.12 ms (bench/attention.py), and such batches spend little of their time in attention.
+# A batch whose longest sequence is no longer than this (a power of two) takes flash: on 64 requests of 100
+# tokens flash measured 0.05 ms a layer against 0.12 ms (bench/attention.py), and such batches spend little
+# of their time in attention.
 MIN_LENGTH = 256
 LOG2_E = 1.4426950408889634
 # varlen_attn's window_size values the kernel runs: causal, and full (encoders, the shared-prefix cross pass).
 SUPPORTED_WINDOWS = ((-1, 0), (-1, -1))
 OP_NAME = "score_worker::varlen_flash_forward"
+
+
+def takes(longest: int) -> bool:
+    """Whether a batch whose longest sequence has `longest` tokens runs here rather than in flash: when that
+    is over MIN_LENGTH. A CUDA graph is recorded with the longest rounded up, at most to the next power of
+    two (models.graphs.graph_key), and MIN_LENGTH is a power of two, so the rounded length is over it
+    exactly when the batch's own is: a batch replayed from a graph takes the kernel it takes without one,
+    and its results never depend on whether its shape had been recorded (the deterministic setting promises
+    the same bits either way). One comparison, so that torch.compile guards on it and nothing more."""
+    return longest > MIN_LENGTH
 
 
 def available() -> bool:

@@ -188,8 +188,8 @@ class WorkerSettings(KafkaSecurity):
     attention_kernel: Literal["auto", "flash", "triton"] = Field(
         "auto",
         description="the packed path's attention kernel: torch's flash kernel, or the project's Triton "
-        "kernel for batches with a sequence of 256 tokens or more (faster on Hopper; sliding-window layers "
-        "and shorter batches still take flash); auto: flash",
+        "kernel for batches with a sequence over 256 tokens (faster on Hopper; sliding-window layers "
+        "and shorter batches still take flash); auto: Triton on Hopper and later GPUs, flash elsewhere",
     )
     compile: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -214,10 +214,10 @@ def test_shared_prefixes_through_the_kernel_match_whole_prompts(
 
 
 def test_short_batches_take_flash() -> None:
-    # Under MIN_LENGTH tokens in the longest sequence flash measured faster; from it on, Triton runs.
+    # Up to MIN_LENGTH tokens in the longest sequence flash measured faster; beyond it, Triton runs.
     FlashStandIn.windows.clear()
     kernel = triton_or_flash(FlashStandIn())
-    for longest in (triton_attention.MIN_LENGTH - 1, triton_attention.MIN_LENGTH):
+    for longest in (triton_attention.MIN_LENGTH, triton_attention.MIN_LENGTH + 1):
         lengths = [3, longest]
         q = torch.randn(sum(lengths), 2, 16)
         cu = _offsets(lengths)
@@ -229,11 +229,74 @@ def test_short_batches_take_flash() -> None:
     assert FlashStandIn.windows == [(-1, 0)]  # the short batch only
 
 
+def test_a_batch_replayed_from_a_graph_takes_the_kernel_it_takes_without_one() -> None:
+    # A graph's key keeps the longest sequence rounded up (graph_key), and the recorded forward is handed
+    # that rounded length: the choice must come out the same from it as from the batch's own.
+    from models.graphs import graph_key, next_power_of_two
+
+    assert next_power_of_two(triton_attention.MIN_LENGTH) == triton_attention.MIN_LENGTH
+    for longest in range(1, 4 * triton_attention.MIN_LENGTH):
+        for total in (longest, longest + 1, 3 * longest + 5, 16384):
+            recorded = graph_key(total, 2, longest).max_length
+            assert recorded >= longest
+            assert triton_attention.takes(recorded) == triton_attention.takes(longest), (longest, total)
+    assert not triton_attention.takes(triton_attention.MIN_LENGTH)
+    assert triton_attention.takes(triton_attention.MIN_LENGTH + 1)
+
+
+_ROUTED = triton_or_flash(FlashStandIn())
+
+
+def _routed_layer(q: torch.Tensor, cu: torch.Tensor, longest: int) -> torch.Tensor:
+    # A module-level function reaching the kernel through a global, as compiled HF layers reach it through
+    # the attention registry.
+    return _ROUTED(q, q, q, cu, cu, longest, longest, window_size=(-1, 0)) * 2
+
+
+def test_the_choice_costs_compiled_layers_one_guard() -> None:
+    # The layers are compiled with dynamic shapes and get the longest sequence as an int: the routing must
+    # not make torch.compile specialize on its value (a new graph per length, then the recompile limit and
+    # eager layers), only on which side of MIN_LENGTH it lies; and each side must take its own kernel.
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(_routed_layer, backend=counter, dynamic=True)
+    torch._dynamo.reset()
+    try:
+        for longest in (5, 40, 100, 256, 300, 333, 420, 257):
+            FlashStandIn.windows.clear()
+            q = torch.randn(longest + 3, 2, 16)
+            rows = q[3:].transpose(0, 1)
+            expected = attend_causal(rows, rows, rows, scale=None).transpose(0, 1) * 2
+            got = compiled(q, _offsets([3, longest]), longest)
+            torch.testing.assert_close(got[3:], expected, atol=1e-5, rtol=1e-5)
+            assert bool(FlashStandIn.windows) == (longest <= triton_attention.MIN_LENGTH), longest
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 2, f"compiled {counter.frame_count} times for 8 lengths"
+
+
 def test_kernel_choice() -> None:
-    assert ScorerConfig().resolve_attention_kernel() == "flash"  # Triton is opt-in
-    assert ScorerConfig(attention_kernel="triton").resolve_attention_kernel() == "triton"
+    cpu = torch.device("cpu")
+    assert ScorerConfig().resolve_attention_kernel(cpu) == "flash"  # Triton by default on Hopper only
+    assert ScorerConfig(attention_kernel="flash").resolve_attention_kernel(cpu) == "flash"
+    assert ScorerConfig(attention_kernel="triton").resolve_attention_kernel(cpu) == "triton"
     with pytest.raises(ValueError, match="attention_kernel"):
         ScorerConfig(attention_kernel="cudnn")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"), [((8, 0), "flash"), ((8, 9), "flash"), ((9, 0), "triton")]
+)
+def test_auto_is_triton_from_hopper_on(
+    capability: tuple[int, int], expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    gpu = torch.device("cuda", 0)
+    assert ScorerConfig().resolve_attention_kernel(gpu) == expected
+    assert ScorerConfig(attention_kernel="flash").resolve_attention_kernel(gpu) == "flash"
+    monkeypatch.setattr(triton_attention, "available", lambda: False)
+    assert ScorerConfig().resolve_attention_kernel(gpu) == "flash"  # no Triton: flash, not an error
 
 
 def test_kernel_choice_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
