@@ -20,6 +20,10 @@ _CATEGORIES = (
 def categorize(name: str) -> str:
     lowered = name.lower()
     for category, fragments in _CATEGORIES:
+        if category == "copy/index" and lowered.startswith("triton_"):
+            # torch.compile's fused kernels: their names list the ops fused (a norm's dtype casts read
+            # "_to_copy"), so one is elementwise work unless it holds attention or a matmul.
+            return "elementwise/norm"
         if any(fragment in lowered for fragment in fragments):
             return category
     return "other"
