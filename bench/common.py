@@ -264,13 +264,7 @@ def out_dir() -> Path | None:
 
 
 def layer_gemm_ceiling(
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    mlp: int,
-    tokens: int = 16384,
-    repeats: int = 10,
+    hidden: int, heads: int, kv_heads: int, head_dim: int, mlp: int, tokens: int = 16384, repeats: int = 10
 ) -> dict[str, float]:
     """A decoder layer's seven projections at M=tokens, timed alone: what the matmuls allow a packed batch."""
     # (in, out) of q, k, v, o, gate, up, down: F.linear with weight [out, in], as the HF layers call it.

@@ -434,12 +434,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(environment()), flush=True)
     outcomes: list[Outcome] = []
     # On the CPU only float32 is checked: half-precision CPU kernels are not what this script is about.
+    known_runs = {f"{dtype}/{attention}": (dtype, attention) for dtype, attention in GPU_RUNS}
+    asked_runs = [r for r in args.runs.split(",") if r]
+    unknown_runs = [r for r in asked_runs if r not in known_runs]
+    if unknown_runs or not asked_runs:
+        print(f"unknown runs {unknown_runs or asked_runs}; known: {', '.join(known_runs)}", file=sys.stderr)
+        return 2
     runs: tuple[tuple[str, Attention], ...] = (("float32", "reference"),)
     if not args.cpu_smoke:
-        runs = tuple(r for r in GPU_RUNS if f"{r[0]}/{r[1]}" in args.runs.split(","))
-        if not runs:
-            print(f"no known run in {args.runs!r}", file=sys.stderr)
-            return 2
+        runs = tuple(known_runs[r] for r in asked_runs)
     wanted = {m for m in args.models.split(",") if m}
     with tempfile.TemporaryDirectory() as tmp:
         models = write_models(Path(tmp))

@@ -34,13 +34,16 @@ def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
     assert json.loads(written[0].read_text())
 
 
-def test_gpu_check_checks_the_models_asked_for_and_refuses_unknown_ones(tmp_path: Path) -> None:
+def test_gpu_check_checks_the_models_asked_for_and_refuses_unknown_models_and_runs(tmp_path: Path) -> None:
     proc = _run_script(["bench/gpu_check.py", "--cpu-smoke", "--models", "qwen3,bert"], tmp_path, 300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     checked = re.findall(r"^PASS (\S+)", proc.stdout, flags=re.MULTILINE)
     assert sorted(checked) == ["bert", "qwen3"], proc.stdout[-2000:]
     proc = _run_script(["bench/gpu_check.py", "--cpu-smoke", "--models", "qwen3,gpt9"], tmp_path, 300)
     assert proc.returncode == 2 and "unknown models ['gpt9']" in proc.stderr, proc.stderr[-2000:]
+    runs = ["--runs", "bfloat16/auto,bf16/auto"]
+    proc = _run_script(["bench/gpu_check.py", "--cpu-smoke", *runs], tmp_path, 300)
+    assert proc.returncode == 2 and "unknown runs ['bf16/auto']" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_w1_fails_when_a_timed_path_is_wrong() -> None:
