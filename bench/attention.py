@@ -1,4 +1,5 @@
-"""Attention alone: torch's flash varlen kernel against the Triton kernel, on packed W1, W3 and L1 batches.
+"""Attention alone: torch's flash varlen kernel against the Triton kernel (and FlashAttention-4 where it is
+installed), on packed W1, W3 and L1 batches.
 
 Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/attention.py
 
@@ -24,10 +25,15 @@ from typing import Any
 import torch
 
 from bench.common import environment, gpu_ms, make_lognormal_workload, out_dir, token_budget_chunks
-from models import triton_attention
+from models import fa4_attention, triton_attention
 from models.attention import WANT_LSE, attend_causal, flash_varlen_gqa
 
-CONFIGS = ((128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2))
+# The module's configuration: block lanes, block keys, warps, stages, query heads per program at most.
+DEFAULT = (
+    triton_attention.BLOCK_M, triton_attention.BLOCK_N, triton_attention.NUM_WARPS,
+    triton_attention.NUM_STAGES, triton_attention.PACK_HEADS,
+)  # fmt: skip
+CONFIGS = (DEFAULT, (64, 64, 4, 3, 4), (64, 64, 4, 3, 1), (128, 64, 8, 3, 4), (128, 128, 8, 3, 4))
 
 
 class Case:
@@ -99,9 +105,10 @@ def cases() -> list[Case]:
 
 
 def set_config(config: Sequence[int]) -> None:
-    block_m, block_n, warps, stages = config
+    block_m, block_n, warps, stages, pack = (*config, *DEFAULT[len(config) :])
     triton_attention.BLOCK_M, triton_attention.BLOCK_N = block_m, block_n
     triton_attention.NUM_WARPS, triton_attention.NUM_STAGES = warps, stages
+    triton_attention.PACK_HEADS = pack
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,17 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--configs",
         default=";".join(",".join(map(str, c)) for c in CONFIGS),
-        help="BLOCK_M,BLOCK_N,warps,stages;... (the first is the module's default when it is listed first)",
+        help="BLOCK_M,BLOCK_N,warps,stages[,pack];... (missing fields: the module's; the first: its default)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the attention benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     configs = [tuple(int(x) for x in part.split(",")) for part in args.configs.split(";") if part]
-    default = (
-        triton_attention.BLOCK_M, triton_attention.BLOCK_N, triton_attention.NUM_WARPS,
-        triton_attention.NUM_STAGES,
-    )  # fmt: skip
+    default = DEFAULT
     report: dict[str, Any] = {"environment": environment(), "default_config": default, "cases": {}}
     failed = []
     for case in cases():
@@ -139,6 +143,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "error": flash_err,
         }
         row["flash"]["tflops"] = case.flops / row["flash"]["ms"] / 1e9
+        if fa4_attention.available():
+            out = case.run(fa4_attention.fa4_varlen_attn, lse=wants_lse)
+            err = case.errors(*out) if wants_lse else case.errors(out, None)
+            ms = gpu_ms(lambda c=case: c.run(fa4_attention.fa4_varlen_attn), args.repeats)
+            ok = err[0] <= 2 * flash_err[0] + 0.01 and err[1] <= 0.01
+            row["fa4"] = {"ms": ms, "tflops": case.flops / ms / 1e9, "error": err, "ok": ok}
+            if not ok:
+                failed.append(f"{case.name} fa4: error {err} (flash {flash_err})")
+            print(f"{case.name:<10} fa4    {'':<12} {ms:7.3f} ms {case.flops / ms / 1e9:6.0f} TFLOP/s "
+                  f"err {err[0]:.2e}/{err[1]:.2e}", flush=True)  # fmt: skip
         row["triton"] = {}
         for config in configs:
             set_config(config)

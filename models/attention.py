@@ -18,6 +18,7 @@ import functools
 import inspect
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -221,6 +222,43 @@ class LseRequest(NamedTuple):
 
 
 WANT_LSE = LseRequest()
+# varlen_attn's window_size values our own kernels run: causal, and full (encoders, the shared-prefix cross
+# pass). A layer with a sliding window takes torch's flash kernel.
+CAUSAL_OR_FULL = ((-1, 0), (-1, -1))
+
+
+class VarlenCall(NamedTuple):
+    """What a kernel with varlen_attn's signature was asked for, checked (checked_call)."""
+
+    scale: float
+    causal: bool
+    want_lse: bool
+
+
+def checked_call(
+    kernel_name: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: float | None,
+    window_size: tuple[int, int],
+    enable_gqa: bool,
+    return_aux: Any,
+) -> VarlenCall:
+    """Refuse a call that a causal-or-full, grouped-query kernel cannot run (a sliding window, heads that do
+    not divide, grouped K/V without enable_gqa); else the softmax scale (1/sqrt(D) by default), whether it
+    is causal and whether the log-sum-exp is wanted."""
+    if tuple(window_size) not in CAUSAL_OR_FULL:
+        raise ValueError(f"{kernel_name} runs here without a sliding window, got window_size={window_size}")
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads")
+    if kv_heads != heads and not enable_gqa:
+        raise ValueError("fewer key/value heads than query heads needs enable_gqa=True")
+    return VarlenCall(
+        scale=float(scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])),
+        causal=tuple(window_size) == (-1, 0),
+        want_lse=bool(return_aux is not None and getattr(return_aux, "lse", False)),
+    )
 
 
 def merge_passes(
@@ -313,8 +351,31 @@ def triton_or_flash(flash: VarlenKernel) -> VarlenKernel:
     MIN_LENGTH tokens, where flash is faster). Same signature as varlen_attn, grouped-query attention
     included."""
     from models import triton_attention
-    from models.triton_attention import SUPPORTED_WINDOWS, triton_varlen_attn
 
+    return _preferred_or_flash(
+        triton_attention.triton_varlen_attn,
+        lambda window_size, max_q: tuple(window_size) in CAUSAL_OR_FULL and triton_attention.takes(max_q),
+        flash,
+    )
+
+
+def fa4_or_flash(flash: VarlenKernel) -> VarlenKernel:
+    """FlashAttention-4 (models/fa4_attention.py) for causal and full attention, `flash` for a layer with a
+    sliding window. Same signature as varlen_attn, grouped-query attention included."""
+    from models import fa4_attention
+
+    return _preferred_or_flash(
+        fa4_attention.fa4_varlen_attn,
+        lambda window_size, max_q: tuple(window_size) in CAUSAL_OR_FULL,
+        flash,
+    )
+
+
+def _preferred_or_flash(
+    preferred: VarlenKernel, applies: Callable[[tuple[int, int], int], bool], flash: VarlenKernel
+) -> VarlenKernel:
+    """`preferred` (which takes grouped-query K/V as they are) for calls where `applies(window_size, max_q)`,
+    `flash` for the rest, K/V heads repeated where it needs them."""
     flash_gqa = kernel_supports_gqa(flash)
 
     def kernel(
@@ -331,8 +392,8 @@ def triton_or_flash(flash: VarlenKernel) -> VarlenKernel:
         enable_gqa: bool = False,
         return_aux: LseRequest | None = None,
     ) -> Any:
-        if tuple(window_size) in SUPPORTED_WINDOWS and triton_attention.takes(max_q):
-            return triton_varlen_attn(
+        if applies(window_size, max_q):
+            return preferred(
                 query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
                 scale=scale, window_size=window_size, enable_gqa=enable_gqa, return_aux=return_aux,
             )  # fmt: skip
@@ -353,13 +414,16 @@ def register_attention(kind: str, kernel: VarlenKernel | None = None, kernel_cho
     """Register the attention (and no-op mask) function for `kind`; returns the attn_implementation name.
 
     For "varlen", `kernel` (injected: tests, benchmarks) or else `kernel_choice`: "flash" (torch's
-    kernel) or "triton" (models/triton_attention.py, flash for sliding windows)."""
+    kernel), "triton" (models/triton_attention.py) or "fa4" (models/fa4_attention.py), the last two with
+    flash for sliding windows."""
     if kind == "reference":
         name = REFERENCE_ATTENTION
         AttentionInterface.register(name, reference_attention)
     elif kind == "varlen":
         if kernel is None and kernel_choice == "triton":
             name, kernel = f"{VARLEN_ATTENTION}_triton", triton_or_flash(_default_varlen_kernel())
+        elif kernel is None and kernel_choice == "fa4":
+            name, kernel = f"{VARLEN_ATTENTION}_fa4", fa4_or_flash(_default_varlen_kernel())
         elif kernel is None:
             name, kernel = VARLEN_ATTENTION, _default_varlen_kernel()
         else:

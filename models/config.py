@@ -14,7 +14,7 @@ from models.packing import POOLINGS, Pooling
 AttentionChoice = Literal["auto", "varlen", "reference"]
 CompileChoice = Literal["auto", "on", "off"]
 GraphChoice = Literal["auto", "on", "off"]
-AttentionKernel = Literal["auto", "flash", "triton"]
+AttentionKernel = Literal["auto", "flash", "triton", "fa4"]
 # "auto" takes the Triton attention kernel from this compute capability on (Hopper), where it was measured.
 TRITON_AUTO_CAPABILITY = (9, 0)
 Quantization = Literal["none", "fp8"]
@@ -48,7 +48,8 @@ class ScorerConfig:
     # The varlen path's kernel: torch's flash kernel, or ours in Triton (models/triton_attention.py), which
     # runs batches whose longest sequence is over triton_attention.MIN_LENGTH tokens and leaves sliding-window
     # layers and shorter batches to flash. "auto" is Triton on Hopper and later GPUs (faster there,
-    # docs/benchmarks.md), flash elsewhere. An injected varlen_kernel overrides both.
+    # docs/benchmarks.md), flash elsewhere. "fa4": FlashAttention-4's kernels where that optional package is
+    # installed (models/fa4_attention.py), flash for sliding windows. An injected varlen_kernel overrides all.
     attention_kernel: AttentionKernel = "auto"
     # "auto": what the model's own HF head pools; else one of models.packing.POOLINGS.
     pooling: str = "auto"
@@ -84,9 +85,9 @@ class ScorerConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.attention not in ("auto", "varlen", "reference"):
             raise ValueError(f"attention must be 'auto', 'varlen' or 'reference', got {self.attention!r}")
-        if self.attention_kernel not in ("auto", "flash", "triton"):
+        if self.attention_kernel not in ("auto", "flash", "triton", "fa4"):
             raise ValueError(
-                f"attention_kernel must be 'auto', 'flash' or 'triton', got {self.attention_kernel!r}"
+                f"attention_kernel must be 'auto', 'flash', 'triton' or 'fa4', got {self.attention_kernel!r}"
             )
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
@@ -138,12 +139,20 @@ class ScorerConfig:
             return attention == "varlen"
         return self.compile == "on"
 
-    def resolve_attention_kernel(self, device: torch.device | None = None) -> Literal["flash", "triton"]:
+    def resolve_attention_kernel(
+        self, device: torch.device | None = None
+    ) -> Literal["flash", "triton", "fa4"]:
         """The varlen path's kernel on `device` (models.attention.register_attention). "auto" is Triton on
         Hopper and later GPUs, where it was measured faster and checked (docs/benchmarks.md), when Triton is
         installed; flash elsewhere."""
         if self.attention_kernel == "flash":
             return "flash"
+        if self.attention_kernel == "fa4":
+            from models import fa4_attention
+
+            if not fa4_attention.available():
+                raise ValueError("attention_kernel='fa4' needs the flash-attn-4 package (and its CUDA DSL)")
+            return "fa4"
         from models import triton_attention
 
         if self.attention_kernel == "auto":

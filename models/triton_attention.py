@@ -2,9 +2,10 @@
 
 torch 2.11's varlen flash kernel is FlashAttention-2's Ampere code: on an H200 it runs W1's batches (8B
 shapes, sequences of a few hundred tokens) at 150-210 TFLOP/s. Triton compiles `tl.dot` to Hopper's
-warpgroup instructions, and this kernel, the same online-softmax algorithm, runs those batches at 250-300
-TFLOP/s and W3's whole prompts 1.8x as fast (bench/attention.py, docs/benchmarks.md). On 64 requests of 100
-tokens flash stays faster, so short batches keep it (MIN_LENGTH). cuDNN's ragged attention ran W1's batches
+warpgroup instructions, and this kernel, the same online-softmax algorithm with the query heads that share a
+K/V head computed together, runs those batches at 270-310 TFLOP/s and W3's whole prompts 1.8x as fast
+(bench/attention.py, docs/benchmarks.md). On 64 requests of 100 tokens flash stays faster, so short batches
+keep it (MIN_LENGTH). cuDNN's ragged attention ran W1's batches
 faster still, but torch 2.11 builds its cuDNN graph again on every call (about 55 ms), which no batch affords.
 
 The kernel has the signature of torch's `varlen_attn` (models.config.VarlenKernel): q [T, H, D], k/v
@@ -21,10 +22,11 @@ The same kernel source runs in Triton's interpreter on CPU tensors, so the CPU t
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import torch
+
+from models.attention import checked_call
 
 try:
     import triton
@@ -33,19 +35,21 @@ except ImportError:  # the CPU install may lack Triton; models.attention then ke
     triton = None
     tl = None
 
-# Query rows and key columns per block, warps and pipeline stages: the fastest of five configurations on the
-# H200 for head dim 128 on W1's and W3's batches (bench/attention.py, docs/benchmarks.md).
-BLOCK_M = 64
-BLOCK_N = 64
+# Query lanes (token rows x packed heads) and key columns per block, warps and pipeline stages: the fastest
+# of ten configurations on the H200 for head dim 128 on W1's and W3's batches (bench/attention.py,
+# docs/benchmarks.md).
+BLOCK_M = 128
+BLOCK_N = 32
 NUM_WARPS = 4
 NUM_STAGES = 3
+# At most this many query heads that share a K/V head are computed by one program (BLOCK_M lanes: BLOCK_M /
+# PACK token rows of each), so that each key block is read once for them all.
+PACK_HEADS = 4
 # A batch whose longest sequence is no longer than this (a power of two) takes flash: on 64 requests of 100
 # tokens flash measured 0.05 ms a layer against 0.12 ms (bench/attention.py), and such batches spend little
 # of their time in attention.
 MIN_LENGTH = 256
 LOG2_E = 1.4426950408889634
-# varlen_attn's window_size values the kernel runs: causal, and full (encoders, the shared-prefix cross pass).
-SUPPORTED_WINDOWS = ((-1, 0), (-1, -1))
 OP_NAME = "score_worker::varlen_flash_forward"
 
 
@@ -69,10 +73,11 @@ def _varlen_attention_forward(  # type: ignore[no-untyped-def]  # a Triton kerne
     scale_log2,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     head_dim,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    GROUP: tl.constexpr, PACK: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """One program: BLOCK_M query rows of one sequence and one head, over all the keys it may see.
+    """One program: BLOCK_M // PACK query rows of one sequence for PACK query heads that share one K/V head,
+    over all the keys those rows may see.
 
     Online softmax in base 2 (scores scaled by scale * log2(e)), accumulated in float32 (the scores are cast
     so: torch.compile may pass the scale as a float64 constant). Key blocks wholly
@@ -80,21 +85,26 @@ def _varlen_attention_forward(  # type: ignore[no-untyped-def]  # a Triton kerne
     """
     block = tl.program_id(0)
     sequence = tl.program_id(1)
-    head = tl.program_id(2)
+    first_head = tl.program_id(2) * PACK
     q_start = tl.load(cu_q_ptr + sequence)
     q_len = tl.load(cu_q_ptr + sequence + 1) - q_start
-    if block * BLOCK_M >= q_len:
+    ROWS: tl.constexpr = BLOCK_M // PACK
+    if block * ROWS >= q_len:
         return
     k_start = tl.load(cu_k_ptr + sequence)
     k_len = tl.load(cu_k_ptr + sequence + 1) - k_start
-    kv_head = head // GROUP
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    kv_head = first_head // GROUP
+    # Lane m of the block is token row m // PACK of query head first_head + m % PACK: the PACK heads that
+    # share one K/V head read each key block once.
+    lanes = tl.arange(0, BLOCK_M)
+    rows = block * ROWS + lanes // PACK
+    heads = first_head + lanes % PACK
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < q_len
     dim_ok = dims < head_dim
     q = tl.load(
-        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+        q_ptr + (q_start + rows)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
@@ -104,8 +114,8 @@ def _varlen_attention_forward(  # type: ignore[no-untyped-def]  # a Triton kerne
     # row (or the sequence's last key) the masked ones.
     shift = k_len - q_len
     if CAUSAL:
-        end = tl.minimum(k_len, (block + 1) * BLOCK_M + shift)
-        free = tl.maximum(block * BLOCK_M + shift + 1, 0)
+        end = tl.minimum(k_len, (block + 1) * ROWS + shift)
+        free = tl.maximum(block * ROWS + shift + 1, 0)
     else:
         end = k_len
         free = k_len
@@ -153,14 +163,14 @@ def _varlen_attention_forward(  # type: ignore[no-untyped-def]  # a Triton kerne
     seen_any = total > 0.0
     out = acc / tl.where(seen_any, total, 1.0)[:, None]
     tl.store(
-        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        out_ptr + (q_start + rows)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & dim_ok[None, :],
     )
     if WRITE_LSE:
         lse = tl.where(seen_any, (best + tl.math.log2(tl.where(seen_any, total, 1.0))) / 1.4426950408889634,
                        float("-inf"))  # fmt: skip
-        tl.store(lse_ptr + head * stride_lh + q_start + rows, lse, mask=row_ok)
+        tl.store(lse_ptr + heads * stride_lh + q_start + rows, lse, mask=row_ok)
 
 
 @functools.cache
@@ -175,6 +185,15 @@ def _kernel() -> Any:
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (on CPU tensors): TRITON_INTERPRET=1 at import."""
     return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def heads_per_program(group: int, block_m: int) -> int:
+    """How many of the `group` query heads that share a K/V head one program computes: the largest power of
+    two that divides the group, at most PACK_HEADS and leaving the block at least 16 rows."""
+    pack = 1
+    while group % (pack * 2) == 0 and pack * 2 <= PACK_HEADS and block_m // (pack * 2) >= 16:
+        pack *= 2
+    return pack
 
 
 def _outputs(q: torch.Tensor, want_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,14 +218,16 @@ def _varlen_flash_forward(
     # Compiled, the launch goes through wrap_triton so that torch.compile traces the kernel; interpreted, it
     # is called as it is (wrap_triton takes compiled kernels only).
     kernel = _kernel() if interpreting() else torch.library.wrap_triton(_kernel())
-    grid = (triton.cdiv(max_q, BLOCK_M), cu_q.shape[0] - 1, heads)
+    group = heads // k.shape[1]
+    pack = heads_per_program(group, BLOCK_M)
+    grid = (triton.cdiv(max_q, BLOCK_M // pack), cu_q.shape[0] - 1, heads // pack)
     kernel[grid](
         q, k, v, out, lse, cu_q, cu_k,
         scale * LOG2_E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         head_dim,
-        GROUP=heads // k.shape[1], CAUSAL=causal, WRITE_LSE=want_lse,
+        GROUP=group, PACK=pack, CAUSAL=causal, WRITE_LSE=want_lse,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
@@ -253,20 +274,11 @@ def triton_varlen_attn(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention with varlen_attn's signature: causal for window_size (-1, 0), full for (-1, -1).
     With `return_aux.lse`, also the natural log-sum-exp of each row's scores, [H, T] float32."""
-    if tuple(window_size) not in SUPPORTED_WINDOWS:
-        raise ValueError(f"the Triton kernel has no sliding window, got window_size={window_size}")
-    heads, kv_heads = query.shape[1], key.shape[1]
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads")
-    if kv_heads != heads and not enable_gqa:
-        raise ValueError("fewer key/value heads than query heads needs enable_gqa=True")
+    call = checked_call("the Triton kernel", query, key, scale, window_size, enable_gqa, return_aux)
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} needs a unit-stride last dimension")
-    want_lse = bool(return_aux is not None and getattr(return_aux, "lse", False))
-    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     out, lse = torch.ops.score_worker.varlen_flash_forward(
-        query, key, value, cu_seq_q, cu_seq_k, int(max_q), float(scale),
-        tuple(window_size) == (-1, 0), want_lse,
-    )  # fmt: skip
-    return (out, lse) if want_lse else out
+        query, key, value, cu_seq_q, cu_seq_k, int(max_q), call.scale, call.causal, call.want_lse
+    )
+    return (out, lse) if call.want_lse else out

@@ -185,11 +185,13 @@ class WorkerSettings(KafkaSecurity):
         False,
         description="bit-identical results whatever shares a request's batch (each item runs alone: slower)",
     )
-    attention_kernel: Literal["auto", "flash", "triton"] = Field(
+    attention_kernel: Literal["auto", "flash", "triton", "fa4"] = Field(
         "auto",
         description="the packed path's attention kernel: torch's flash kernel, or the project's Triton "
         "kernel for batches with a sequence over 256 tokens (faster on Hopper; sliding-window layers "
-        "and shorter batches still take flash); auto: Triton on Hopper and later GPUs, flash elsewhere",
+        "and shorter batches still take flash); auto: Triton on Hopper and later GPUs, flash elsewhere; "
+        "fa4: FlashAttention-4 (the optional flash-attn-4 package) for every batch, flash for "
+        "sliding-window layers",
     )
     compile: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -92,7 +92,7 @@ def test_a_replayed_graph_scores_the_batch_it_is_given(count: int, tiny_qwen3_di
     assert apart.min() > 0.1
 
 
-@pytest.mark.parametrize("kernel", ["flash", "triton"])
+@pytest.mark.parametrize("kernel", ["flash", "triton", "fa4"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text"])
 def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(
     architecture: str, kernel: str, monkeypatch: pytest.MonkeyPatch
@@ -101,11 +101,13 @@ def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(
     (more keys than queries per sequence), the compiled layers and a replayed CUDA graph (three groups in
     four slots: one left empty, its bounds padded on the device): each item as its whole prompt in HF
     float32, within bf16's error (twice HF's own bf16 error plus 5% of the score scale, as gpu_check).
-    With kernel "triton", both passes take the Triton kernel (these prompts are shorter than its minimum)."""
+    With kernel "triton", both passes take the Triton kernel (these prompts are shorter than its minimum);
+    with "fa4", FlashAttention-4 (skipped where it is not installed)."""
     import sys
 
     from models import triton_attention
 
+    _skip_without(kernel)
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", 0)
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
@@ -146,12 +148,14 @@ def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(
     assert relative.max() < 5e-2
 
 
+@pytest.mark.parametrize("kernel", ["triton", "fa4"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text", "phi3"])
-def test_triton_kernel_in_the_engine_matches_float32_hf(
-    architecture: str, monkeypatch: pytest.MonkeyPatch
+def test_kernel_in_the_engine_matches_float32_hf(
+    architecture: str, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The Triton attention kernel through compiled layers and a replayed CUDA graph, on prompts that cross
-    its blocks (1 to 300 tokens), against HF float32 within bf16's error (as the shared-prefix test)."""
+    """The Triton attention kernel (or FlashAttention-4) through compiled layers and a replayed CUDA graph, on
+    prompts that cross its blocks (1 to 300 tokens), against HF float32 within bf16's error (as the
+    shared-prefix test)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
@@ -160,6 +164,7 @@ def test_triton_kernel_in_the_engine_matches_float32_hf(
     from models import triton_attention
     from models.tiny import write_tiny_model
 
+    _skip_without(kernel)
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", 0)
     generator = torch.Generator().manual_seed(11)
     prompts = [
@@ -171,8 +176,9 @@ def test_triton_kernel_in_the_engine_matches_float32_hf(
     ]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / architecture, architecture, seed=5, num_labels=1)
-        scorer = Scorer(model_dir, ScorerConfig(device="cuda", dtype="bfloat16", attention_kernel="triton"))
-        assert scorer.info.attention_kernel == "triton"
+        config = ScorerConfig(device="cuda", dtype="bfloat16", attention_kernel=kernel)  # type: ignore[arg-type]
+        scorer = Scorer(model_dir, config)
+        assert scorer.info.attention_kernel == kernel
         for _ in range(3):  # the ordinary forward, then a recording, then a replay: the last is checked
             results = scorer.score(requests)
         assert scorer.graphs is not None and scorer.graphs.replays == 1
@@ -186,13 +192,19 @@ def test_triton_kernel_in_the_engine_matches_float32_hf(
     assert relative.max() < 5e-2
 
 
+@pytest.mark.parametrize("kernel", ["triton", "fa4"])
 @pytest.mark.parametrize("head_dim", [64, 128, 96])
 @pytest.mark.parametrize("window", [(-1, 0), (-1, -1)])
-def test_triton_kernel_matches_flash_in_bfloat16(window: tuple[int, int], head_dim: int) -> None:
-    """The compiled Triton kernel against torch's flash kernel on the same bf16 packed batch: grouped heads,
-    sequences of 1 to 700 tokens, an empty one; outputs within bf16 rounding, log-sum-exps within 1e-3."""
+def test_kernel_matches_flash_in_bfloat16(window: tuple[int, int], head_dim: int, kernel: str) -> None:
+    """The compiled Triton kernel (or FlashAttention-4) against torch's flash kernel on the same bf16 packed
+    batch: grouped heads, sequences of 1 to 700 tokens, an empty one; outputs within bf16 rounding,
+    log-sum-exps within 1e-3."""
     from models.attention import WANT_LSE, flash_varlen_gqa
+    from models.fa4_attention import fa4_varlen_attn
     from models.triton_attention import triton_varlen_attn
+
+    _skip_without(kernel)
+    run = triton_varlen_attn if kernel == "triton" else fa4_varlen_attn
 
     lengths = [700, 1, 0, 65, 64, 129, 300]
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -203,7 +215,7 @@ def test_triton_kernel_matches_flash_in_bfloat16(window: tuple[int, int], head_d
     cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32, device="cuda")
     args = (q, k, v, cu, cu, max(lengths), max(lengths))
     want, want_lse = flash_varlen_gqa(*args, window_size=window, enable_gqa=True, return_aux=WANT_LSE)
-    got, got_lse = triton_varlen_attn(*args, window_size=window, enable_gqa=True, return_aux=WANT_LSE)
+    got, got_lse = run(*args, window_size=window, enable_gqa=True, return_aux=WANT_LSE)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got_lse, want_lse, atol=1e-3, rtol=1e-3)
 
@@ -340,3 +352,11 @@ def test_batches_launched_ahead_of_their_finish_score_as_alone(graphs: str, tiny
     for (want_scores, want_hidden), (got_scores, got_hidden) in zip(alone, together, strict=True):
         np.testing.assert_array_equal(got_scores, want_scores)
         np.testing.assert_array_equal(got_hidden, want_hidden)
+
+
+def _skip_without(kernel: str) -> None:
+    """Skip a test of FlashAttention-4 where that optional package is not installed."""
+    from models import fa4_attention
+
+    if kernel == "fa4" and not fa4_attention.available():
+        pytest.skip("flash-attn-4 is not installed")

@@ -16,7 +16,7 @@ from scoring_testkit import _reference_varlen, hidden_of, scores_of, token_reque
 pytest.importorskip("triton")
 
 from models import Scorer, ScorerConfig, triton_attention
-from models.attention import WANT_LSE, attend_causal, triton_or_flash
+from models.attention import CAUSAL_OR_FULL, WANT_LSE, attend_causal, triton_or_flash
 from schemas import ScoreRequest
 
 pytestmark = pytest.mark.skipif(
@@ -71,6 +71,8 @@ def _attention_case(
         ([5, 130, 1, 0, 64], 4, 2, 64),  # a row past one block, one token alone, an empty sequence
         ([200, 3], 4, 1, 80),  # head dim not a power of two (padded lanes masked); one K/V head for 4
         ([64, 129], 2, 2, 32),  # block edges exactly; no grouping
+        ([37, 70], 6, 1, 64),  # a group of 6: programs of 2 heads, three to a K/V head
+        ([90, 17], 8, 1, 32),  # a group of 8: programs of 4 heads, two to a K/V head
     ],
 )
 @pytest.mark.parametrize("causal", [True, False])
@@ -79,6 +81,17 @@ def test_kernel_matches_exact_attention(
     lengths: list[int], heads: int, kv_heads: int, head_dim: int, causal: bool, dtype: torch.dtype
 ) -> None:
     _attention_case(lengths, lengths, heads, kv_heads, head_dim, causal, dtype)
+
+
+def test_a_program_packs_the_heads_that_share_keys() -> None:
+    # The largest power of two dividing the group, at most PACK_HEADS, leaving at least 16 token rows.
+    pack = triton_attention.PACK_HEADS
+    assert triton_attention.heads_per_program(1, 128) == 1  # no grouping: one head a program
+    assert triton_attention.heads_per_program(6, 128) == min(2, pack)
+    assert triton_attention.heads_per_program(7, 128) == 1
+    assert triton_attention.heads_per_program(8, 128) == pack
+    assert triton_attention.heads_per_program(8, 32) == 2  # 16 rows of 2 heads
+    assert triton_attention.heads_per_program(8, 16) == 1
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -183,7 +196,7 @@ def test_engine_through_the_kernel_matches_the_reference_path(
     # Flash served the sliding-window layers and nothing else (tiny mistral and gemma3 have windows).
     windowed = architecture in ("mistral", "gemma3_text")
     assert bool(FlashStandIn.windows) == windowed
-    assert all(window not in triton_attention.SUPPORTED_WINDOWS for window in FlashStandIn.windows)
+    assert all(window not in CAUSAL_OR_FULL for window in FlashStandIn.windows)
 
 
 def test_shared_prefixes_through_the_kernel_match_whole_prompts(
