@@ -416,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--attention-kernel",
         default="auto",
-        choices=("auto", "flash", "triton"),
+        choices=("auto", "flash", "triton", "fa4"),
         help="the varlen runs' attention kernel (ScorerConfig.attention_kernel)",
     )
     parser.add_argument("--models", default="", help="comma-separated model names to check (default: all)")
