@@ -72,7 +72,7 @@ class ModelInfo:
     device: str
     hidden_size: int
     attention: str = "unknown"  # "varlen" (the packed kernel) or "reference" (exact, per item)
-    attention_kernel: str = "none"  # the varlen path's kernel: "flash", "triton" or "injected"
+    attention_kernel: str = "none"  # the varlen path's kernel: "flash", "triton", "fa4" or "injected"
     pooling: str = "unknown"  # models.packing.Pooling
     compiled: bool = False  # the decoder layers run under torch.compile
     cuda_graphs: bool = False  # small packed batches replay recorded CUDA graphs
@@ -176,7 +176,7 @@ class Scorer:
             self.dtype = self.config.resolve_dtype(self.device)
             # "varlen" or "reference" (packed), or "plain" below for a model that cannot run packed.
             self.attention: str = self.config.resolve_attention(self.device, self.dtype, softcap)
-            # The varlen path's kernel: "flash", "triton", or "injected" (config.varlen_kernel).
+            # The varlen path's kernel: "flash", "triton", "fa4", or "injected" (config.varlen_kernel).
             self.attention_kernel = (
                 "none"
                 if self.attention != "varlen"
