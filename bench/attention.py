@@ -111,6 +111,24 @@ def set_config(config: Sequence[int]) -> None:
     triton_attention.PACK_HEADS = pack
 
 
+def _timed(
+    case: Case, kernel: Callable[..., Any], flash_err: tuple[float, float], repeats: int
+) -> dict[str, Any]:
+    """`kernel` on `case`: milliseconds, TFLOP/s, its errors against float32 and whether they pass (at most
+    twice flash's error plus 0.01, log-sum-exp within 0.01)."""
+    wants_lse = not case.causal
+    out = case.run(kernel, lse=wants_lse)
+    err = case.errors(*out) if wants_lse else case.errors(out, None)
+    ms = gpu_ms(lambda: case.run(kernel), repeats)
+    ok = err[0] <= 2 * flash_err[0] + 0.01 and err[1] <= 0.01
+    return {"ms": ms, "tflops": case.flops / ms / 1e9, "error": err, "ok": ok}
+
+
+def _line(name: str, timed: dict[str, Any]) -> str:
+    err = timed["error"]
+    return f"{name} {timed['ms']:7.3f} ms {timed['tflops']:6.0f} TFLOP/s err {err[0]:.2e}/{err[1]:.2e}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -126,8 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("the attention benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     configs = [tuple(int(x) for x in part.split(",")) for part in args.configs.split(";") if part]
-    default = DEFAULT
-    report: dict[str, Any] = {"environment": environment(), "default_config": default, "cases": {}}
+    report: dict[str, Any] = {"environment": environment(), "default_config": DEFAULT, "cases": {}}
     failed = []
     for case in cases():
         wants_lse = not case.causal
@@ -143,34 +160,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             "error": flash_err,
         }
         row["flash"]["tflops"] = case.flops / row["flash"]["ms"] / 1e9
+        label = f"{case.name:<10} "
+        flash_line = "  | " + _line("flash", row["flash"])
         if fa4_attention.available():
-            out = case.run(fa4_attention.fa4_varlen_attn, lse=wants_lse)
-            err = case.errors(*out) if wants_lse else case.errors(out, None)
-            ms = gpu_ms(lambda c=case: c.run(fa4_attention.fa4_varlen_attn), args.repeats)
-            ok = err[0] <= 2 * flash_err[0] + 0.01 and err[1] <= 0.01
-            row["fa4"] = {"ms": ms, "tflops": case.flops / ms / 1e9, "error": err, "ok": ok}
-            if not ok:
-                failed.append(f"{case.name} fa4: error {err} (flash {flash_err})")
-            print(f"{case.name:<10} fa4    {'':<12} {ms:7.3f} ms {case.flops / ms / 1e9:6.0f} TFLOP/s "
-                  f"err {err[0]:.2e}/{err[1]:.2e}", flush=True)  # fmt: skip
+            row["fa4"] = _timed(case, fa4_attention.fa4_varlen_attn, flash_err, args.repeats)
+            if not row["fa4"]["ok"]:
+                failed.append(f"{case.name} fa4: error {row['fa4']['error']} (flash {flash_err})")
+            print(label + _line("fa4    ", row["fa4"]) + flash_line, flush=True)
         row["triton"] = {}
         for config in configs:
             set_config(config)
-            out = case.run(triton_attention.triton_varlen_attn, lse=wants_lse)
-            err = case.errors(*out) if wants_lse else case.errors(out, None)
-            ms = gpu_ms(lambda c=case: c.run(triton_attention.triton_varlen_attn), args.repeats)
-            ok = err[0] <= 2 * flash_err[0] + 0.01 and err[1] <= 0.01
             key = ",".join(map(str, config))
-            row["triton"][key] = {"ms": ms, "tflops": case.flops / ms / 1e9, "error": err, "ok": ok}
-            if not ok:
-                failed.append(f"{case.name} {key}: error {err} (flash {flash_err})")
-            print(
-                f"{case.name:<10} triton {key:<12} {ms:7.3f} ms {case.flops / ms / 1e9:6.0f} TFLOP/s "
-                f"err {err[0]:.2e}/{err[1]:.2e}  | flash {row['flash']['ms']:7.3f} ms "
-                f"{row['flash']['tflops']:6.0f} TFLOP/s err {flash_err[0]:.2e}/{flash_err[1]:.2e}",
-                flush=True,
+            timed = row["triton"][key] = _timed(
+                case, triton_attention.triton_varlen_attn, flash_err, args.repeats
             )
-        set_config(default)
+            if not timed["ok"]:
+                failed.append(f"{case.name} {key}: error {timed['error']} (flash {flash_err})")
+            print(label + _line(f"triton {key:<12}", timed) + flash_line, flush=True)
+        set_config(DEFAULT)
         report["cases"][case.name] = row
     report["failed"] = failed
     path = (out_dir() or Path(".")) / "attention.json"

@@ -227,6 +227,13 @@ WANT_LSE = LseRequest()
 CAUSAL_OR_FULL = ((-1, 0), (-1, -1))
 
 
+def varlen_outputs(q: torch.Tensor, want_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A varlen kernel's outputs, allocated: [T, H, D] like `q`, and the log-sum-exp [H, T] float32 (a 1x1
+    placeholder when not wanted: a custom operator returns a tensor either way)."""
+    lse_shape = (q.shape[1], q.shape[0]) if want_lse else (1, 1)
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
 class VarlenCall(NamedTuple):
     """What a kernel with varlen_attn's signature was asked for, checked (checked_call)."""
 

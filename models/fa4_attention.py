@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from models.attention import checked_call
+from models.attention import checked_call, varlen_outputs
 
 OP_NAME = "score_worker::fa4_varlen_forward"
 
@@ -60,7 +60,7 @@ def _forward(
         softmax_scale=scale, causal=causal, return_lse=want_lse,
     )  # fmt: skip
     if not want_lse or lse is None:
-        return out, q.new_empty((1, 1), dtype=torch.float32)
+        return out, q.new_empty((1, 1), dtype=torch.float32)  # varlen_outputs' placeholder
     return out, lse
 
 
@@ -76,8 +76,7 @@ def _shapes(
     causal: bool,
     want_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    lse_shape = (q.shape[1], q.shape[0]) if want_lse else (1, 1)
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+    return varlen_outputs(q, want_lse)
 
 
 # One opaque operator: torch.compile keeps it whole inside a compiled layer, and CUDA graphs record it.

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from models.attention import checked_call
+from models.attention import checked_call, varlen_outputs
 
 try:
     import triton
@@ -197,12 +197,6 @@ def heads_per_program(group: int, block_m: int) -> int:
     return pack
 
 
-def _outputs(q: torch.Tensor, want_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output [T, H, D] and the log-sum-exp [H, T] float32 (a 1x1 placeholder when not wanted)."""
-    lse_shape = (q.shape[1], q.shape[0]) if want_lse else (1, 1)
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
-
-
 def _varlen_flash_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -215,7 +209,7 @@ def _varlen_flash_forward(
     want_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     heads, head_dim = q.shape[1], q.shape[2]
-    out, lse = _outputs(q, want_lse)
+    out, lse = varlen_outputs(q, want_lse)
     # Compiled, the launch goes through wrap_triton so that torch.compile traces the kernel; interpreted, it
     # is called as it is (wrap_triton takes compiled kernels only).
     kernel = _kernel() if interpreting() else torch.library.wrap_triton(_kernel())
@@ -246,7 +240,7 @@ def _varlen_flash_shapes(
     causal: bool,
     want_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _outputs(q, want_lse)
+    return varlen_outputs(q, want_lse)
 
 
 # The kernel as one operator, so that torch.compile keeps it whole inside a compiled layer and CUDA graphs

@@ -5,14 +5,12 @@ takes its place behind the same routing."""
 
 from __future__ import annotations
 
-import itertools
-from typing import Any
-
 import pytest
 import torch
+from scoring_testkit import CpuVarlenKernelGqa
 
 from models import ScorerConfig, fa4_attention
-from models.attention import WANT_LSE, attend_causal, fa4_or_flash
+from models.attention import WANT_LSE, fa4_or_flash
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
@@ -22,58 +20,22 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor(bounds, dtype=torch.int32)
 
 
-class _Exact:
-    """An exact varlen kernel that records the calls it gets: which window, and how many K/V heads."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[tuple[int, int], int]] = []
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_q: torch.Tensor,
-        cu_k: torch.Tensor,
-        max_q: int,
-        max_k: int,
-        *,
-        scale: float | None = None,
-        window_size: tuple[int, int] = (-1, -1),
-        enable_gqa: bool = False,
-        return_aux: Any = None,
-    ) -> torch.Tensor:
-        self.calls.append((tuple(window_size), k.shape[1]))  # type: ignore[arg-type]
-        k, v = (
-            k.repeat_interleave(q.shape[1] // k.shape[1], 1),
-            v.repeat_interleave(q.shape[1] // v.shape[1], 1),
-        )
-        out = torch.empty_like(q)
-        bounds = cu_q.tolist()
-        for start, end in itertools.pairwise(bounds):
-            rows = slice(start, end)
-            out[rows] = attend_causal(
-                q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
-                scale=scale, causal=tuple(window_size) != (-1, -1),
-            ).transpose(0, 1)  # fmt: skip
-        return out
-
-
 def test_causal_and_full_attention_take_fa4_and_windows_take_flash(monkeypatch: pytest.MonkeyPatch) -> None:
-    fa4, flash = _Exact(), _Exact()
+    fa4, flash = CpuVarlenKernelGqa(), CpuVarlenKernelGqa()
     monkeypatch.setattr(fa4_attention, "fa4_varlen_attn", fa4)
     kernel = fa4_or_flash(flash)
     q = torch.randn(12, 4, 16)
     kv = torch.randn(12, 2, 16)
     cu = _offsets([5, 7])
-    for window in ((-1, 0), (-1, -1)):
+    for calls, window in enumerate(((-1, 0), (-1, -1)), start=1):
         out = kernel(q, kv, kv, cu, cu, 7, 7, window_size=window, enable_gqa=True)
-        expected = _Exact()(q, kv, kv, cu, cu, 7, 7, window_size=window)
+        expected = CpuVarlenKernelGqa()(q, kv, kv, cu, cu, 7, 7, window_size=window, enable_gqa=True)
         torch.testing.assert_close(out, expected)
+        # FA4 took it, with the grouped K/V heads as they are.
+        assert (len(fa4.calls), fa4.gqa_calls, len(flash.calls)) == (calls, calls, 0)
     kernel(q, kv, kv, cu, cu, 7, 7, window_size=(3, 0), enable_gqa=True)
-    # Both take the grouped K/V heads as they are (this flash stand-in has enable_gqa, as torch's may).
-    assert fa4.calls == [((-1, 0), 2), ((-1, -1), 2)]
-    assert flash.calls == [((3, 0), 2)]
+    # The sliding window went to flash (this stand-in has enable_gqa, as torch's may: heads unrepeated).
+    assert (len(fa4.calls), len(flash.calls), flash.gqa_calls) == (2, 1, 1)
 
 
 def test_the_setting_needs_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
