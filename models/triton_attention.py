@@ -47,7 +47,7 @@ NUM_STAGES = 3
 # PACK token rows of each), so that each key block is read once for them all.
 PACK_HEADS = 4
 # A batch whose longest sequence is no longer than this (a power of two) takes flash: on 64 requests of 100
-# tokens flash measured 0.05 ms a layer against 0.13-0.15 ms (bench/attention.py), and such batches spend
+# tokens flash measured 0.05 ms a layer against 0.09-0.15 ms (bench/attention.py), and such batches spend
 # little of their time in attention.
 MIN_LENGTH = 256
 LOG2_E = 1.4426950408889634
