@@ -15,6 +15,7 @@ AttentionChoice = Literal["auto", "varlen", "reference"]
 CompileChoice = Literal["auto", "on", "off"]
 GraphChoice = Literal["auto", "on", "off"]
 AttentionKernel = Literal["auto", "flash", "triton", "fa4"]
+FusedMlpChoice = Literal["auto", "on", "off"]
 # "auto" takes the Triton attention kernel from this compute capability on (Hopper), where it was measured.
 TRITON_AUTO_CAPABILITY = (9, 0)
 Quantization = Literal["none", "fp8"]
@@ -79,6 +80,11 @@ class ScorerConfig:
     # channel, activations per token. Hopper/Ada GPUs in bfloat16, or the CPU; results deviate from the
     # model's dtype by what docs/benchmarks.md reports.
     quantization: Quantization = "none"
+    # SiLU-gated MLPs (Llama, Mistral, Qwen, Phi-3) with the gate and up products and the activation in one
+    # Triton kernel (models/fused_mlp.py) on the packed path. "auto": on CUDA Hopper and later GPUs in
+    # float16/bfloat16 for models of hidden size fused_mlp.MIN_HIDDEN or more, where it was measured faster;
+    # "on": wherever it can run (on the CPU only in Triton's interpreter, which tests use).
+    fused_mlp: FusedMlpChoice = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -93,6 +99,8 @@ class ScorerConfig:
             raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
+        if self.fused_mlp not in ("auto", "on", "off"):
+            raise ValueError(f"fused_mlp must be 'auto', 'on' or 'off', got {self.fused_mlp!r}")
         if self.quantization not in ("none", "fp8"):
             raise ValueError(f"quantization must be 'none' or 'fp8', got {self.quantization!r}")
         if self.share_prefix_min_tokens < 0:
@@ -165,6 +173,34 @@ class ScorerConfig:
         if not triton_attention.available():
             raise ValueError("attention_kernel='triton' needs the triton package (CUDA torch ships it)")
         return "triton"
+
+    def resolve_fused_mlp(
+        self, device: torch.device, dtype: torch.dtype, attention: str, hidden_size: int
+    ) -> bool:
+        """Whether SiLU-gated MLPs run the fused kernel (models/fused_mlp.py): never on the exact path (the
+        float32 reference stays HF's arithmetic); "auto" on Hopper and later GPUs in half precision from
+        MIN_HIDDEN on; "on" wherever the kernel runs, else a ValueError saying why not."""
+        from models import fused_mlp
+
+        if self.fused_mlp == "off" or attention != "varlen":
+            return False
+        half = dtype in (torch.float16, torch.bfloat16)
+        if self.fused_mlp == "auto":
+            return (
+                half
+                and self.quantization == "none"  # FP8 projections keep their own path
+                and device.type == "cuda"
+                and torch.cuda.get_device_capability(device) >= TRITON_AUTO_CAPABILITY
+                and fused_mlp.available()
+                and hidden_size >= fused_mlp.MIN_HIDDEN
+            )
+        if not fused_mlp.available():
+            raise ValueError("fused_mlp='on' needs the triton package (CUDA torch ships it)")
+        if device.type == "cuda" and not half:
+            raise ValueError(f"fused_mlp='on' runs in float16 or bfloat16 on CUDA, not {dtype}")
+        if device.type != "cuda" and not fused_mlp.interpreting():
+            raise ValueError("fused_mlp='on' needs a CUDA device (or Triton's interpreter)")
+        return True
 
     def resolve_graphs(self, device: torch.device, attention: str) -> bool:
         """Whether to replay small packed batches from CUDA graphs (the varlen path only: the exact path

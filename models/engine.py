@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from models.packing import (
 )
 from models.prepare import PairTemplate, PreparedRequest, Prompt, PromptBuilder, PromptError
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
+
+if TYPE_CHECKING:
+    from models.fused_mlp import FusedMlps
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,7 @@ class ModelInfo:
     compiled: bool = False  # the decoder layers run under torch.compile
     cuda_graphs: bool = False  # small packed batches replay recorded CUDA graphs
     quantization: str = "none"  # "fp8": the transformer layers' projections run in FP8 (models/fp8.py)
+    fused_mlp: bool = False  # SiLU-gated MLPs run their gate/up products and activation as one kernel
 
 
 BatchObserver = Callable[[BatchStats], None]
@@ -228,6 +232,7 @@ class Scorer:
             self._quantize_fp8(Path(model_dir).name)
         # The shared prefixes of the batch last measured or launched (see _shared_prefixes).
         self._groups_memo: tuple[tuple[Prompt, ...], tuple[SharedPrefix, ...]] | None = None
+        self._fused_mlps = self._fuse_mlps(Path(model_dir).name)
         self._compiled: CompiledLayers | None = None
         if self.config.resolve_compile(self.attention):
             self._compiled = compile_layers(self._loaded.base)
@@ -274,6 +279,25 @@ class Scorer:
             "%s: %d projections of its %d layers run in FP8 e4m3 (%d of other shapes do not)",
             name, replaced, len(layers), kept,
         )  # fmt: skip
+
+    def _fuse_mlps(self, name: str) -> FusedMlps | None:
+        """The layers' SiLU-gated MLPs on the fused kernel where the setting asks (models/fused_mlp.py), or
+        None; ModelLoadError when "on" cannot be had."""
+        try:
+            wanted = self.config.resolve_fused_mlp(self.device, self.dtype, self.attention, self._hidden_size)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        if not wanted:
+            return None
+        from models.fused_mlp import FusedMlps  # imports Triton: only where the kernel is wanted
+
+        layers = decoder_layers(self._loaded.base)
+        fused = None if layers is None else FusedMlps.of(layers)
+        if fused is None:
+            log.info("%s has no SiLU-gated MLP the fused kernel takes: its MLPs stay as loaded", name)
+        else:
+            log.info("%s: the gate/up products and SiLU of %d MLPs run as one kernel", name, len(fused))
+        return fused
 
     @property
     def model_name(self) -> str:
@@ -372,6 +396,7 @@ class Scorer:
             compiled=self.compiled,
             cuda_graphs=self._graphs is not None and self._graphs.enabled,
             quantization=self.config.quantization,
+            fused_mlp=self._fused_mlps is not None,
         )
 
     def device_memory(self) -> tuple[int, int] | None:
@@ -612,7 +637,7 @@ class Scorer:
             shared=groups,
             gather_keys=bool(groups) and self._gathers_keys(prompts),
         )
-        with self._compiled or contextlib.nullcontext():
+        with self._compiled or contextlib.nullcontext(), self._fused_mlps or contextlib.nullcontext():
             hidden = None if self._graphs is None else self._graphs.run(packed)
             if hidden is None:
                 # The varlen kernel reads the bounds on the device; the exact path loops over items in

@@ -11,6 +11,7 @@ import inspect
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -156,16 +157,55 @@ def test_kernel_in_the_engine_matches_float32_hf(
     """The Triton attention kernel (or FlashAttention-4) through compiled layers and a replayed CUDA graph, on
     prompts that cross its blocks (1 to 300 tokens), against HF float32 within bf16's error (as the
     shared-prefix test)."""
+    from models import triton_attention
+
+    _skip_without(kernel)
+    monkeypatch.setattr(triton_attention, "MIN_LENGTH", 0)
+    config = ScorerConfig(device="cuda", dtype="bfloat16", attention_kernel=kernel)  # type: ignore[arg-type]
+    info = _engine_matches_float32_hf(architecture, config)
+    assert info.attention_kernel == kernel
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "qwen2", "mistral", "phi3"])
+def test_fused_mlp_in_the_engine_matches_float32_hf(architecture: str) -> None:
+    """The fused gate/up/SiLU kernel (models/fused_mlp.py) in every MLP of the model, through compiled layers
+    and a replayed CUDA graph, against HF float32 within bf16's error."""
+    info = _engine_matches_float32_hf(
+        architecture, ScorerConfig(device="cuda", dtype="bfloat16", fused_mlp="on")
+    )
+    assert info.fused_mlp
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "width"), [(1, 64, 128), (300, 200, 136), (6400, 1024, 3072)])
+def test_fused_mlp_kernel_matches_float32_in_bfloat16(tokens: int, hidden: int, width: int) -> None:
+    """The kernel compiled, on partial row and column tiles and a hidden size off its step, against
+    float32."""
+    from models import fused_mlp
+
+    generator = torch.Generator(device="cuda").manual_seed(tokens + width)
+    x = torch.randn(tokens, hidden, device="cuda", generator=generator).bfloat16()
+    gate, up = (
+        (torch.randn(width, hidden, device="cuda", generator=generator) / hidden**0.5).bfloat16()
+        for _ in range(2)
+    )
+    want = torch.nn.functional.silu(x.float() @ gate.float().t()) * (x.float() @ up.float().t())
+    got = fused_mlp.gate_up_silu(x, gate, up)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, width)
+    assert float((got.float() - want).norm() / want.norm()) < 5e-3  # bf16 rounding of the output
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def _engine_matches_float32_hf(architecture: str, config: ScorerConfig) -> Any:
+    """Score prompts of 1 to 300 tokens with a tiny model of `architecture` under `config` three times (the
+    ordinary forward, a recording, a replay), check the replay's against HF float32 within twice HF's own
+    bf16 error (hidden states within 5%), and return the scorer's info."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
     from scoring_testkit import hf_reference
 
-    from models import triton_attention
     from models.tiny import write_tiny_model
 
-    _skip_without(kernel)
-    monkeypatch.setattr(triton_attention, "MIN_LENGTH", 0)
     generator = torch.Generator().manual_seed(11)
     prompts = [
         tuple(torch.randint(4, 500, (n,), generator=generator).tolist()) for n in (300, 17, 130, 1, 64, 65)
@@ -176,9 +216,7 @@ def test_kernel_in_the_engine_matches_float32_hf(
     ]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / architecture, architecture, seed=5, num_labels=1)
-        config = ScorerConfig(device="cuda", dtype="bfloat16", attention_kernel=kernel)  # type: ignore[arg-type]
         scorer = Scorer(model_dir, config)
-        assert scorer.info.attention_kernel == kernel
         for _ in range(3):  # the ordinary forward, then a recording, then a replay: the last is checked
             results = scorer.score(requests)
         assert scorer.graphs is not None and scorer.graphs.replays == 1
@@ -190,6 +228,7 @@ def test_kernel_in_the_engine_matches_float32_hf(
     assert float(np.abs(scores.reshape(-1) - reference.logits.reshape(-1)).max()) <= bound
     relative = np.linalg.norm(hidden - reference.hidden, axis=1) / np.linalg.norm(reference.hidden, axis=1)
     assert relative.max() < 5e-2
+    return scorer.info
 
 
 @pytest.mark.parametrize("kernel", ["triton", "fa4"])
