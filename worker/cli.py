@@ -191,6 +191,7 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
         graph_max_tokens=settings.graph_max_tokens or settings.max_batch_tokens,
         share_prefix_min_tokens=settings.share_prefix_min_tokens,
         quantization=settings.quantization,
+        fused_mlp=settings.fused_mlp,
         max_input_tokens=settings.max_item_tokens,
         max_request_items=settings.max_request_items,
         max_request_tokens=settings.max_request_tokens,

@@ -198,6 +198,12 @@ class WorkerSettings(KafkaSecurity):
         description="run the decoder layers under torch.compile (fused kernels; seconds of compiling at "
         "start-up); auto: on for the varlen path on CUDA",
     )
+    fused_mlp: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="run the gate and up products and the SiLU of Llama/Mistral/Qwen/Phi-3 MLPs as one "
+        "Triton kernel on the packed path; auto: on Hopper and later GPUs for models of hidden size 1536 "
+        "or more (measured faster there, slower on smaller ones)",
+    )
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto",
         description="replay small batches from recorded CUDA graphs (one launch instead of hundreds; each "

@@ -203,6 +203,7 @@ class WorkerMetrics:
                 "compiled": str(info.compiled).lower(),
                 "cuda_graphs": str(info.cuda_graphs).lower(),
                 "quantization": info.quantization,
+                "fused_mlp": str(info.fused_mlp).lower(),
             }
         )
         # Series without extra labels exist from the start at 0, so rates and panels have data at once.

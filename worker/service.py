@@ -63,7 +63,8 @@ class WorkerService:
                 info.name, info.architecture, info.dtype,
                 " with FP8 projections" if info.quantization == "fp8" else "", info.device, info.hidden_size,
                 info.attention + ("" if info.attention_kernel == "none" else f" ({info.attention_kernel})"),
-                "compiled layers" if info.compiled else "eager layers",
+                ("compiled layers" if info.compiled else "eager layers")
+                + (", fused MLP kernel" if info.fused_mlp else ""),
                 "CUDA graphs for small batches" if info.cuda_graphs else "no CUDA graphs",
             )  # fmt: skip
             device_memory = getattr(scorer, "device_memory", None)

@@ -35,6 +35,7 @@ DESCRIPTION_LABELS = {
     "compiled",
     "cuda_graphs",
     "quantization",
+    "fused_mlp",
 }
 
 pytestmark = pytest.mark.slow
