@@ -81,6 +81,7 @@ def make_scorer(
     cuda_graphs: str = "auto",
     share_prefix_min_tokens: int = 0,
     attention_kernel: str = "auto",
+    fused_mlp: str = "auto",
 ) -> Any:
     from models import Scorer, ScorerConfig
 
@@ -94,6 +95,7 @@ def make_scorer(
         cuda_graphs=cuda_graphs,  # type: ignore[arg-type]
         share_prefix_min_tokens=share_prefix_min_tokens,
         attention_kernel=attention_kernel,  # type: ignore[arg-type]
+        fused_mlp=fused_mlp,  # type: ignore[arg-type]
     )
     return Scorer(str(model_dir), config)
 

@@ -8,10 +8,11 @@ from typing import Any
 import torch
 
 # Name fragments per category, checked in this order (cuBLAS on Hopper names its kernels nvjet_* / sm90_*;
-# attention comes first because flash kernels carry "cutlass" in their template arguments).
+# attention comes first because flash kernels carry "cutlass" in their template arguments). The fused MLP's
+# kernel (models/fused_mlp.py) is two matmuls with an activation after them: a matmul.
 _CATEGORIES = (
     ("attention", ("flash", "fmha", "attention")),
-    ("matmul", ("gemm", "nvjet", "sm90_xmma", "cutlass", "gemv")),
+    ("matmul", ("gemm", "nvjet", "sm90_xmma", "cutlass", "gemv", "_gate_up_silu_kernel")),
     ("copy/index", ("copy", "index", "cat", "gather", "scatter", "repeat", "fill", "memcpy", "memset")),
     ("elementwise/norm", ("elementwise", "reduce", "norm", "softmax", "silu", "mul", "add")),
 )

@@ -150,6 +150,7 @@ def packed_run(
     share_min: int = 0,
     profile_top: int = 12,
     other_kernels: Sequence[str] = (),
+    other_fused_mlp: Sequence[str] = (),
 ) -> dict[str, Any]:
     """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request,
     its decoder layers compiled (the default on CUDA).
@@ -159,6 +160,8 @@ def packed_run(
     `budgets`: other token budgets to time one pass each with the same Scorer (result["sweep_runs"]).
     `share_min`: also time a Scorer looking for shared prefixes of that many tokens (W1 has none).
     `other_kernels`: also time Scorers with these attention kernels ("flash", "triton") on the same batches.
+    `other_fused_mlp`: likewise with these fused_mlp settings ("on", "off"), where they differ from the
+    default's.
     """
     name = "packed_deterministic" if deterministic else "packed_eager" if eager else "packed_varlen"
     model_dir = workdir / "w1-model"
@@ -193,8 +196,12 @@ def packed_run(
         load_seconds=load_s,
         compiled=scorer.compiled,
         attention_kernel=scorer.info.attention_kernel,
+        fused_mlp=scorer.info.fused_mlp,
     )
-    print(f"  {name}: attention kernel {scorer.info.attention_kernel}", flush=True)
+    print(
+        f"  {name}: attention kernel {scorer.info.attention_kernel}, fused MLP {scorer.info.fused_mlp}",
+        flush=True,
+    )
     if deterministic or eager:
         return result
     result["sweep_runs"] = {}
@@ -222,18 +229,29 @@ def packed_run(
         looked.update(batches=len(chunks), max_batch_tokens=max_batch_tokens)
         result["sweep_runs"][looked["name"]] = looked
         del sharing
-    for kernel in other_kernels:
-        if kernel == scorer.info.attention_kernel:
+    variants = [(kernel, {"attention_kernel": kernel}) for kernel in other_kernels]
+    variants += [(f"mlp_{choice}", {"fused_mlp": choice}) for choice in other_fused_mlp]
+    for label, settings in variants:
+        other = packed_path.make_scorer(model_dir, largest, **settings)
+        if (other.info.attention_kernel, other.info.fused_mlp) == (
+            scorer.info.attention_kernel,
+            scorer.info.fused_mlp,
+        ):
+            del other  # the default's path again
             continue
-        other = packed_path.make_scorer(model_dir, largest, attention_kernel=kernel)
         timed_other = measure(
-            f"{name}_{kernel}",
+            f"{name}_{label}",
             lambda other=other: packed_path.run_scorer(other, requests, chunks),
             lambda other=other: packed_path.run_scorer(other, requests, chunks[:1]),
             repeats,
         )
         timed_other["output"] = packed_path.results_to_arrays(timed_other["output"], hidden_size)
-        timed_other.update(batches=len(chunks), max_batch_tokens=max_batch_tokens, attention_kernel=kernel)
+        timed_other.update(
+            batches=len(chunks),
+            max_batch_tokens=max_batch_tokens,
+            attention_kernel=other.info.attention_kernel,
+            fused_mlp=other.info.fused_mlp,
+        )
         result["sweep_runs"][timed_other["name"]] = timed_other
         del other
         gc.collect()
@@ -442,6 +460,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=["flash", "triton"],
         help="attention kernels also timed at the default budget, besides the default's ('' for none)",
     )
+    parser.add_argument(
+        "--other-fused-mlp",
+        type=lambda text: [part for part in text.split(",") if part],
+        default=["off"],
+        help="fused_mlp settings also timed at the default budget where they change the path ('' for none)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/w1.json)")
     return parser.parse_args(argv)
 
@@ -473,6 +497,7 @@ def run_paths(args: argparse.Namespace, model: torch.nn.Module, work: Workload) 
                 share_min=args.share_prefix_min_tokens,
                 profile_top=args.profile_top,
                 other_kernels=args.other_kernels,
+                other_fused_mlp=args.other_fused_mlp,
             )
             runs.update(runs["packed_varlen"].pop("sweep_runs", {}))
             gc.collect()

@@ -20,6 +20,9 @@ from bench.profiling import categorize
         # A fused RMSNorm: its casts read "_to_copy", but it is a norm, not a copy.
         ("triton_red_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_3", "elementwise/norm"),
         ("triton_poi_fused__unsafe_view_mul_silu_4", "elementwise/norm"),
+        # The fused MLP's gate/up products with their SiLU; the norm that feeds it is named after it.
+        ("_gate_up_silu_kernel", "matmul"),
+        ("triton_red_fused__to_copy_add_gate_up_silu_mean_mul_pow_rsqrt_view_3", "elementwise/norm"),
         ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", "copy/index"),
         ("Memcpy DtoH (Device -> Pinned)", "copy/index"),
         ("void at::native::vectorized_gather_kernel<16, long>", "copy/index"),
