@@ -180,7 +180,7 @@ class ScorerConfig:
         """Whether SiLU-gated MLPs run the fused kernel (models/fused_mlp.py): never on the exact path (the
         float32 reference stays HF's arithmetic); "auto" on Hopper and later GPUs in half precision from
         MIN_HIDDEN on; "on" wherever the kernel runs, else a ValueError saying why not."""
-        from models import fused_mlp
+        from models import fused_mlp, triton_attention
 
         if self.fused_mlp == "off" or attention != "varlen":
             return False
@@ -198,7 +198,7 @@ class ScorerConfig:
             raise ValueError("fused_mlp='on' needs the triton package (CUDA torch ships it)")
         if device.type == "cuda" and not half:
             raise ValueError(f"fused_mlp='on' runs in float16 or bfloat16 on CUDA, not {dtype}")
-        if device.type != "cuda" and not fused_mlp.interpreting():
+        if device.type != "cuda" and not triton_attention.interpreting():
             raise ValueError("fused_mlp='on' needs a CUDA device (or Triton's interpreter)")
         return True
 

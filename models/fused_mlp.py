@@ -76,11 +76,6 @@ def available() -> bool:
     return triton is not None
 
 
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (on CPU tensors): TRITON_INTERPRET=1 at import."""
-    return triton is not None and bool(triton.knobs.runtime.interpret)
-
-
 def _gate_up_silu_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its annotations are Triton's
     x_desc, gate_desc, up_desc, out_desc, tokens, width, hidden, programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,

@@ -18,11 +18,11 @@ from torch import nn
 
 pytest.importorskip("triton")
 
-from models import Scorer, ScorerConfig, fused_mlp
+from models import Scorer, ScorerConfig, fused_mlp, triton_attention
 from models.fp8 import quantize_layers
 
 pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available() or not fused_mlp.interpreting(),
+    torch.cuda.is_available() or not triton_attention.interpreting(),
     reason="these drive the kernel in Triton's interpreter; on a GPU, tests/gpu runs it compiled",
 )
 
@@ -177,7 +177,7 @@ def test_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ScorerConfig(fused_mlp="on").resolve_fused_mlp(cpu, torch.float32, "varlen", 64)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         ScorerConfig(fused_mlp="on").resolve_fused_mlp(gpu, torch.float32, "varlen", 4096)
-    monkeypatch.setattr(fused_mlp, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_attention, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="CUDA device"):
         ScorerConfig(fused_mlp="on").resolve_fused_mlp(cpu, torch.float32, "varlen", 64)
     # "auto" on Hopper from MIN_HIDDEN on, in half precision, without FP8.
