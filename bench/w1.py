@@ -232,12 +232,16 @@ def packed_run(
     variants = [(kernel, {"attention_kernel": kernel}) for kernel in other_kernels]
     variants += [(f"mlp_{choice}", {"fused_mlp": choice}) for choice in other_fused_mlp]
     for label, settings in variants:
+        kernel = settings.get("attention_kernel", scorer.info.attention_kernel)
+        mlp = settings.get("fused_mlp")
+        if kernel == scorer.info.attention_kernel and (mlp is None or (mlp == "on") == scorer.info.fused_mlp):
+            continue  # the default's path: not worth loading the weights a second time to find that out
         other = packed_path.make_scorer(model_dir, largest, **settings)
         if (other.info.attention_kernel, other.info.fused_mlp) == (
             scorer.info.attention_kernel,
             scorer.info.fused_mlp,
         ):
-            del other  # the default's path again
+            del other  # the default's path after all ("on" where no MLP can be fused)
             continue
         timed_other = measure(
             f"{name}_{label}",
