@@ -20,11 +20,12 @@ from models.chunks import token_runs
 from models.config import ScorerConfig
 from models.errors import DeviceLostError, ModelLoadError
 from models.fp8 import fp8_supported, quantize_layers
-from models.graphs import KEYS_PER_TOKEN, GraphedForward
+from models.graphs import KEYS_PER_TOKEN, GraphedForward, next_power_of_two
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import (
     HostRows,
     KeyLayout,
+    PackedBatch,
     PrefixCross,
     RowRequest,
     SharedPrefix,
@@ -38,6 +39,7 @@ from models.packing import (
     start_rows_copy,
     to_host_async,
 )
+from models.pooled_rows import LastMlpAtPooledRows, last_mlp, padded_rows
 from models.prepare import PairTemplate, PreparedRequest, Prompt, PromptBuilder, PromptError
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
 
@@ -233,6 +235,7 @@ class Scorer:
         # The shared prefixes of the batch last measured or launched (see _shared_prefixes).
         self._groups_memo: tuple[tuple[Prompt, ...], tuple[SharedPrefix, ...]] | None = None
         self._fused_mlps = self._fuse_mlps(Path(model_dir).name)
+        self._pooled_mlp = self._last_mlp_at_pooled_rows()
         self._compiled: CompiledLayers | None = None
         if self.config.resolve_compile(self.attention):
             self._compiled = compile_layers(self._loaded.base)
@@ -247,6 +250,7 @@ class Scorer:
                 self.hidden_size,
                 self.dtype,
                 token_types=self._loaded.token_types,
+                pooled_rows=self._pools_rows(),
                 recorder=self.config.graph_recorder,
             )
         elif self.config.cuda_graphs == "on":
@@ -279,6 +283,17 @@ class Scorer:
             "%s: %d projections of its %d layers run in FP8 e4m3 (%d of other shapes do not)",
             name, replaced, len(layers), kept,
         )  # fmt: skip
+
+    def _last_mlp_at_pooled_rows(self) -> LastMlpAtPooledRows | None:
+        """The last layer's MLP restricted to the pooled rows (models/pooled_rows.py), where set, on a causal
+        decoder's varlen path (the exact path stays HF's arithmetic); else None."""
+        if not (self.config.last_mlp_pooled_rows and self.attention == "varlen" and self._causal_decoder()):
+            return None
+        mlp = last_mlp(decoder_layers(self._loaded.base))
+        if mlp is None:
+            return None
+        log.info("the last layer's MLP runs only at the rows a batch pools")
+        return LastMlpAtPooledRows(mlp)
 
     def _fuse_mlps(self, name: str) -> FusedMlps | None:
         """The layers' SiLU-gated MLPs on the fused kernel where the setting asks (models/fused_mlp.py), or
@@ -657,8 +672,21 @@ class Scorer:
                     packed.token_type_ids,
                     keys=keys,
                     cross=packed.cross,
+                    pooled_rows=self._pooled_rows(packed),
                 )
         return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
+
+    def _pooled_rows(self, packed: PackedBatch) -> torch.Tensor | None:
+        """The rows whose last-layer MLP a batch computes (padded as a CUDA graph of its shape pads them), or
+        None: the whole MLP."""
+        if not self._pools_rows():
+            return None
+        return padded_rows(packed.pooled_rows, next_power_of_two(len(packed.host_cu_seqlens) - 1))
+
+    def _pools_rows(self) -> bool:
+        """Whether the last layer's MLP runs at the pooled rows only: the model has one that can, and the
+        pooling selects rows (MEAN reads every row)."""
+        return self._pooled_mlp is not None and self.pooling != "mean"
 
     @property
     def shares_prefixes(self) -> bool:
@@ -727,26 +755,32 @@ class Scorer:
         *,
         keys: KeyLayout | None = None,
         cross: PrefixCross | None = None,
+        pooled_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The base model on one packed row [1, T]: its last hidden states [T, H]. Shared prefixes
         (models/packing.py): suffixes attend to their prefixes through `cross` and, where given, attention
-        sequences find their keys through `keys`."""
+        sequences find their keys through `keys`. With `pooled_rows`, the last layer's MLP runs at those
+        rows only (models/pooled_rows.py), and only they of the result are meaningful."""
         extra: dict[str, Any] = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
         if keys is not None:
             extra["packed_key_index"] = keys.key_index
         if cross is not None:
             extra["prefix_cross"] = cross
-        output = self._loaded.base(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            **extra,
-            use_cache=False,
-            # Reach our attention function through HF's **kwargs plumbing (see models/attention.py).
-            cu_seq_lens_q=cu_seqlens,
-            cu_seq_lens_k=cu_seqlens if keys is None else keys.cu_seqlens_k,
-            max_length_q=max_length,
-            max_length_k=max_length if keys is None else keys.max_length_k,
-        )
+        restricted: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if pooled_rows is not None and self._pooled_mlp is not None:
+            restricted = self._pooled_mlp.at(pooled_rows)
+        with restricted:
+            output = self._loaded.base(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                **extra,
+                use_cache=False,
+                # Reach our attention function through HF's **kwargs plumbing (see models/attention.py).
+                cu_seq_lens_q=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens if keys is None else keys.cu_seqlens_k,
+                max_length_q=max_length,
+                max_length_k=max_length if keys is None else keys.max_length_k,
+            )
         hidden: torch.Tensor = output.last_hidden_state[0]
         return hidden
 

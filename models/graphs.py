@@ -48,8 +48,8 @@ SEEN_SHAPES = 4096  # shapes met once, remembered so that the second batch of a 
 
 class PackedForward(Protocol):
     """(input_ids [1, T], position_ids [1, T], cu_seqlens [S + 1] int32, longest sequence, token_type_ids
-    [1, T] or None; the gathered keys and the cross pass of shared prefixes, or None) -> the base model's
-    last hidden states [T, H]."""
+    [1, T] or None; the gathered keys and the cross pass of shared prefixes, or None; the rows the batch
+    pools, or None) -> the base model's last hidden states [T, H] (with `pooled_rows`, read only there)."""
 
     def __call__(
         self,
@@ -61,6 +61,7 @@ class PackedForward(Protocol):
         *,
         keys: KeyLayout | None = None,
         cross: PrefixCross | None = None,
+        pooled_rows: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -166,6 +167,7 @@ class GraphedForward:
         dtype: torch.dtype,
         *,
         token_types: bool,
+        pooled_rows: bool = False,
         recorder: Recorder | None = None,
         capacity: int = DEFAULT_CAPACITY,
     ) -> None:
@@ -198,6 +200,10 @@ class GraphedForward:
             self._key_rows = token_bucket(KEYS_PER_TOKEN * max_tokens)
             self._key_index = torch.zeros(self._key_rows, dtype=torch.long, device=device)
             self._cu_k = torch.zeros(next_power_of_two(rows) + 1, dtype=torch.int32, device=device)
+            # The rows the batch pools, one per item, padded to the sequence slots by repeating the last.
+            self._rows = (
+                torch.zeros(next_power_of_two(rows), dtype=torch.long, device=device) if pooled_rows else None
+            )
 
     @property
     def graphs(self) -> int:
@@ -265,6 +271,12 @@ class GraphedForward:
             self._types[:total].copy_(packed.token_type_ids[0], non_blocking=True)
         self._cu[: items + 1].copy_(packed.cu_seqlens, non_blocking=True)
         self._cu[items + 1 : key.sequences + 1].fill_(total)  # empty sequences in the unused slots
+        if self._rows is not None:
+            # One pooled row per item, at most one per sequence slot. The repeats of the last row compute the
+            # same values into the same row, so the padding changes nothing.
+            count = packed.pooled_rows.shape[0]
+            self._rows[:count].copy_(packed.pooled_rows, non_blocking=True)
+            self._rows[count : key.sequences].fill_(packed.pooled_rows[-1])
         cross = packed.cross
         if cross is not None:
             groups = len(cross.cu_q) - 1
@@ -285,6 +297,7 @@ class GraphedForward:
             self._cu_k[items + 1 : key.sequences + 1].fill_(keys)
 
     def _call(self, key: GraphKey) -> torch.Tensor:
+        pooled = None if self._rows is None else self._rows[: key.sequences]
         tokens = key.tokens
         types = None if self._types is None else self._types[:tokens].unsqueeze(0)
         keys = cross = None
@@ -306,6 +319,7 @@ class GraphedForward:
             types,
             keys=keys,
             cross=cross,
+            pooled_rows=pooled,
         )
 
     def _write(self, key: GraphKey) -> None:
