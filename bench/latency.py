@@ -79,6 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=100, help="timed calls per path and case")
     parser.add_argument("--profile-top", type=int, default=8, help="kernels listed in the profile")
+    parser.add_argument(
+        "--other-whole-last-mlp",
+        action="store_true",
+        help="also time the default path with the last layer's MLP at every row, not only the pooled ones",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the latency benchmark needs a CUDA GPU", file=sys.stderr)
@@ -96,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "scorer_compiled": packed_path.make_scorer(model_dir, 16384, compile="auto", cuda_graphs="off"),
             "scorer_graphs": packed_path.make_scorer(model_dir, 16384),  # the defaults: compiled + graphs
         }
+        if args.other_whole_last_mlp:
+            scorers["scorer_graphs_whole_last_mlp"] = packed_path.make_scorer(
+                model_dir, 16384, last_mlp_pooled_rows=False
+            )
     graphed = scorers["scorer_graphs"]
     timings: dict[str, dict[str, Any]] = {}
     outputs: dict[str, PathOutput] = {"hf_bf16": hf_forward(model, rows)}
@@ -109,9 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         # The model step without the request checks and prompt building that score() also does.
         prepared = [graphed.prepare(r) for r in requests[:case]]
-        timings[f"scorer_graphs_prepared/{case}"] = call_percentiles(
-            lambda s=graphed, p=prepared: s.score_prepared(p), 10, args.repeats
-        )
+        for name in [name for name in scorers if name.startswith("scorer_graphs")]:
+            timings[f"{name}_prepared/{case}"] = call_percentiles(
+                lambda s=scorers[name], p=prepared: s.score_prepared(p), 10, args.repeats
+            )
     for name, scorer in scorers.items():
         outputs[name] = packed_path.results_to_arrays(scorer.score(requests), QWEN3_06B["hidden_size"])
     # Where the 64-request model step goes on the GPU (kernels replayed from the graph); `prepared` holds

@@ -151,6 +151,7 @@ def packed_run(
     profile_top: int = 12,
     other_kernels: Sequence[str] = (),
     other_fused_mlp: Sequence[str] = (),
+    whole_last_mlp: bool = False,
 ) -> dict[str, Any]:
     """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request,
     its decoder layers compiled (the default on CUDA).
@@ -162,6 +163,7 @@ def packed_run(
     `other_kernels`: also time Scorers with these attention kernels ("flash", "triton") on the same batches.
     `other_fused_mlp`: likewise with these fused_mlp settings ("on", "off"), where they differ from the
     default's.
+    `whole_last_mlp`: likewise with the last layer's MLP at every row (last_mlp_pooled_rows off).
     """
     name = "packed_deterministic" if deterministic else "packed_eager" if eager else "packed_varlen"
     model_dir = workdir / "w1-model"
@@ -231,13 +233,15 @@ def packed_run(
         del sharing
     variants = [(kernel, {"attention_kernel": kernel}) for kernel in other_kernels]
     variants += [(f"mlp_{choice}", {"fused_mlp": choice}) for choice in other_fused_mlp]
+    variants += [("whole_last_mlp", {"last_mlp_pooled_rows": False})] if whole_last_mlp else []
     for label, settings in variants:
         kernel = settings.get("attention_kernel", scorer.info.attention_kernel)
         mlp = settings.get("fused_mlp")
-        if kernel == scorer.info.attention_kernel and (mlp is None or (mlp == "on") == scorer.info.fused_mlp):
+        same_mlp = mlp is None or (mlp == "on") == scorer.info.fused_mlp
+        if kernel == scorer.info.attention_kernel and same_mlp and "last_mlp_pooled_rows" not in settings:
             continue  # the default's path: not worth loading the weights a second time to find that out
         other = packed_path.make_scorer(model_dir, largest, **settings)
-        if (other.info.attention_kernel, other.info.fused_mlp) == (
+        if "last_mlp_pooled_rows" not in settings and (other.info.attention_kernel, other.info.fused_mlp) == (
             scorer.info.attention_kernel,
             scorer.info.fused_mlp,
         ):
@@ -470,6 +474,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=["off"],
         help="fused_mlp settings also timed at the default budget where they change the path ('' for none)",
     )
+    parser.add_argument(
+        "--other-whole-last-mlp",
+        action="store_true",
+        help="also time the default path with the last layer's MLP at every row, not only the pooled ones",
+    )
     parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/w1.json)")
     return parser.parse_args(argv)
 
@@ -502,6 +511,7 @@ def run_paths(args: argparse.Namespace, model: torch.nn.Module, work: Workload) 
                 profile_top=args.profile_top,
                 other_kernels=args.other_kernels,
                 other_fused_mlp=args.other_fused_mlp,
+                whole_last_mlp=args.other_whole_last_mlp,
             )
             runs.update(runs["packed_varlen"].pop("sweep_runs", {}))
             gc.collect()
