@@ -250,7 +250,7 @@ class Scorer:
                 self.hidden_size,
                 self.dtype,
                 token_types=self._loaded.token_types,
-                pooled_rows=self._pools_rows(),
+                pooled_rows=self._pooled_mlp is not None,
                 recorder=self.config.graph_recorder,
             )
         elif self.config.cuda_graphs == "on":
@@ -286,8 +286,10 @@ class Scorer:
 
     def _last_mlp_at_pooled_rows(self) -> LastMlpAtPooledRows | None:
         """The last layer's MLP restricted to the pooled rows (models/pooled_rows.py), where set, on a causal
-        decoder's varlen path (the exact path stays HF's arithmetic); else None."""
-        if not (self.config.last_mlp_pooled_rows and self.attention == "varlen" and self._causal_decoder()):
+        decoder's varlen path (the exact path stays HF's arithmetic) whose pooling selects rows (MEAN reads
+        every row); else None."""
+        wanted = self.config.last_mlp_pooled_rows and self.pooling != "mean"
+        if not (wanted and self.attention == "varlen" and self._causal_decoder()):
             return None
         mlp = last_mlp(decoder_layers(self._loaded.base))
         if mlp is None:
@@ -679,14 +681,9 @@ class Scorer:
     def _pooled_rows(self, packed: PackedBatch) -> torch.Tensor | None:
         """The rows whose last-layer MLP a batch computes (padded as a CUDA graph of its shape pads them), or
         None: the whole MLP."""
-        if not self._pools_rows():
+        if self._pooled_mlp is None:
             return None
         return padded_rows(packed.pooled_rows, next_power_of_two(len(packed.host_cu_seqlens) - 1))
-
-    def _pools_rows(self) -> bool:
-        """Whether the last layer's MLP runs at the pooled rows only: the model has one that can, and the
-        pooling selects rows (MEAN reads every row)."""
-        return self._pooled_mlp is not None and self.pooling != "mean"
 
     @property
     def shares_prefixes(self) -> bool:
