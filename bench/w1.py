@@ -138,6 +138,12 @@ def hf_runs(model: torch.nn.Module, work: Workload, repeats: int) -> list[dict[s
     return runs
 
 
+def _path(scorer: Any) -> tuple[str, bool, bool]:
+    """What a W1 variant can change of a Scorer's path: its attention kernel, whether its MLPs are fused,
+    whether the last layer's MLP runs at the pooled rows only."""
+    return (scorer.info.attention_kernel, scorer.info.fused_mlp, scorer.config.last_mlp_pooled_rows)
+
+
 def packed_run(
     model: torch.nn.Module,
     work: Workload,
@@ -234,17 +240,18 @@ def packed_run(
     variants = [(kernel, {"attention_kernel": kernel}) for kernel in other_kernels]
     variants += [(f"mlp_{choice}", {"fused_mlp": choice}) for choice in other_fused_mlp]
     variants += [("whole_last_mlp", {"last_mlp_pooled_rows": False})] if whole_last_mlp else []
+    default_path = _path(scorer)
     for label, settings in variants:
-        kernel = settings.get("attention_kernel", scorer.info.attention_kernel)
         mlp = settings.get("fused_mlp")
-        same_mlp = mlp is None or (mlp == "on") == scorer.info.fused_mlp
-        if kernel == scorer.info.attention_kernel and same_mlp and "last_mlp_pooled_rows" not in settings:
+        wanted = (
+            settings.get("attention_kernel", default_path[0]),
+            default_path[1] if mlp is None else mlp == "on",
+            settings.get("last_mlp_pooled_rows", default_path[2]),
+        )
+        if wanted == default_path:
             continue  # the default's path: not worth loading the weights a second time to find that out
         other = packed_path.make_scorer(model_dir, largest, **settings)
-        if "last_mlp_pooled_rows" not in settings and (other.info.attention_kernel, other.info.fused_mlp) == (
-            scorer.info.attention_kernel,
-            scorer.info.fused_mlp,
-        ):
+        if _path(other) == default_path:
             del other  # the default's path after all ("on" where no MLP can be fused)
             continue
         timed_other = measure(
