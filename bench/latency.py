@@ -80,9 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=100, help="timed calls per path and case")
     parser.add_argument("--profile-top", type=int, default=8, help="kernels listed in the profile")
     parser.add_argument(
-        "--other-whole-last-mlp",
+        "--other-whole-last-layer",
         action="store_true",
-        help="also time the default path with the last layer's MLP at every row, not only the pooled ones",
+        help="also time the default path with the whole last layer (q/o projections and MLP at every row)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -101,9 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "scorer_compiled": packed_path.make_scorer(model_dir, 16384, compile="auto", cuda_graphs="off"),
             "scorer_graphs": packed_path.make_scorer(model_dir, 16384),  # the defaults: compiled + graphs
         }
-        if args.other_whole_last_mlp:
-            scorers["scorer_graphs_whole_last_mlp"] = packed_path.make_scorer(
-                model_dir, 16384, last_mlp_pooled_rows=False
+        if args.other_whole_last_layer:
+            scorers["scorer_graphs_whole_last_layer"] = packed_path.make_scorer(
+                model_dir, 16384, last_layer_pooled_rows=False
             )
     graphed = scorers["scorer_graphs"]
     timings: dict[str, dict[str, Any]] = {}

@@ -82,7 +82,7 @@ def make_scorer(
     share_prefix_min_tokens: int = 0,
     attention_kernel: str = "auto",
     fused_mlp: str = "auto",
-    last_mlp_pooled_rows: bool = True,
+    last_layer_pooled_rows: bool = True,
 ) -> Any:
     from models import Scorer, ScorerConfig
 
@@ -97,7 +97,7 @@ def make_scorer(
         share_prefix_min_tokens=share_prefix_min_tokens,
         attention_kernel=attention_kernel,  # type: ignore[arg-type]
         fused_mlp=fused_mlp,  # type: ignore[arg-type]
-        last_mlp_pooled_rows=last_mlp_pooled_rows,
+        last_layer_pooled_rows=last_layer_pooled_rows,
     )
     return Scorer(str(model_dir), config)
 

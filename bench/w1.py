@@ -140,8 +140,8 @@ def hf_runs(model: torch.nn.Module, work: Workload, repeats: int) -> list[dict[s
 
 def _path(scorer: Any) -> tuple[str, bool, bool]:
     """What a W1 variant can change of a Scorer's path: its attention kernel, whether its MLPs are fused,
-    whether the last layer's MLP runs at the pooled rows only."""
-    return (scorer.info.attention_kernel, scorer.info.fused_mlp, scorer.config.last_mlp_pooled_rows)
+    whether the last layer's row-wise modules run at the pooled rows only."""
+    return (scorer.info.attention_kernel, scorer.info.fused_mlp, scorer.config.last_layer_pooled_rows)
 
 
 def packed_run(
@@ -157,7 +157,7 @@ def packed_run(
     profile_top: int = 12,
     other_kernels: Sequence[str] = (),
     other_fused_mlp: Sequence[str] = (),
-    whole_last_mlp: bool = False,
+    whole_last_layer: bool = False,
 ) -> dict[str, Any]:
     """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request,
     its decoder layers compiled (the default on CUDA).
@@ -169,7 +169,8 @@ def packed_run(
     `other_kernels`: also time Scorers with these attention kernels ("flash", "triton") on the same batches.
     `other_fused_mlp`: likewise with these fused_mlp settings ("on", "off"), where they differ from the
     default's.
-    `whole_last_mlp`: likewise with the last layer's MLP at every row (last_mlp_pooled_rows off).
+    `whole_last_layer`: likewise with the last layer whole: its query and output projections and its
+    MLP at every row (last_layer_pooled_rows off).
     """
     name = "packed_deterministic" if deterministic else "packed_eager" if eager else "packed_varlen"
     model_dir = workdir / "w1-model"
@@ -239,14 +240,14 @@ def packed_run(
         del sharing
     variants = [(kernel, {"attention_kernel": kernel}) for kernel in other_kernels]
     variants += [(f"mlp_{choice}", {"fused_mlp": choice}) for choice in other_fused_mlp]
-    variants += [("whole_last_mlp", {"last_mlp_pooled_rows": False})] if whole_last_mlp else []
+    variants += [("whole_last_layer", {"last_layer_pooled_rows": False})] if whole_last_layer else []
     default_path = _path(scorer)
     for label, settings in variants:
         mlp = settings.get("fused_mlp")
         wanted = (
             settings.get("attention_kernel", default_path[0]),
             default_path[1] if mlp is None else mlp == "on",
-            settings.get("last_mlp_pooled_rows", default_path[2]),
+            settings.get("last_layer_pooled_rows", default_path[2]),
         )
         if wanted == default_path:
             continue  # the default's path: not worth loading the weights a second time to find that out
@@ -482,9 +483,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="fused_mlp settings also timed at the default budget where they change the path ('' for none)",
     )
     parser.add_argument(
-        "--other-whole-last-mlp",
+        "--other-whole-last-layer",
         action="store_true",
-        help="also time the default path with the last layer's MLP at every row, not only the pooled ones",
+        help="also time the default path with the whole last layer (q/o projections and MLP at every row)",
     )
     parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/w1.json)")
     return parser.parse_args(argv)
@@ -518,7 +519,7 @@ def run_paths(args: argparse.Namespace, model: torch.nn.Module, work: Workload) 
                 profile_top=args.profile_top,
                 other_kernels=args.other_kernels,
                 other_fused_mlp=args.other_fused_mlp,
-                whole_last_mlp=args.other_whole_last_mlp,
+                whole_last_layer=args.other_whole_last_layer,
             )
             runs.update(runs["packed_varlen"].pop("sweep_runs", {}))
             gc.collect()

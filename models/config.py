@@ -63,9 +63,10 @@ class ScorerConfig:
     # activation and the residual adds that eager HF code runs as separate kernels. "auto": on for the
     # varlen path on CUDA, off elsewhere (the float32 CPU path stays the exact reference).
     compile: CompileChoice = "auto"
-    # A causal decoder's last layer runs its MLP only at the rows a batch pools (models/pooled_rows.py), on
-    # the varlen path; False only to measure what that saves (bench/w1.py).
-    last_mlp_pooled_rows: bool = True
+    # A causal decoder's last layer runs its query and output projections and its MLP only at the rows a
+    # batch pools (models/pooled_rows.py), on the varlen path; False only to measure what that saves
+    # (bench/w1.py, bench/latency.py).
+    last_layer_pooled_rows: bool = True
     # Replay the packed forward of batches of at most `graph_max_tokens` tokens from recorded CUDA graphs
     # (models/graphs.py): one launch instead of hundreds, which sets the latency of small batches. "auto":
     # on for the varlen path on CUDA.

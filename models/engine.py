@@ -39,7 +39,7 @@ from models.packing import (
     start_rows_copy,
     to_host_async,
 )
-from models.pooled_rows import LastMlpAtPooledRows, last_mlp, padded_rows
+from models.pooled_rows import LastLayerAtPooledRows, last_layer_row_wise, padded_rows
 from models.prepare import PairTemplate, PreparedRequest, Prompt, PromptBuilder, PromptError
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
 
@@ -235,7 +235,7 @@ class Scorer:
         # The shared prefixes of the batch last measured or launched (see _shared_prefixes).
         self._groups_memo: tuple[tuple[Prompt, ...], tuple[SharedPrefix, ...]] | None = None
         self._fused_mlps = self._fuse_mlps(Path(model_dir).name)
-        self._pooled_mlp = self._last_mlp_at_pooled_rows()
+        self._pooled_layer = self._last_layer_at_pooled_rows()
         self._compiled: CompiledLayers | None = None
         if self.config.resolve_compile(self.attention):
             self._compiled = compile_layers(self._loaded.base)
@@ -250,7 +250,7 @@ class Scorer:
                 self.hidden_size,
                 self.dtype,
                 token_types=self._loaded.token_types,
-                pooled_rows=self._pooled_mlp is not None,
+                pooled_rows=self._pooled_layer is not None,
                 recorder=self.config.graph_recorder,
             )
         elif self.config.cuda_graphs == "on":
@@ -284,18 +284,18 @@ class Scorer:
             name, replaced, len(layers), kept,
         )  # fmt: skip
 
-    def _last_mlp_at_pooled_rows(self) -> LastMlpAtPooledRows | None:
-        """The last layer's MLP restricted to the pooled rows (models/pooled_rows.py), where set, on a causal
-        decoder's varlen path (the exact path stays HF's arithmetic) whose pooling selects rows (MEAN reads
-        every row); else None."""
-        wanted = self.config.last_mlp_pooled_rows and self.pooling != "mean"
+    def _last_layer_at_pooled_rows(self) -> LastLayerAtPooledRows | None:
+        """The last layer's row-wise modules restricted to the pooled rows (models/pooled_rows.py), where set,
+        on a causal decoder's varlen path (the exact path stays HF's arithmetic) whose pooling selects rows
+        (MEAN reads every row); else None."""
+        wanted = self.config.last_layer_pooled_rows and self.pooling != "mean"
         if not (wanted and self.attention == "varlen" and self._causal_decoder()):
             return None
-        mlp = last_mlp(decoder_layers(self._loaded.base))
-        if mlp is None:
+        modules = last_layer_row_wise(decoder_layers(self._loaded.base))
+        if not modules:
             return None
-        log.info("the last layer's MLP runs only at the rows a batch pools")
-        return LastMlpAtPooledRows(mlp)
+        log.info("the last layer's %s run only at the rows a batch pools", ", ".join(modules))
+        return LastLayerAtPooledRows(modules)
 
     def _fuse_mlps(self, name: str) -> FusedMlps | None:
         """The layers' SiLU-gated MLPs on the fused kernel where the setting asks (models/fused_mlp.py), or
@@ -679,9 +679,9 @@ class Scorer:
         return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
 
     def _pooled_rows(self, packed: PackedBatch) -> torch.Tensor | None:
-        """The rows whose last-layer MLP a batch computes (padded as a CUDA graph of its shape pads them), or
-        None: the whole MLP."""
-        if self._pooled_mlp is None:
+        """The rows at which a batch's last layer computes its row-wise modules (padded as a CUDA graph of
+        its shape pads them), or None: the whole layer."""
+        if self._pooled_layer is None:
             return None
         return padded_rows(packed.pooled_rows, next_power_of_two(len(packed.host_cu_seqlens) - 1))
 
@@ -756,16 +756,16 @@ class Scorer:
     ) -> torch.Tensor:
         """The base model on one packed row [1, T]: its last hidden states [T, H]. Shared prefixes
         (models/packing.py): suffixes attend to their prefixes through `cross` and, where given, attention
-        sequences find their keys through `keys`. With `pooled_rows`, the last layer's MLP runs at those
-        rows only (models/pooled_rows.py), and only they of the result are meaningful."""
+        sequences find their keys through `keys`. With `pooled_rows`, the last layer's row-wise modules run
+        at those rows only (models/pooled_rows.py), and only they of the result are meaningful."""
         extra: dict[str, Any] = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
         if keys is not None:
             extra["packed_key_index"] = keys.key_index
         if cross is not None:
             extra["prefix_cross"] = cross
         restricted: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
-        if pooled_rows is not None and self._pooled_mlp is not None:
-            restricted = self._pooled_mlp.at(pooled_rows)
+        if pooled_rows is not None and self._pooled_layer is not None:
+            restricted = self._pooled_layer.at(pooled_rows)
         with restricted:
             output = self._loaded.base(
                 input_ids=input_ids,

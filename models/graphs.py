@@ -14,8 +14,8 @@ A graph is recorded for fixed shapes, so a batch is padded up to a bucket (`Grap
   group and the longest prefix, like the longest item (the unused group slots are empty); where keys are
   gathered (sliding windows), also the key rows, bucketed like the tokens, and the longest key range, like
   the longest item. Padding key rows point at row 0 and belong to no sequence.
-Where the last layer's MLP runs at the pooled rows only (models/pooled_rows.py), a buffer holds those rows,
-one per item, padded to the sequence slots by repeating the last.
+Where the last layer's row-wise modules run at the pooled rows only (models/pooled_rows.py), a buffer holds
+those rows, one per item, padded to the sequence slots by repeating the last.
 Padding tokens belong to no sequence: attention never reads them, and every other layer of a dense
 transformer works row by row, so whatever the padding rows hold never reaches an item's rows. Only the first
 `total` rows of the output are read. The padding holds whatever an earlier batch left in the buffers: valid

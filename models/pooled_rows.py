@@ -1,68 +1,82 @@
-"""The last decoder layer's MLP at the pooled rows only.
+"""The last decoder layer at the pooled rows only, wherever its rows are independent.
 
 A decoder's result for an item is its hidden state at one row (the pooled token: its last). Every layer but
 the last must run at every row, since the next layer's keys and values come from all of them; the last
-layer's output is read at the pooled rows alone. Its attention still needs the keys and values of every row,
-but its MLP, most of a layer's work, is needed only at the rows pooled. On W1 (8B shapes, a few hundred
-tokens an item) that is about 2.5% of a batch's arithmetic (docs/benchmarks.md).
+layer's output is read at the pooled rows alone. Its keys and values still come from every row, but its
+query projection, its output projection and its MLP act on each row by itself, and are needed only at the
+rows pooled. On W1 (8B shapes, a few hundred tokens an item) the three are about 3% of a batch's arithmetic
+(docs/benchmarks.md).
 
-The other rows of the last layer's output keep the attention's contribution without the MLP's, and the
-final norm runs over them: they are never read (models.packing.pool selects the pooled rows). Batches that
-average all rows (MEAN pooling) keep the whole MLP.
+The other rows get zeros from those modules: zero queries (a uniform attention, finite in every kernel),
+no attention output, no MLP contribution. The residual stream and the final norm carry them on, and they are
+never read (models.packing.pool selects the pooled rows). Batches that average all rows (MEAN pooling) keep
+the whole layer. A fused q/k/v projection (Phi-3's `qkv_proj`) keeps computing every row: its keys and
+values are needed there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
+# The last layer's modules that map each row of their input to the same row of their output, where a
+# layer has them: the attention's query and output projections, the MLP.
+ROW_WISE = (("self_attn", "q_proj"), ("self_attn", "o_proj"), ("", "mlp"))
 
-class LastMlpAtPooledRows:
-    """Inside `at(rows)`, `mlp`'s forward computes only `rows` of its [..., H] input and returns zeros at
-    the others.
 
-    It calls the forward that was in place when the block was entered (the fused kernel's, models/fused_mlp,
-    or the class's), on the selected rows. The swapped forward is made once, and it reads the rows from this
-    object, so a compiled layer that traced it finds the same function on every entry and takes each batch's
-    rows as an input (their count is a dynamic size, like the token count).
+class LastLayerAtPooledRows:
+    """Inside `at(rows)`, each of `modules` computes only `rows` of its [..., in] input and returns zeros
+    [..., out] at the others.
+
+    Each calls the forward that was in place when the block was entered (the fused MLP kernel's,
+    models/fused_mlp; an FP8 module's; or the class's) on the selected rows. The swapped forwards are made
+    once, and they read the rows from this object, so a compiled layer that traced them finds the same
+    functions on every entry and takes each batch's rows as an input (their count is a dynamic size, like
+    the token count).
     """
 
-    def __init__(self, mlp: nn.Module) -> None:
-        self._mlp = mlp
-        self._inner: Callable[[torch.Tensor], torch.Tensor] | None = None
+    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
+        self.names = tuple(modules)
+        self._modules = tuple(modules.values())
+        self._inner: list[Callable[[torch.Tensor], torch.Tensor] | None] = [None] * len(self._modules)
+        self._forwards = tuple(self._restricted(i, module) for i, module in enumerate(self._modules))
         self.rows: torch.Tensor | None = None
 
+    def _restricted(self, index: int, module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
             rows = self.rows
             assert rows is not None, "the pooled rows are set by at(rows)"
             flat = hidden_states.reshape(-1, hidden_states.shape[-1])
             picked = flat.index_select(0, rows)
-            inner = self._inner
-            out = inner(picked) if inner is not None else type(mlp).forward(mlp, picked)
+            inner = self._inner[index]
+            out = inner(picked) if inner is not None else type(module).forward(module, picked)
             # index_copy, not index_put with accumulate: each row is written once, in a fixed order.
-            whole = torch.zeros_like(flat).index_copy(0, rows, out.to(flat.dtype))
-            return whole.reshape(hidden_states.shape)
+            whole = flat.new_zeros(flat.shape[0], out.shape[-1]).index_copy(0, rows, out.to(flat.dtype))
+            return whole.reshape(*hidden_states.shape[:-1], out.shape[-1])
 
-        self._forward = forward
+        return forward
 
-    def at(self, rows: torch.Tensor) -> LastMlpAtPooledRows:
-        """The block in which the MLP computes `rows` (a 1-D index tensor on the model's device) only."""
+    def at(self, rows: torch.Tensor) -> LastLayerAtPooledRows:
+        """The block in which the modules compute `rows` (a 1-D index tensor on the model's device) only."""
         self.rows = rows
         return self
 
-    def __enter__(self) -> LastMlpAtPooledRows:
-        self._inner = self._mlp.__dict__.get("forward")  # a swapped-in forward (fused MLP), or None
-        self._mlp.forward = self._forward
+    def __enter__(self) -> LastLayerAtPooledRows:
+        for index, module in enumerate(self._modules):
+            self._inner[index] = module.__dict__.get("forward")  # a swapped-in forward, or None
+            module.forward = self._forwards[index]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._inner is None:
-            del self._mlp.forward  # the class's forward again
-        else:
-            self._mlp.forward = self._inner
-        self._inner = None
+        for index, module in enumerate(self._modules):
+            inner = self._inner[index]
+            if inner is None:
+                del module.forward  # the class's forward again
+            else:
+                module.forward = inner
+            self._inner[index] = None
         self.rows = None
 
 
@@ -74,9 +88,15 @@ def padded_rows(rows: torch.Tensor, slots: int) -> torch.Tensor:
     return rows if missing <= 0 else torch.cat([rows, rows[-1:].expand(missing)])
 
 
-def last_mlp(layers: nn.ModuleList | None) -> nn.Module | None:
-    """The last layer's MLP (`mlp`), or None when the stack has no such module."""
+def last_layer_row_wise(layers: nn.ModuleList | None) -> dict[str, nn.Module]:
+    """The last layer's row-wise modules (ROW_WISE) that it has, by dotted name; empty when the stack has
+    no layer."""
     if layers is None or len(layers) == 0:
-        return None
-    mlp = getattr(layers[-1], "mlp", None)
-    return mlp if isinstance(mlp, nn.Module) else None
+        return {}
+    found: dict[str, nn.Module] = {}
+    for owner_name, name in ROW_WISE:
+        owner = getattr(layers[-1], owner_name, None) if owner_name else layers[-1]
+        module = getattr(owner, name, None)
+        if isinstance(module, nn.Module):
+            found[f"{owner_name}.{name}" if owner_name else name] = module
+    return found

@@ -181,11 +181,11 @@ def test_fused_mlp_in_the_engine_matches_float32_hf(architecture: str) -> None:
     ("architecture", "fused"),
     [("llama", "on"), ("qwen3", "on"), ("phi3", "on"), ("mistral", "off"), ("gemma3_text", "off")],
 )
-def test_the_last_mlp_at_pooled_rows_matches_float32_hf(architecture: str, fused: str) -> None:
-    """The last layer's MLP at the pooled rows only (models/pooled_rows.py) in the ordinary forward (graphs
-    off; the other engine tests replay graphs, which pool the same way), through compiled layers and, where
-    it applies, the fused MLP kernel: against HF float32 within bf16's error. (The CPU tests count the rows
-    the MLP is given.)"""
+def test_the_last_layer_at_pooled_rows_matches_float32_hf(architecture: str, fused: str) -> None:
+    """The last layer's query and output projections and MLP at the pooled rows only (models/pooled_rows.py;
+    Phi-3's fused q/k/v projection whole) in the ordinary forward (graphs off; the other engine tests replay
+    graphs, which pool the same way), through compiled layers and, where it applies, the fused MLP kernel:
+    against HF float32 within bf16's error. (The CPU tests count the rows each projection is given.)"""
     config = ScorerConfig(
         device="cuda",
         dtype="bfloat16",

@@ -1,10 +1,13 @@
-"""The last decoder layer's MLP at the pooled rows only (models/pooled_rows.py), on the CPU with the varlen
-path's CPU kernel, in float32: which batches take it, that the MLP really sees only those rows, and the
-same scores and hidden states as the whole last layer, eager and compiled, with shared prefixes and without.
+"""The last decoder layer's row-wise modules (its query and output projections, its MLP) at the pooled rows
+only (models/pooled_rows.py), on the CPU with the varlen path's CPU kernel, in float32: which batches take
+it, that those modules really multiply only those rows while the keys and values still cover every row, and
+the same scores and hidden states as the whole last layer, eager and compiled, with shared prefixes and
+without.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 from scoring_testkit import CpuVarlenKernelGqa
+from torch.overrides import TorchFunctionMode
 
 from models import Scorer, ScorerConfig
 from models.engine import decoder_layers
 from models.graphs import Recorder, next_power_of_two
-from models.pooled_rows import LastMlpAtPooledRows, last_mlp, padded_rows
+from models.pooled_rows import LastLayerAtPooledRows, last_layer_row_wise, padded_rows
 from schemas import ScoreRequest
 
 
@@ -40,27 +44,37 @@ def _scorer(model_dir: Path, **settings: Any) -> Scorer:
     return Scorer(model_dir, ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel, **settings))
 
 
+class _LinearRows(TorchFunctionMode):
+    """Records the rows of every linear product, by the weight multiplied: what each projection computes,
+    whichever forward (the class's or one swapped in) calls it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: defaultdict[int, list[int]] = defaultdict(list)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            self.rows[id(weight)].append(int(x.reshape(-1, x.shape[-1]).shape[0]))
+        return func(*args, **kwargs)
+
+
+DOWN = "mlp.down_proj"
+
+
 @contextmanager
-def _mlp_rows(scorer: Scorer) -> Iterator[list[list[int]]]:
-    """The rows each layer's MLP down projection computes, per forward: [[rows of layer 0, ...], ...]."""
+def _rows(scorer: Scorer, *paths: str) -> Iterator[dict[str, list[list[int]]]]:
+    """The rows the projection at each of `paths` (default: the MLP's down projection) of each layer
+    computes, per forward: {path: [[layer 0's, ...], ...]} (filled when the block ends)."""
     layers = decoder_layers(scorer._loaded.base)
     assert layers is not None
-    seen: list[list[int]] = []
-
-    def hook(index: int) -> Any:
-        def record(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            if index == 0:
-                seen.append([])
-            seen[-1].append(int(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
-
-        return record
-
-    handles = [layer.mlp.down_proj.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
-    try:
+    seen: dict[str, list[list[int]]] = {}
+    with _LinearRows() as mode:
         yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
+    for path in paths or (DOWN,):
+        per_layer = [mode.rows[id(layer.get_submodule(path).weight)] for layer in layers]
+        seen[path] = [list(forward) for forward in zip(*per_layer, strict=True)]
 
 
 def _assert_same_results(got: list[Any], want: list[Any]) -> None:
@@ -74,51 +88,61 @@ def _assert_same_results(got: list[Any], want: list[Any]) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "qwen2", "mistral", "gemma3_text", "phi3"])
-def test_the_last_mlp_computes_only_the_pooled_rows(name: str, model_dirs: dict[str, Path]) -> None:
-    whole = _scorer(model_dirs[name], last_mlp_pooled_rows=False)
+def test_the_last_layer_computes_only_the_pooled_rows(name: str, model_dirs: dict[str, Path]) -> None:
+    whole = _scorer(model_dirs[name], last_layer_pooled_rows=False)
     pooled = _scorer(model_dirs[name])
+    fused_qkv = name == "phi3"  # its query projection is one product with the keys and values
+    restricted = ["self_attn.o_proj", "mlp.gate_up_proj" if fused_qkv else "mlp.up_proj", DOWN]
+    restricted += [] if fused_qkv else ["self_attn.q_proj"]
+    kept = ["self_attn.qkv_proj"] if fused_qkv else ["self_attn.k_proj", "self_attn.v_proj"]
     requests = _requests()
-    with _mlp_rows(pooled) as seen:
+    with _rows(pooled, *restricted, *kept) as seen:
         results = pooled.score(requests)
     assert all(r.ok for r in results), [r.error for r in results]
     items = sum(len(r.items) for r in requests)
-    (forward,) = seen
-    # Every layer before the last computes every token; the last one row per item, padded as a CUDA graph
-    # of the batch's shape pads them (to a power of two).
-    assert forward[-1] == next_power_of_two(items) < forward[0]
-    assert len(set(forward[:-1])) == 1
-    with _mlp_rows(whole) as seen_whole:
+    tokens = seen[DOWN][0][0]
+    for path in restricted + kept:
+        (forward,) = seen[path]
+        assert forward[:-1] == [tokens] * (len(forward) - 1), path  # every layer before the last: every row
+        # The last layer: the keys and values of every row; the rest one row per item, padded as a CUDA
+        # graph of the batch's shape pads them (to a power of two).
+        assert forward[-1] == (tokens if path in kept else next_power_of_two(items)) < tokens + 1, path
+    assert next_power_of_two(items) < tokens
+    with _rows(whole, *restricted) as seen_whole:
         expected = whole.score(requests)
-    assert seen_whole[0] == [forward[0]] * len(forward)
+    assert all(seen_whole[path] == [[tokens] * len(seen_whole[path][0])] for path in restricted)
     _assert_same_results(results, expected)
 
 
 def test_shared_prefixes_pool_their_suffixes_rows(tiny_llama_dir: Path) -> None:
     requests = _requests(3)
-    whole = _scorer(tiny_llama_dir, share_prefix_min_tokens=2, last_mlp_pooled_rows=False)
+    whole = _scorer(tiny_llama_dir, share_prefix_min_tokens=2, last_layer_pooled_rows=False)
     pooled = _scorer(tiny_llama_dir, share_prefix_min_tokens=2)
-    with _mlp_rows(pooled) as seen:
+    with _rows(pooled) as seen:
         results = pooled.score(requests)
     items = sum(len(r.items) for r in requests)
-    rows = seen[0][-1]  # the items' rows, padded to the sequence slots (prefixes are sequences too)
-    assert items <= rows < seen[0][0] and rows == next_power_of_two(rows)
+    rows = seen[DOWN][0][-1]  # the items' rows, padded to the sequence slots (prefixes are sequences too)
+    assert items <= rows < seen[DOWN][0][0] and rows == next_power_of_two(rows)
     _assert_same_results(results, whole.score(requests))
 
 
 def test_mean_pooling_keeps_the_whole_mlp(tiny_llama_dir: Path) -> None:
     scorer = _scorer(tiny_llama_dir, pooling="mean")
-    with _mlp_rows(scorer) as seen:
+    with _rows(scorer, DOWN, "self_attn.q_proj", "self_attn.o_proj") as seen:
         assert all(r.ok for r in scorer.score(_requests(2)))
-    assert len(set(seen[0])) == 1
+    assert len({rows for forwards in seen.values() for rows in forwards[0]}) == 1
 
 
 def test_neither_the_exact_path_nor_an_encoder_takes_it(
     tiny_llama_dir: Path, model_dirs: dict[str, Path]
 ) -> None:
-    assert Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))._pooled_mlp is None  # the exact path
-    assert _scorer(tiny_llama_dir, last_mlp_pooled_rows=False)._pooled_mlp is None
-    assert _scorer(tiny_llama_dir)._pooled_mlp is not None
-    assert last_mlp(None) is None and last_mlp(torch.nn.ModuleList()) is None
+    assert Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))._pooled_layer is None  # the exact path
+    assert _scorer(tiny_llama_dir, last_layer_pooled_rows=False)._pooled_layer is None
+    assert last_layer_row_wise(None) == {} and last_layer_row_wise(torch.nn.ModuleList()) == {}
+    phi3 = _scorer(model_dirs["phi3"])._pooled_layer  # a fused q/k/v projection computes every row
+    assert phi3 is not None and phi3.names == ("self_attn.o_proj", "mlp")
+    llama = _scorer(tiny_llama_dir)._pooled_layer
+    assert llama is not None and llama.names == ("self_attn.q_proj", "self_attn.o_proj", "mlp")
 
 
 def test_graphed_batches_pool_the_same_rows_with_the_same_bits(tiny_llama_dir: Path) -> None:
@@ -128,9 +152,10 @@ def test_graphed_batches_pool_the_same_rows_with_the_same_bits(tiny_llama_dir: P
     rerun: Recorder = lambda run: run  # noqa: E731 - a recorder whose replay runs the function again
     scorer = _scorer(tiny_llama_dir, cuda_graphs="on", graph_recorder=rerun, graph_max_tokens=64)
     small, large = _requests(1), _requests(4)  # 3 prompts of ~6-8 tokens; 12 prompts, over 64 tokens
-    with _mlp_rows(scorer) as seen:
+    with _rows(scorer) as seen_down:
         runs = [scorer.score(small) for _ in range(3)]  # the ordinary forward, the recording, the replay
         scorer.score(large)
+    seen = seen_down[DOWN]
     assert scorer.graphs is not None and scorer.graphs.replays == 1
     # 3 items in 4 sequence slots on every path; the large batch (no graph) 12 in 16.
     assert [forward[-1] for forward in seen] == [4, 4, 4, 16]
@@ -152,22 +177,28 @@ def test_the_forward_in_place_is_what_runs_and_comes_back() -> None:
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
     swapped = lambda x: 2 * x  # noqa: E731 - another forward already in place (the fused MLP's)
     mlp.forward = swapped  # type: ignore[method-assign]
-    restricted = LastMlpAtPooledRows(mlp)
+    projection = torch.nn.Linear(4, 6)  # a query projection: another width out
+    restricted = LastLayerAtPooledRows({"mlp": mlp, "q_proj": projection})
     hidden = torch.arange(12.0).reshape(1, 3, 4)
     with restricted.at(torch.tensor([2, 0])):
         out = mlp(hidden)
+        queries = projection(hidden)
     torch.testing.assert_close(out[0, [0, 2]], 2 * hidden[0, [0, 2]])
     assert not out[0, 1].any()
+    assert queries.shape == (1, 3, 6) and not queries[0, 1].any()
+    torch.testing.assert_close(queries[0, [0, 2]], torch.nn.Linear.forward(projection, hidden[0, [0, 2]]))
     assert mlp.forward is swapped and restricted.rows is None
-    plain = torch.nn.Linear(4, 4)
-    with LastMlpAtPooledRows(plain).at(torch.tensor([1])):
-        torch.testing.assert_close(plain(hidden)[0, 1], torch.nn.Linear.forward(plain, hidden[0, 1]))
-    assert "forward" not in plain.__dict__
+    assert "forward" not in projection.__dict__  # the class's forward again
+    with restricted.at(torch.tensor([1])):  # entered again: the same swaps
+        want = torch.nn.Linear.forward(projection, hidden[0, 1])
+        torch.testing.assert_close(projection(hidden)[0, 1], want)
+        assert not mlp(hidden)[0, 0].any()
+    assert mlp.forward is swapped and "forward" not in projection.__dict__
 
 
 @pytest.mark.slow
 def test_compiled_layers_take_it_without_recompiling_per_batch(tiny_llama_dir: Path) -> None:
-    whole = _scorer(tiny_llama_dir, compile="on", last_mlp_pooled_rows=False)
+    whole = _scorer(tiny_llama_dir, compile="on", last_layer_pooled_rows=False)
     pooled = _scorer(tiny_llama_dir, compile="on")
     for count in (4, 2, 1):
         requests = _requests(count)
