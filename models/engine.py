@@ -20,7 +20,7 @@ from models.chunks import token_runs
 from models.config import ScorerConfig
 from models.errors import DeviceLostError, ModelLoadError
 from models.fp8 import fp8_supported, quantize_layers
-from models.graphs import KEYS_PER_TOKEN, GraphedForward, next_power_of_two
+from models.graphs import KEYS_PER_TOKEN, GraphedForward, pooled_row_slots
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import (
     HostRows,
@@ -683,7 +683,7 @@ class Scorer:
         its shape pads them), or None: the whole layer."""
         if self._pooled_layer is None:
             return None
-        return padded_rows(packed.pooled_rows, next_power_of_two(len(packed.host_cu_seqlens) - 1))
+        return padded_rows(packed.pooled_rows, pooled_row_slots(len(packed.host_cu_seqlens) - 1))
 
     @property
     def shares_prefixes(self) -> bool:
@@ -890,8 +890,16 @@ class CompiledLayers:
     other arguments (masks, caches), each of which would cost a compilation.
     """
 
+    # The layers share their class's forward, so torch.compile keeps all their graphs under one code object
+    # and counts them against one recompile limit (8 by default). The last layer at the pooled rows, shared
+    # prefixes, gathered keys and a one-token batch each add graphs; past the limit the layers would run
+    # eager for the rest of the process. This leaves room for every combination.
+    RECOMPILE_LIMIT = 32
+
     def __init__(self, layers: torch.nn.ModuleList) -> None:
         self._layers = list(layers)
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, self.RECOMPILE_LIMIT)
         self._compiled = [torch.compile(layer.forward, dynamic=True) for layer in self._layers]
 
     def __enter__(self) -> CompiledLayers:

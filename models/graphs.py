@@ -15,7 +15,8 @@ A graph is recorded for fixed shapes, so a batch is padded up to a bucket (`Grap
   gathered (sliding windows), also the key rows, bucketed like the tokens, and the longest key range, like
   the longest item. Padding key rows point at row 0 and belong to no sequence.
 Where the last layer's row-wise modules run at the pooled rows only (models/pooled_rows.py), a buffer holds
-those rows, one per item, padded to the sequence slots by repeating the last.
+those rows, one per item, padded to the sequence slots (at least two: pooled_row_slots) by repeating the
+last.
 Padding tokens belong to no sequence: attention never reads them, and every other layer of a dense
 transformer works row by row, so whatever the padding rows hold never reaches an item's rows. Only the first
 `total` rows of the output are read. The padding holds whatever an earlier batch left in the buffers: valid
@@ -97,6 +98,17 @@ def token_bucket(tokens: int) -> int:
 def next_power_of_two(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+# Never fewer pooled rows than this: torch.compile specializes a dynamic size that is 1, which would give the
+# last layer of a one-item batch graphs of its own.
+MIN_POOLED_ROWS = 2
+
+
+def pooled_row_slots(sequences: int) -> int:
+    """The pooled rows a batch of `sequences` packed sequences computes in its last layer
+    (models/pooled_rows.py): its sequence slots in a CUDA graph of its shape, and at least MIN_POOLED_ROWS."""
+    return max(MIN_POOLED_ROWS, next_power_of_two(sequences))
 
 
 def graph_key(
@@ -204,7 +216,7 @@ class GraphedForward:
             self._cu_k = torch.zeros(next_power_of_two(rows) + 1, dtype=torch.int32, device=device)
             # The rows the batch pools, one per item, padded to the sequence slots by repeating the last.
             self._rows = (
-                torch.zeros(next_power_of_two(rows), dtype=torch.long, device=device) if pooled_rows else None
+                torch.zeros(pooled_row_slots(rows), dtype=torch.long, device=device) if pooled_rows else None
             )
 
     @property
@@ -278,7 +290,7 @@ class GraphedForward:
             # same values into the same row, so the padding changes nothing.
             count = packed.pooled_rows.shape[0]
             self._rows[:count].copy_(packed.pooled_rows, non_blocking=True)
-            self._rows[count : key.sequences].fill_(packed.pooled_rows[-1])
+            self._rows[count : pooled_row_slots(key.sequences)].fill_(packed.pooled_rows[-1])
         cross = packed.cross
         if cross is not None:
             groups = len(cross.cu_q) - 1
@@ -299,7 +311,7 @@ class GraphedForward:
             self._cu_k[items + 1 : key.sequences + 1].fill_(keys)
 
     def _call(self, key: GraphKey) -> torch.Tensor:
-        pooled = None if self._rows is None else self._rows[: key.sequences]
+        pooled = None if self._rows is None else self._rows[: pooled_row_slots(key.sequences)]
         tokens = key.tokens
         types = None if self._types is None else self._types[:tokens].unsqueeze(0)
         keys = cross = None

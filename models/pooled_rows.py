@@ -16,6 +16,7 @@ values are needed there.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 
 import torch
@@ -26,28 +27,42 @@ from torch import nn
 ROW_WISE = (("self_attn", "q_proj"), ("self_attn", "o_proj"), ("", "mlp"))
 
 
+# The rows of each object's block while it runs, by the object's number. A module global, read by the swapped
+# forwards, rather than an attribute of the object they close over: the swapped forwards hang on nn.Modules,
+# and torch.compile gives a tensor it reaches through an nn.Module a static shape (a graph per row count,
+# then its recompile limit and eager layers). Reached from here, the count is a dynamic size like the token
+# count.
+_ROWS: dict[int, torch.Tensor] = {}
+_NUMBERS = itertools.count()
+
+
 class LastLayerAtPooledRows:
     """Inside `at(rows)`, each of `modules` computes only `rows` of its [..., in] input and returns zeros
     [..., out] at the others.
 
     Each calls the forward that was in place when the block was entered (the fused MLP kernel's,
     models/fused_mlp; an FP8 module's; or the class's) on the selected rows. The swapped forwards are made
-    once, and they read the rows from this object, so a compiled layer that traced them finds the same
-    functions on every entry and takes each batch's rows as an input (their count is a dynamic size, like
-    the token count).
+    once and read the rows from _ROWS, so a compiled layer that traced them finds the same functions on
+    every entry and takes each batch's rows as an input whose count is a dynamic size.
     """
 
     def __init__(self, modules: Mapping[str, nn.Module]) -> None:
         self.names = tuple(modules)
+        self._number = next(_NUMBERS)
         self._modules = tuple(modules.values())
         self._inner: list[Callable[[torch.Tensor], torch.Tensor] | None] = [None] * len(self._modules)
         self._forwards = tuple(self._restricted(i, module) for i, module in enumerate(self._modules))
-        self.rows: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """The rows of the block being run, or None outside one."""
+        return _ROWS.get(self._number)
 
     def _restricted(self, index: int, module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        number = self._number
+
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-            rows = self.rows
-            assert rows is not None, "the pooled rows are set by at(rows)"
+            rows = _ROWS[number]  # set by at(rows)
             flat = hidden_states.reshape(-1, hidden_states.shape[-1])
             picked = flat.index_select(0, rows)
             inner = self._inner[index]
@@ -59,8 +74,10 @@ class LastLayerAtPooledRows:
         return forward
 
     def at(self, rows: torch.Tensor) -> LastLayerAtPooledRows:
-        """The block in which the modules compute `rows` (a 1-D index tensor on the model's device) only."""
-        self.rows = rows
+        """The block in which the modules compute `rows` (a 1-D index tensor on the model's device, at least
+        two long: models.graphs.pooled_row_slots) only."""
+        torch._dynamo.maybe_mark_dynamic(rows, 0)  # dynamic from the first batch on, not from the second
+        _ROWS[self._number] = rows
         return self
 
     def __enter__(self) -> LastLayerAtPooledRows:
@@ -77,7 +94,7 @@ class LastLayerAtPooledRows:
             else:
                 module.forward = inner
             self._inner[index] = None
-        self.rows = None
+        _ROWS.pop(self._number, None)
 
 
 def padded_rows(rows: torch.Tensor, slots: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from models import Scorer, ScorerConfig
 from models.engine import decoder_layers
-from models.graphs import Recorder, next_power_of_two
+from models.graphs import Recorder, next_power_of_two, pooled_row_slots
 from models.pooled_rows import LastLayerAtPooledRows, last_layer_row_wise, padded_rows
 from schemas import ScoreRequest
 
@@ -106,8 +106,8 @@ def test_the_last_layer_computes_only_the_pooled_rows(name: str, model_dirs: dic
         assert forward[:-1] == [tokens] * (len(forward) - 1), path  # every layer before the last: every row
         # The last layer: the keys and values of every row; the rest one row per item, padded as a CUDA
         # graph of the batch's shape pads them (to a power of two).
-        assert forward[-1] == (tokens if path in kept else next_power_of_two(items)) < tokens + 1, path
-    assert next_power_of_two(items) < tokens
+        assert forward[-1] == (tokens if path in kept else pooled_row_slots(items)) < tokens + 1, path
+    assert pooled_row_slots(items) < tokens
     with _rows(whole, *restricted) as seen_whole:
         expected = whole.score(requests)
     assert all(seen_whole[path] == [[tokens] * len(seen_whole[path][0])] for path in restricted)
@@ -171,6 +171,9 @@ def test_padding_repeats_the_last_row() -> None:
     rows = torch.tensor([5, 9, 2])
     assert padded_rows(rows, 4).tolist() == [5, 9, 2, 2]
     assert padded_rows(rows, 3) is rows and padded_rows(rows, 2) is rows
+    # A graph's sequence slots, never one row: torch.compile would give a count of 1 graphs of its own.
+    assert [pooled_row_slots(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [2, 2, 4, 4, 8, 64, 128]
+    assert padded_rows(torch.tensor([7]), pooled_row_slots(1)).tolist() == [7, 7]
 
 
 def test_the_forward_in_place_is_what_runs_and_comes_back() -> None:
@@ -196,16 +199,29 @@ def test_the_forward_in_place_is_what_runs_and_comes_back() -> None:
     assert mlp.forward is swapped and "forward" not in projection.__dict__
 
 
+def _recompile_limit_hits() -> int:
+    reasons = torch._dynamo.utils.counters["unimplemented"]
+    return sum(n for reason, n in reasons.items() if "recompile limit" in reason)
+
+
 @pytest.mark.slow
 def test_compiled_layers_take_it_without_recompiling_per_batch(tiny_llama_dir: Path) -> None:
+    """Batches of new pooled-row counts reuse the graphs traced so far: the count is a dynamic size, not a
+    guard (a graph per count would reach torch.compile's recompile limit, after which the layers run eager
+    for the rest of the process)."""
+    torch._dynamo.reset()  # no graphs of other tests' scorers: they count against the same limit
+    hits = _recompile_limit_hits()
     whole = _scorer(tiny_llama_dir, compile="on", last_layer_pooled_rows=False)
     pooled = _scorer(tiny_llama_dir, compile="on")
-    for count in (4, 2, 1):
+    counters = torch._dynamo.utils.counters
+    for count in (4, 2):  # 12 and 6 items: 16 and 8 pooled rows
         requests = _requests(count)
         _assert_same_results(pooled.score(requests), whole.score(requests))
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    # Other batch sizes, other pooled-row counts: the graphs traced so far serve them all.
-    for count in (3, 5, 2):
-        requests = _requests(count)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    # 1 item (2 rows, the fewest), 3, 24 and 33 items (4, 32 and 64 rows): counts not seen before.
+    one = ScoreRequest("one", query="the question", items=("an answer",), return_pooled_hidden_states=True)
+    for requests in ([one], _requests(1), _requests(8), _requests(11)):
         _assert_same_results(pooled.score(requests), whole.score(requests))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert _recompile_limit_hits() == hits  # none: past the limit the layers would have run eager
