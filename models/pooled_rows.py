@@ -24,7 +24,7 @@ from torch import nn
 
 # The last layer's modules that map each row of their input to the same row of their output, where a
 # layer has them: the attention's query and output projections, the MLP.
-ROW_WISE = (("self_attn", "q_proj"), ("self_attn", "o_proj"), ("", "mlp"))
+ROW_WISE = ("self_attn.q_proj", "self_attn.o_proj", "mlp")
 
 
 # The rows of each object's block while it runs, by the object's number. A module global, read by the swapped
@@ -111,9 +111,9 @@ def last_layer_row_wise(layers: nn.ModuleList | None) -> dict[str, nn.Module]:
     if layers is None or len(layers) == 0:
         return {}
     found: dict[str, nn.Module] = {}
-    for owner_name, name in ROW_WISE:
-        owner = getattr(layers[-1], owner_name, None) if owner_name else layers[-1]
-        module = getattr(owner, name, None)
-        if isinstance(module, nn.Module):
-            found[f"{owner_name}.{name}" if owner_name else name] = module
+    for name in ROW_WISE:
+        try:
+            found[name] = layers[-1].get_submodule(name)
+        except AttributeError:  # not in this architecture (Phi-3 fuses its query projection)
+            continue
     return found
