@@ -16,7 +16,14 @@ from scoring_testkit import _reference_varlen, hidden_of, scores_of, token_reque
 pytest.importorskip("triton")
 
 from models import Scorer, ScorerConfig, triton_attention
-from models.attention import CAUSAL_OR_FULL, WANT_LSE, attend_causal, triton_or_flash
+from models.attention import (
+    CAUSAL_OR_FULL,
+    WANT_LSE,
+    LseRequest,
+    attend_causal,
+    triton_or_flash,
+    varlen_outputs,
+)
 from schemas import ScoreRequest
 
 pytestmark = pytest.mark.skipif(
@@ -138,21 +145,27 @@ def _flash_stand_in(
     scale: float,
     left: int,
     right: int,
-) -> torch.Tensor:
+    want_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     FlashStandIn.windows.append((left, right))
-    out = _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(left, right))
-    assert isinstance(out, torch.Tensor)
-    return out.clone()
+    aux = WANT_LSE if want_lse else None
+    got = _reference_varlen(
+        q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(left, right), return_aux=aux
+    )
+    out, lse = got if isinstance(got, tuple) else (got, q.new_empty((1, 1), dtype=torch.float32))
+    return out.clone(), lse.clone()
 
 
 @_flash_stand_in.register_fake
-def _(q: torch.Tensor, *args: object) -> torch.Tensor:
-    return torch.empty_like(q)
+def _(q: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+    want_lse = bool(args[-1])
+    return varlen_outputs(q, want_lse)
 
 
 class FlashStandIn:
     """torch's flash kernel's part, exact on the CPU and, like it, one opaque operator to torch.compile
-    (a Python stand-in would break the compiled graph where the real kernel does not)."""
+    (a Python stand-in would break the compiled graph where the real kernel does not); the log-sum-exp too
+    where asked (the shared prefixes' two passes)."""
 
     windows: ClassVar[list[tuple[int, int]]] = []
 
@@ -169,13 +182,16 @@ class FlashStandIn:
         scale: float | None = None,
         window_size: tuple[int, int] = (-1, -1),
         enable_gqa: bool = False,
-    ) -> torch.Tensor:
+        return_aux: LseRequest | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         scale = scale if scale is not None else q.shape[-1] ** -0.5
-        return torch.ops.score_worker_tests.flash_stand_in(
-            q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size[0], window_size[1]
+        want_lse = return_aux is not None and return_aux.lse
+        out, lse = torch.ops.score_worker_tests.flash_stand_in(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size[0], window_size[1], want_lse
         )
+        return (out, lse) if want_lse else out
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text"])
