@@ -373,6 +373,11 @@ class Scorer:
         return scores.float()
 
     @property
+    def sliding_window(self) -> int | None:
+        """The tokens a windowed layer lets a token see (itself included), or None when no layer has one."""
+        return self._sliding_window
+
+    @property
     def compiled(self) -> bool:
         """The packed path runs the decoder layers under torch.compile."""
         return self._compiled is not None

@@ -62,7 +62,7 @@ def run_self_check(scorer: Scorer) -> SelfCheckReport:
     """Score fixed prompts packed and through HF's plain forward; raise ModelLoadError when they disagree."""
     started = time.perf_counter()
     prompts = _fixed_prompts(scorer)
-    labels = _fixed_labels(scorer)
+    labels = judge_labels(scorer)
     request = ScoreRequest(
         request_id="self-check",
         items=tuple(prompts),
@@ -100,8 +100,9 @@ def run_self_check(scorer: Scorer) -> SelfCheckReport:
     return report
 
 
-def _fixed_labels(scorer: Scorer) -> tuple[int, ...] | None:
-    """A judge's label ids for the check: spread over its vocabulary (the classifiers score with a head)."""
+def judge_labels(scorer: Scorer) -> tuple[int, ...] | None:
+    """A judge's label ids for a synthetic request (the self-check, the warm-up): spread over its vocabulary;
+    None for the classifiers, which score with a head."""
     if not scorer.is_judge:
         return None
     vocab = scorer.vocab_size

@@ -173,6 +173,7 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
 
     from models import Scorer, ScorerConfig
     from models.selfcheck import run_self_check
+    from models.warmup import describe, warm_up
 
     threads = torch_threads(settings)
     torch.set_num_threads(threads)
@@ -204,6 +205,8 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
             "smallest hidden-state cosine %.6f",
             report.seconds, report.items, report.max_score_diff, report.score_scale, report.min_hidden_cosine,
         )  # fmt: skip
+    if settings.warm_up:
+        log.info(describe(warm_up(scorer)))
     return scorer
 
 

@@ -181,6 +181,12 @@ class WorkerSettings(KafkaSecurity):
         description="score a fixed input packed and through HF's own forward at start-up; refuse to start "
         "when they disagree",
     )
+    warm_up: bool = Field(
+        True,
+        description="before joining the group, score one small batch of each kind the compiled layers "
+        "compile a graph for (and, on a GPU, one at the full token budget), so no request waits for a "
+        "compilation",
+    )
     deterministic: bool = Field(
         False,
         description="bit-identical results whatever shares a request's batch (each item runs alone: slower)",

@@ -421,3 +421,58 @@ def _skip_without(kernel: str) -> None:
 
     if kernel == "fa4" and not fa4_attention.available():
         pytest.skip("flash-attn-4 is not installed")
+
+
+# Batches as traffic brings them, around the Triton kernel's switch at 256 tokens: each a list of requests,
+# each (query length, item lengths); tests/models/test_warmup.py has the CPU's, around a lowered switch.
+_TRAFFIC = [
+    [(0, (1,))],
+    [(0, (1, 1, 1))],
+    [(0, (5,)), (0, (5, 2))],
+    [(0, (1, 20, 300, 40))],
+    [(9, (1, 1))],
+    [(9, (1, 4)), (0, (3,))],
+    [(300, (2, 25))],
+    [(9, (3, 300))],
+    [(300, (1, 2))],
+    [(0, (2, 3)), (34, (1, 1, 7)), (0, (260,))],
+]
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma3_text"])
+def test_after_the_warm_up_no_batch_compiles(architecture: str) -> None:
+    """The worker's start-up warm-up on the real kernels (Triton past 256 tokens, flash below and for
+    sliding windows), compiled layers and CUDA graphs: no batch of the traffic above compiles after it."""
+    import torch._dynamo.utils
+
+    from models.tiny import write_tiny_model
+    from models.warmup import describe, warm_up
+
+    def traced() -> int:
+        return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+    torch._dynamo.reset()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_model(Path(tmp) / architecture, architecture)
+        config = ScorerConfig(device="cuda", dtype="bfloat16", share_prefix_min_tokens=8)
+        scorer = Scorer(model_dir, config)
+        assert scorer.compiled and scorer.graphs is not None and scorer.attention_kernel == "triton"
+        report = warm_up(scorer)
+        assert report.compiled_graphs > 0 and report.cuda_graphs > 0, describe(report)
+        after = traced()
+        for salt, batch in enumerate(_TRAFFIC):
+            requests = [
+                ScoreRequest(
+                    request_id=f"t{salt}-{r}",
+                    query=tuple(range(4, 4 + query)) if query else None,
+                    items=tuple(
+                        tuple((7 * j + salt + i) % 400 + 100 for i in range(n)) for j, n in enumerate(items)
+                    ),
+                    return_pooled_hidden_states=True,
+                )
+                for r, (query, items) in enumerate(batch)
+            ]
+            for _ in range(2):  # the second time through a CUDA graph of the shape
+                results = scorer.score(requests)
+                assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+            assert traced() == after, f"compiled for {batch} after the warm-up ({describe(report)})"

@@ -157,6 +157,7 @@ def test_every_engine_setting_reaches_the_scorer(tiny_llama_dir: Path, built_con
         bootstrap_servers="127.0.0.1:9",
         model_dir=tiny_llama_dir,
         self_check=False,
+        warm_up=False,
         device="cpu",
         dtype="bfloat16",
         max_batch_tokens=1234,
@@ -202,6 +203,7 @@ def test_cuda_graphs_cover_the_whole_batch_budget_unless_told_otherwise(
             bootstrap_servers="127.0.0.1:9",
             model_dir=tiny_llama_dir,
             self_check=False,
+            warm_up=False,
             max_batch_tokens=16384,
             graph_max_tokens=given,
         )

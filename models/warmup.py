@@ -1,0 +1,212 @@
+"""Start-up warm-up: every variant of the compiled layers a batch can meet, compiled before the first request.
+
+The decoder layers run under torch.compile with dynamic sizes (models.engine.CompiledLayers): batches of any
+token count or item count reuse one graph. A few things still give the layers a graph of their own, traced
+and compiled the first time a batch shows them, and on the GPU that takes seconds (7.5 s for Qwen3-0.6B
+shapes on an H200) during which the model thread scores nothing:
+- which side of the attention kernel's length switch the batch's longest sequence lies on (the Triton
+  kernel takes long sequences, flash short ones: models.triton_attention.takes), for each attention pass;
+- a batch of one token, or of one-token sequences (torch.compile specializes a size or a length of 1);
+- shared prefixes (the cross pass and its own lengths), and gathered keys where a sliding window is shorter
+  than the prompts.
+A worker that met them in traffic stalled on them: one such batch in the middle of a run at half of its
+capacity queued the requests behind it for seconds (docs/benchmarks.md). So before it is ready the worker
+scores one small synthetic batch of each variant its settings allow, each twice where CUDA graphs are on
+(the second sight of a shape records its graph, which reaches the layers through the graphs' own buffers).
+
+On a CUDA device it then scores one batch at the full token budget: the allocator reserves that memory now,
+and a budget the GPU cannot hold fails here rather than on the first large batch.
+
+A scorer with nothing compiled and no graphs (the CPU's exact path) has nothing to warm up; its first batch
+costs what every later one does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from models.errors import ModelLoadError
+from models.prepare import PreparedRequest
+from models.selfcheck import judge_labels
+from schemas import ScoreRequest
+
+if TYPE_CHECKING:
+    from models.engine import Scorer
+
+log = logging.getLogger(__name__)
+
+SHORT = 16  # tokens of a short item: flash's side of the length switch for every kernel
+# The long side: twice the switch of the Triton kernel (models.triton_attention.MIN_LENGTH), read when the
+# warm-up runs. Lengths past the switch all take the same graph, so one is enough.
+LONG_OVER_SWITCH = 2
+
+
+@dataclass(frozen=True)
+class WarmUpReport:
+    """What the warm-up ran: batches (the repeats for graphs included), tokens in them, graphs torch.compile
+    traced while it ran (0 where the layers are not compiled, or were warm already), CUDA graphs recorded,
+    and how long it took."""
+
+    batches: int
+    tokens: int
+    compiled_graphs: int
+    cuda_graphs: int
+    seconds: float
+
+
+def warm_up(scorer: Scorer) -> WarmUpReport:
+    """Score the synthetic batches (see the module's docstring); ModelLoadError when one of them fails: a
+    model that cannot score them would fail the same requests in traffic."""
+    started = time.perf_counter()
+    graphs_before = _traced_graphs()
+    recorded_before = scorer.graphs.recorded if scorer.graphs is not None else 0
+    batches = tokens = 0
+    if scorer.compiled or scorer.graphs is not None:
+        repeats = 2 if scorer.graphs is not None else 1
+        for name, lengths, query in _variants(scorer):
+            for _ in range(repeats):
+                tokens += _score(scorer, name, [_request(scorer, name, lengths, query)])
+                batches += 1
+    if scorer.device.type == "cuda":
+        tokens += _score(scorer, "full token budget", _full_budget(scorer))
+        batches += 1
+    return WarmUpReport(
+        batches=batches,
+        tokens=tokens,
+        compiled_graphs=_traced_graphs() - graphs_before,
+        cuda_graphs=(scorer.graphs.recorded if scorer.graphs is not None else 0) - recorded_before,
+        seconds=time.perf_counter() - started,
+    )
+
+
+Variant = tuple[str, tuple[int, ...], int]  # a name, the items' lengths, the length of a query they share
+
+
+def _variants(scorer: Scorer) -> list[Variant]:
+    """The batches that show the layers each variant (each a single request, so a single batch), no two
+    alike."""
+    extra = _template_tokens(scorer)
+    limit = min(scorer.max_input_tokens, scorer.config.max_batch_tokens) - extra  # query + item, in ids
+    long = min(limit - SHORT, LONG_OVER_SWITCH * _length_switch())
+    variants: list[Variant] = [("one token", (1,), 0), ("one-token items", (1, 1), 0)]
+    variants.append(("short items", (SHORT, SHORT + 3), 0))
+    if long > SHORT:
+        variants.append(("a long item", (SHORT, long), 0))
+    if scorer.shares_prefixes:
+        prefix = scorer.config.share_prefix_min_tokens
+        window = scorer.sliding_window
+        # Prompts no longer than a sliding window take the cross pass in every layer; longer ones gather
+        # each suffix's keys in the windowed layers (the others still take the cross pass).
+        within = limit if window is None else min(limit, window - extra)
+        variants += _shared_prefix_variants(prefix, within, "")
+        if window is not None:
+            variants += _shared_prefix_variants(max(prefix, window + 1 - extra), limit, " past the window")
+    unique: dict[tuple[tuple[int, ...], int], Variant] = {}
+    for variant in variants:
+        unique.setdefault(variant[1:], variant)
+    return list(unique.values())
+
+
+def _shared_prefix_variants(prefix: int, room: int, where: str) -> list[Variant]:
+    """Requests whose items share a query of `prefix` tokens, no prompt over `room` ids. Each attention pass
+    routes by its own longest sequence (the prompts' own pass: the prefix or a suffix; the cross pass: the
+    suffixes), and a pass whose longest is one token is a variant of its own."""
+    if prefix + 1 > room:
+        return []
+    switch = _length_switch()
+    short = min(SHORT, room - prefix)
+    variants: list[Variant] = [
+        (f"a shared prefix{where}, one-token suffixes", (1, 1), prefix),
+        (f"a shared prefix{where}, short suffixes", (1, short), prefix),
+    ]
+    long_prefix = min(room - short, LONG_OVER_SWITCH * switch)
+    if long_prefix > max(prefix, switch):
+        variants.append((f"a long shared prefix{where}, short suffixes", (1, short), long_prefix))
+    long_suffix = min(room - prefix, LONG_OVER_SWITCH * switch)
+    if long_suffix > switch:
+        variants.append((f"a shared prefix{where}, long suffixes", (short, long_suffix), prefix))
+    return variants
+
+
+def _template_tokens(scorer: Scorer) -> int:
+    """Tokens a prompt holds besides its query's and item's ids (a template's, special tokens)."""
+    prepared = scorer.prepare(_request(scorer, "template", (1,), 1))
+    return max(0, prepared.num_tokens - 2) if isinstance(prepared, PreparedRequest) else 0
+
+
+def _length_switch() -> int:
+    from models import triton_attention
+
+    return triton_attention.MIN_LENGTH
+
+
+def _ids(scorer: Scorer, count: int, offset: int) -> tuple[int, ...]:
+    """`count` valid token ids, never the pad id; different offsets give different ids (so that items of a
+    request share no prefix the engine would compute once)."""
+    vocab, pad = scorer.vocab_size, scorer.pad_token_id
+    low = min(4, vocab - 1)
+    span = max(1, vocab - low)
+    ids = [low + (offset + i) % span for i in range(count)]
+    return tuple(low if (token == pad and pad != low) else token for token in ids)
+
+
+def _request(scorer: Scorer, name: str, lengths: Sequence[int], query: int) -> ScoreRequest:
+    return ScoreRequest(
+        request_id=f"warm-up {name}",
+        query=_ids(scorer, query, 0) if query else None,
+        items=tuple(_ids(scorer, length, 7 * (n + 1)) for n, length in enumerate(lengths)),
+        return_pooled_hidden_states=True,
+        label_token_ids=judge_labels(scorer),
+    )
+
+
+def _full_budget(scorer: Scorer) -> list[ScoreRequest]:
+    """Requests of one item each that together fill the token budget (within an item's length)."""
+    budget = scorer.config.max_batch_tokens
+    length = max(1, min(scorer.max_input_tokens, 512, budget) - 8)
+    requests = []
+    held = 0
+    for n in itertools.count():
+        request = _request(scorer, f"full budget {n}", (length,), 0)
+        prepared = scorer.prepare(request)
+        size = prepared.num_tokens if isinstance(prepared, PreparedRequest) else length
+        if held + size > budget:
+            break
+        requests.append(request)
+        held += size
+    return requests or [_request(scorer, "full budget", (1,), 0)]
+
+
+def _score(scorer: Scorer, name: str, requests: list[ScoreRequest]) -> int:
+    """Score `requests` (one batch); the tokens they held. ModelLoadError on any error result."""
+    prepared = [scorer.prepare(request) for request in requests]
+    tokens = sum(p.num_tokens for p in prepared if isinstance(p, PreparedRequest))
+    for result in scorer.score_prepared(prepared):
+        if not result.ok:
+            error = result.error
+            detail = f"{error.code}: {error.message}" if error is not None else "no scores"
+            raise ModelLoadError(f"warm-up: the batch of {name} failed ({detail})")
+    return tokens
+
+
+def _traced_graphs() -> int:
+    """Graphs torch.compile has traced in this process so far."""
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def describe(report: WarmUpReport) -> str:
+    """One line for the log."""
+    return (
+        f"warmed up in {report.seconds:.2f} s: {report.batches} batches of {report.tokens} tokens, "
+        f"{report.compiled_graphs} layer graphs compiled, {report.cuda_graphs} CUDA graphs recorded"
+    )
+
+
+__all__ = ["WarmUpReport", "describe", "warm_up"]

@@ -1,0 +1,191 @@
+"""The start-up warm-up (models/warmup.py): after it, no batch of any kind makes the compiled layers compile.
+
+On the CPU the layers compile with inductor as on the GPU, the Triton attention kernel runs in Triton's
+interpreter behind the same length switch (lowered here so that short prompts cross it), flash is an exact
+stand-in, and CUDA graphs a stand-in recorder: the variants torch.compile traces are the GPU's. The GPU's
+own run of the same check is in tests/gpu/test_fast_path.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo.utils
+from scoring_testkit import hidden_of, scores_of
+from test_triton_attention import FlashStandIn
+
+pytest.importorskip("triton")
+
+from models import Scorer, ScorerConfig, triton_attention, write_tiny_model
+from models.attention import triton_or_flash
+from models.errors import ModelLoadError
+from models.prepare import PreparedRequest
+from models.warmup import describe, warm_up
+from schemas import ScoreRequest
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or not triton_attention.interpreting(),
+    reason="drives the Triton kernel in its interpreter; tests/gpu runs the same check compiled",
+)
+
+SWITCH = 24  # the kernel's length switch in these tests (256 on the GPU)
+
+# Batches as traffic brings them: each a list of requests, each (query length, item lengths). Every kind of
+# batch that compiles a graph of its own is here: both sides of the switch in each attention pass, one-token
+# batches and items, shared prefixes short and long with suffixes of one token, short and long.
+TRAFFIC: list[list[tuple[int, tuple[int, ...]]]] = [
+    [(0, (1,))],
+    [(0, (1, 1, 1))],
+    [(0, (5,)), (0, (5, 2))],
+    [(0, (1, 20, 70, 40)), (1, (23, 5, 70, 2))],
+    [(60, (40,))],
+    [(9, (1, 1))],
+    [(9, (1, 4)), (0, (3,))],
+    [(30, (2, 25)), (0, (40,))],
+    [(9, (3, 30))],
+    [(30, (1, 2))],
+    [(0, (2, 3)), (12, (1, 1, 7)), (0, (26,))],
+]
+
+
+def _traffic_requests(batch: list[tuple[int, tuple[int, ...]]], salt: int) -> list[ScoreRequest]:
+    def ids(count: int, offset: int) -> tuple[int, ...]:
+        return tuple(4 + (offset + i) % 400 for i in range(count))
+
+    return [
+        ScoreRequest(
+            request_id=f"t{salt}-{r}",
+            query=ids(query, 1000 + r) if query else None,
+            items=tuple(ids(length, 37 * j + 101 * r + salt) for j, length in enumerate(items)),
+            return_pooled_hidden_states=True,
+        )
+        for r, (query, items) in enumerate(batch)
+    ]
+
+
+def _graphs_traced() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def _scorer(model_dir: Path, **overrides: object) -> Scorer:
+    settings: dict[str, object] = {
+        "device": "cpu",
+        "attention": "varlen",
+        "varlen_kernel": triton_or_flash(FlashStandIn()),
+        "share_prefix_min_tokens": 8,
+        "graph_recorder": lambda run: run,
+        "max_batch_tokens": 2048,
+        "graph_max_tokens": 512,
+        **overrides,
+    }
+    return Scorer(model_dir, ScorerConfig(**settings))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3_text"])
+def test_after_the_warm_up_no_batch_compiles(
+    architecture: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Llama: the switch in both passes, one-token batches, shared prefixes. Gemma 3: sliding windows (flash,
+    # and keys gathered where prompts outgrow the window) beside full-attention layers.
+    monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
+    torch._dynamo.reset()  # other tests' graphs would hide what this warm-up compiles
+    scorer = _scorer(model_dirs[architecture])
+    assert scorer.compiled and scorer.graphs is not None and scorer.shares_prefixes
+    report = warm_up(scorer)
+    assert report.compiled_graphs > 0 and report.cuda_graphs > 0, describe(report)
+    # Every variant twice: seen, then recorded (two variants may fall in one graph's shape).
+    assert report.batches % 2 == 0 and 0 < report.cuda_graphs <= report.batches // 2
+    traced = _graphs_traced()
+    reference = Scorer(model_dirs[architecture], ScorerConfig(device="cpu", attention="reference"))
+    for salt, batch in enumerate(TRAFFIC):
+        requests = _traffic_requests(batch, salt)
+        for _ in range(2):  # the second time through a CUDA graph of the shape
+            got = scorer.score(requests)
+        for result, expected in zip(got, reference.score(requests), strict=True):
+            np.testing.assert_allclose(scores_of(result), scores_of(expected), atol=1e-5, rtol=0)
+            np.testing.assert_allclose(hidden_of(result), hidden_of(expected), atol=1e-5, rtol=0)
+        assert _graphs_traced() == traced, f"compiled for {batch} after the warm-up"
+
+
+def test_the_traffic_compiles_without_it(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check above means something only if the traffic meets graphs the first batch does not make.
+    monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
+    torch._dynamo.reset()
+    scorer = _scorer(tiny_llama_dir)
+    scorer.score(_traffic_requests(TRAFFIC[2], 0))
+    first = _graphs_traced()
+    for salt, batch in enumerate(TRAFFIC):
+        scorer.score(_traffic_requests(batch, salt))
+    assert _graphs_traced() - first >= 8  # 10 with torch 2.13
+
+
+def test_nothing_to_warm_on_the_exact_path(tiny_llama_dir: Path) -> None:
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    assert not scorer.compiled and scorer.graphs is None
+    report = warm_up(scorer)
+    assert (report.batches, report.tokens, report.cuda_graphs) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("architecture", ["judge", "bert", "mistral"])
+def test_every_kind_of_model_takes_its_warm_up(architecture: str, tmp_path: Path) -> None:
+    # A judge scores label tokens (the warm-up sends them), an encoder shares no prefix, Mistral's windows
+    # are shorter than its long prompts: each variant must be a request the model accepts. Graphs without
+    # compiled layers: every variant runs, cheaply.
+    judge = architecture == "judge"
+    model_dir = write_tiny_model(tmp_path / architecture, "llama" if judge else architecture, judge=judge)
+    scorer = _scorer(model_dir, compile="off")
+    report = warm_up(scorer)
+    assert report.batches >= 8 and report.compiled_graphs == 0
+    if architecture == "mistral":
+        assert scorer.sliding_window is not None and report.batches >= 2 * 9
+
+
+def test_a_variant_that_fails_refuses_to_start(tiny_llama_dir: Path) -> None:
+    flash = FlashStandIn()
+
+    def kernel(q: torch.Tensor, *args: object, **kwargs: object) -> object:
+        if int(args[4]) > 100:  # max_q: the long item's batch
+            raise RuntimeError("no kernel for this length")
+        return flash(q, *args, **kwargs)
+
+    scorer = _scorer(tiny_llama_dir, compile="off", varlen_kernel=kernel)
+    with pytest.raises(ModelLoadError, match="warm-up: the batch of a long item failed"):
+        warm_up(scorer)
+
+
+def test_the_full_budget_batch_fills_the_budget(tiny_llama_dir: Path) -> None:
+    from models.warmup import _full_budget
+
+    scorer = _scorer(tiny_llama_dir, max_batch_tokens=3000)
+    requests = _full_budget(scorer)
+    sizes = [p.num_tokens for p in map(scorer.prepare, requests) if isinstance(p, PreparedRequest)]
+    assert len(sizes) == len(requests) > 1
+    assert 3000 - max(sizes) < sum(sizes) <= 3000
+    assert [len(b) for b in scorer.batch_runs([scorer.prepare(r) for r in requests], 3000)] == [len(requests)]
+
+
+def test_the_worker_warms_its_scorer_before_serving(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from models import warmup
+    from worker.cli import _load_scorer
+    from worker.config import WorkerSettings
+
+    calls: list[Scorer] = []
+
+    def recorded(scorer: Scorer) -> warmup.WarmUpReport:
+        calls.append(scorer)
+        return warmup.WarmUpReport(batches=3, tokens=40, compiled_graphs=2, cuda_graphs=1, seconds=0.5)
+
+    monkeypatch.setattr(warmup, "warm_up", recorded)
+    settings = {"bootstrap_servers": "localhost:9092", "model_dir": str(tiny_llama_dir), "self_check": False}
+    with caplog.at_level(logging.INFO, logger="worker"):
+        scorer = _load_scorer(WorkerSettings(**settings))
+    assert calls == [scorer]
+    assert "warmed up in 0.50 s: 3 batches of 40 tokens, 2 layer graphs compiled" in caplog.text
+    _load_scorer(WorkerSettings(**settings, warm_up=False))
+    assert len(calls) == 1
