@@ -42,6 +42,7 @@ from bench.common import (
 )
 from bench.w2_observe import GcLog, RecordingScorer, Sampler, slowest_batches, watch_loop, window_stats
 from models import Scorer, ScorerConfig
+from models.warmup import describe, warm_up
 from worker.app import ScoreWorker
 from worker.broker import EmbeddedBroker
 from worker.config import WorkerSettings
@@ -430,7 +431,9 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
         deadline=deadline - 60,
         variants=tuple(v for v in args.saturation_variants.split(",") if v),
     )
-    # Kernels and allocator warm before the clock: two full batches straight through the scorer.
+    # As the worker warms its scorer before joining the group (every compiled variant, the full budget),
+    # then W2's own shapes: two full batches straight through the scorer.
+    print(describe(warm_up(scorer)), flush=True)
     scorer.score_prepared([scorer.prepare(r) for r in w2_load.make_workload(load, count=48)])
     recorder = RecordingScorer(scorer)
     report: dict[str, Any] = {"shapes": shapes}
