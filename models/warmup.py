@@ -44,6 +44,7 @@ SHORT = 16  # tokens of a short item: flash's side of the length switch for ever
 # The long side: twice the switch of the Triton kernel (models.triton_attention.MIN_LENGTH), read when the
 # warm-up runs. Lengths past the switch all take the same graph, so one is enough.
 LONG_OVER_SWITCH = 2
+FULL_BUDGET_ITEM = 512  # ids of each item of the full-budget batch: W2's and W1's items are of this order
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,13 @@ def _variants(scorer: Scorer) -> list[Variant]:
     """The batches that show the layers each variant (each a single request, so a single batch), no two
     alike."""
     extra = _template_tokens(scorer)
-    limit = min(scorer.max_input_tokens, scorer.config.max_batch_tokens) - extra  # query + item, in ids
-    long = min(limit - SHORT, LONG_OVER_SWITCH * _length_switch())
+    limit = _room(scorer, extra)
+    short = min(SHORT, limit)
+    long = min(limit, LONG_OVER_SWITCH * _length_switch())
     variants: list[Variant] = [("one token", (1,), 0), ("one-token items", (1, 1), 0)]
-    variants.append(("short items", (SHORT, SHORT + 3), 0))
-    if long > SHORT:
-        variants.append(("a long item", (SHORT, long), 0))
+    variants.append(("short items", (short, max(1, short - 3)), 0))
+    if long > short:
+        variants.append(("a long item", (short, long), 0))
     if scorer.shares_prefixes:
         prefix = scorer.config.share_prefix_min_tokens
         window = scorer.sliding_window
@@ -133,6 +135,12 @@ def _shared_prefix_variants(prefix: int, room: int, where: str) -> list[Variant]
     return variants
 
 
+def _room(scorer: Scorer, extra: int) -> int:
+    """The most ids a prompt's query and item may hold together: the scorer's limit on a prompt and the
+    token budget, less `extra` tokens of a template (at least 1: a model that takes no id scores nothing)."""
+    return max(1, min(scorer.max_input_tokens, scorer.config.max_batch_tokens) - extra)
+
+
 def _template_tokens(scorer: Scorer) -> int:
     """Tokens a prompt holds besides its query's and item's ids (a template's, special tokens)."""
     prepared = scorer.prepare(_request(scorer, "template", (1,), 1))
@@ -149,10 +157,10 @@ def _ids(scorer: Scorer, count: int, offset: int) -> tuple[int, ...]:
     """`count` valid token ids, never the pad id; different offsets give different ids (so that items of a
     request share no prefix the engine would compute once)."""
     vocab, pad = scorer.vocab_size, scorer.pad_token_id
-    low = min(4, vocab - 1)
+    low = min(4, vocab - 1)  # past the special tokens most vocabularies start with
     span = max(1, vocab - low)
     ids = [low + (offset + i) % span for i in range(count)]
-    return tuple(low if (token == pad and pad != low) else token for token in ids)
+    return tuple(low + (token - low + 1) % span if token == pad else token for token in ids)
 
 
 def _request(scorer: Scorer, name: str, lengths: Sequence[int], query: int) -> ScoreRequest:
@@ -168,7 +176,7 @@ def _request(scorer: Scorer, name: str, lengths: Sequence[int], query: int) -> S
 def _full_budget(scorer: Scorer) -> list[ScoreRequest]:
     """Requests of one item each that together fill the token budget (within an item's length)."""
     budget = scorer.config.max_batch_tokens
-    length = max(1, min(scorer.max_input_tokens, 512, budget) - 8)
+    length = min(_room(scorer, _template_tokens(scorer)), FULL_BUDGET_ITEM)
     requests = []
     held = 0
     for n in itertools.count():

@@ -144,6 +144,16 @@ def test_every_kind_of_model_takes_its_warm_up(architecture: str, tmp_path: Path
         assert scorer.sliding_window is not None and report.batches >= 2 * 9
 
 
+@pytest.mark.parametrize("max_input_tokens", [1, 6, 40])
+def test_a_short_prompt_limit_leaves_out_what_cannot_be_sent(
+    max_input_tokens: int, tiny_llama_dir: Path
+) -> None:
+    # Every synthetic prompt within the limit (a prompt over it would be refused, and the start-up with it).
+    scorer = _scorer(tiny_llama_dir, compile="off", max_input_tokens=max_input_tokens)
+    report = warm_up(scorer)
+    assert report.batches >= 2 and report.tokens <= report.batches * 3 * max_input_tokens
+
+
 def test_a_variant_that_fails_refuses_to_start(tiny_llama_dir: Path) -> None:
     flash = FlashStandIn()
 
