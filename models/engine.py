@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import operator
 import time
@@ -65,6 +66,9 @@ class BatchStats:
     # Tokens of the packed row the forward computed: `tokens` less what shared prefixes saved (0: not
     # reported, read as `tokens`).
     packed_tokens: int = 0
+    # Graphs torch.compile traced for the compiled layers while this batch launched: a kind of batch they
+    # had not met (models/warmup.py); each holds the model for seconds on a GPU.
+    compiled_graphs: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,7 @@ class _Launched:
     rows: HostRows | None  # the asked pooled hidden states, on their way to the host
     hidden_bytes: dict[str, int]
     packed_tokens: int
+    compiled_graphs: int = 0  # see BatchStats
 
 
 @dataclass(eq=False)
@@ -512,12 +517,16 @@ class Scorer:
         self, batch: list[PreparedRequest], on_batch: BatchObserver | None
     ) -> _Launched | list[ScoreResult]:
         started = time.perf_counter()
+        traced = traced_graphs() if self._compiled is not None else 0
         try:
-            return self._launch_batch(batch)
+            launched = self._launch_batch(batch)
         except DeviceLostError:
             raise
         except Exception as exc:  # out of memory, kernel errors: find the request that causes it
             return self._after_failure(batch, exc, on_batch, started)
+        if self._compiled is not None:
+            launched.compiled_graphs = traced_graphs() - traced
+        return launched
 
     def _finish_batch(
         self, launched: _Launched | list[ScoreResult], on_batch: BatchObserver | None
@@ -532,10 +541,15 @@ class Scorer:
             raise
         except Exception as exc:  # a kernel error surfaces where the host waits for the device
             return self._after_failure(batch, exc, on_batch, launched.started)
+        if launched.compiled_graphs:
+            log.info(
+                "a batch of %d prompts (%d tokens) compiled %d layer graphs: it took %.2f s",
+                sum(launched.item_counts), output.packed_tokens,
+                launched.compiled_graphs, output.forward_s,
+            )  # fmt: skip
         if on_batch is not None:
-            on_batch(
-                _stats(batch, output.forward_s, output.copy_s, output.hidden_bytes, output.packed_tokens)
-            )
+            stats = _stats(batch, output.forward_s, output.copy_s, output.hidden_bytes, output.packed_tokens)
+            on_batch(dataclasses.replace(stats, compiled_graphs=launched.compiled_graphs))
         tokenize_s = sum(p.tokenize_s for p in batch)
         timings = {"tokenize_s": tokenize_s, "forward_s": output.forward_s, "copy_s": output.copy_s}
         return [
@@ -951,6 +965,13 @@ def compile_layers(base: torch.nn.Module) -> CompiledLayers | None:
     """CompiledLayers for `base`'s decoder layers, or None when it has none."""
     layers = decoder_layers(base)
     return None if layers is None else CompiledLayers(layers)
+
+
+def traced_graphs() -> int:
+    """Graphs torch.compile has traced in this process so far."""
+    import torch._dynamo.utils  # loaded with torch.compile; imported here for a process that never compiled
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def _stats(

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from models.engine import traced_graphs
 from models.errors import ModelLoadError
 from models.prepare import PreparedRequest
 from models.selfcheck import judge_labels
@@ -64,7 +65,7 @@ def warm_up(scorer: Scorer) -> WarmUpReport:
     """Score the synthetic batches (see the module's docstring); ModelLoadError when one of them fails: a
     model that cannot score them would fail the same requests in traffic."""
     started = time.perf_counter()
-    graphs_before = _traced_graphs()
+    graphs_before = traced_graphs()
     recorded_before = scorer.graphs.recorded if scorer.graphs is not None else 0
     batches = tokens = 0
     if scorer.compiled or scorer.graphs is not None:
@@ -79,7 +80,7 @@ def warm_up(scorer: Scorer) -> WarmUpReport:
     return WarmUpReport(
         batches=batches,
         tokens=tokens,
-        compiled_graphs=_traced_graphs() - graphs_before,
+        compiled_graphs=traced_graphs() - graphs_before,
         cuda_graphs=(scorer.graphs.recorded if scorer.graphs is not None else 0) - recorded_before,
         seconds=time.perf_counter() - started,
     )
@@ -200,13 +201,6 @@ def _score(scorer: Scorer, name: str, requests: list[ScoreRequest]) -> int:
             detail = f"{error.code}: {error.message}" if error is not None else "no scores"
             raise ModelLoadError(f"warm-up: the batch of {name} failed ({detail})")
     return tokens
-
-
-def _traced_graphs() -> int:
-    """Graphs torch.compile has traced in this process so far."""
-    import torch._dynamo.utils
-
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def describe(report: WarmUpReport) -> str:

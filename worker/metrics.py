@@ -159,6 +159,11 @@ class WorkerMetrics:
         )
         self.batches = counter("batches_total", "model batches run")
         self.batch_failures = counter("batch_failures_total", "model batches whose forward pass raised")
+        self.layer_compilations = counter(
+            "layer_compilations_total",
+            "graphs torch.compile traced for the compiled layers while serving (a kind of batch the start-up "
+            "warm-up did not show them; each holds the model for seconds)",
+        )
         self.hidden_requests = counter("hidden_state_requests_total", "requests that asked for hidden states")
         self.copied_bytes = counter("hidden_state_copied_bytes_total", "hidden-state bytes copied", "dtype")
         self.published_bytes = counter(
@@ -211,7 +216,7 @@ class WorkerMetrics:
             self.e2e, self.batch_wait, self.tokenize, self.forward, self.hidden_copy, self.encode,
             self.publish, self.batch_size, self.batch_tokens, self.batch_fill, self.hidden_share,
             self.requests, self.items, self.tokens, self.prefix_saved, self.intake_processed,
-            self.intake_restarts, self.batches, self.batch_failures,
+            self.intake_restarts, self.batches, self.batch_failures, self.layer_compilations,
             self.hidden_requests, self.commits, self.commit_failures, self.rebalances, self.assigned,
             self.inflight, self.inflight_bytes, self.paused,
         ):  # fmt: skip
@@ -262,6 +267,8 @@ class WorkerMetrics:
             self._of(self.batch_failures).inc()
             return
         self._of(self.forward).observe(stats.forward_s)
+        if stats.compiled_graphs:
+            self._of(self.layer_compilations).inc(stats.compiled_graphs)
         self._of(self.items).inc(stats.items)
         self._of(self.tokens).inc(stats.tokens)
         if stats.packed_tokens:

@@ -177,6 +177,11 @@ def failures(d: Layout) -> None:
         (f"sum(increase({P}_rebalances_total{{{SEL}}}[{RI}]))", "rebalances"),
         (f"sum by (worker) ({P}_assigned_partitions{{{SEL}}})", "partitions {{worker}}"),
     ], "short")  # fmt: skip
+    d.panel("Layer compilations while serving", [
+        (f"sum by (worker) (increase({P}_layer_compilations_total{{{SEL}}}[{RI}]))", "{{worker}}"),
+    ], "short", description="Graphs torch.compile traced for the compiled layers after start-up: a kind of "
+       "batch the start-up warm-up did not show them (warm_up off, or a kind it does not know). Each held "
+       "the model for seconds on a GPU; the worker logs the batch.")  # fmt: skip
 
 
 def hidden_states(d: Layout) -> None:

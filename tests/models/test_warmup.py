@@ -20,7 +20,7 @@ from test_triton_attention import FlashStandIn
 
 pytest.importorskip("triton")
 
-from models import Scorer, ScorerConfig, triton_attention, write_tiny_model
+from models import BatchStats, Scorer, ScorerConfig, triton_attention, write_tiny_model
 from models.attention import triton_or_flash
 from models.errors import ModelLoadError
 from models.prepare import PreparedRequest
@@ -115,12 +115,16 @@ def test_the_traffic_compiles_without_it(tiny_llama_dir: Path, monkeypatch: pyte
     # The check above means something only if the traffic meets graphs the first batch does not make.
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
     torch._dynamo.reset()
+    # Each batch that compiles says so in its stats (the worker counts them, logs the batch).
     scorer = _scorer(tiny_llama_dir)
     scorer.score(_traffic_requests(TRAFFIC[2], 0))
     first = _graphs_traced()
+    stats: list[BatchStats] = []
     for salt, batch in enumerate(TRAFFIC):
-        scorer.score(_traffic_requests(batch, salt))
+        scorer.score_prepared([scorer.prepare(r) for r in _traffic_requests(batch, salt)], stats.append)
     assert _graphs_traced() - first >= 8  # 10 with torch 2.13
+    assert sum(s.compiled_graphs for s in stats) == _graphs_traced() - first
+    assert any(s.compiled_graphs == 0 for s in stats)
 
 
 def test_nothing_to_warm_on_the_exact_path(tiny_llama_dir: Path) -> None:

@@ -173,3 +173,13 @@ def test_metric_names_units_and_labels_follow_the_conventions() -> None:
             assert bounds[0] <= 0.001 and bounds[-2] >= 10, family.name  # bounds[-1] is +Inf
     assert kinds["histogram"] >= 11 and kinds["counter"] >= 12 and kinds["gauge"] >= 5
     assert LATENCY_BUCKETS[0] == 0.001 and LATENCY_BUCKETS[-1] >= 30
+
+
+def test_layer_compilations_while_serving_are_counted() -> None:
+    metrics = WorkerMetrics("w-1")
+    metrics.bind_model(ModelInfo("m", "LlamaForSequenceClassification", "bfloat16", "cuda:0", 64), 8192)
+    sample = 'score_worker_layer_compilations_total{model="m",worker="w-1"}'
+    assert f"{sample} 0.0" in metrics.exposition().decode()  # from the start, for the dashboard's panel
+    metrics.model_batch(BatchStats(2, 3, 30, 0.01, 0.001, 1, compiled_graphs=3))
+    metrics.model_batch(BatchStats(1, 1, 9, 0.01, 0.001, 0))
+    assert f"{sample} 3.0" in metrics.exposition().decode()
