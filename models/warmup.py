@@ -24,7 +24,6 @@ costs what every later one does.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,8 +37,6 @@ from schemas import ScoreRequest
 
 if TYPE_CHECKING:
     from models.engine import Scorer
-
-log = logging.getLogger(__name__)
 
 SHORT = 16  # tokens of a short item: flash's side of the length switch for every kernel
 # The long side: twice the switch of the Triton kernel (models.triton_attention.MIN_LENGTH), read when the
