@@ -202,6 +202,8 @@ def _score(scorer: Scorer, name: str, requests: list[ScoreRequest]) -> int:
 
 def describe(report: WarmUpReport) -> str:
     """One line for the log."""
+    if not report.batches:
+        return "nothing to warm up: no compiled layers, no CUDA graphs, not a GPU"
     return (
         f"warmed up in {report.seconds:.2f} s: {report.batches} batches of {report.tokens} tokens, "
         f"{report.compiled_graphs} layer graphs compiled, {report.cuda_graphs} CUDA graphs recorded"

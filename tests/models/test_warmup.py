@@ -132,6 +132,7 @@ def test_nothing_to_warm_on_the_exact_path(tiny_llama_dir: Path) -> None:
     assert not scorer.compiled and scorer.graphs is None
     report = warm_up(scorer)
     assert (report.batches, report.tokens, report.cuda_graphs) == (0, 0, 0)
+    assert describe(report).startswith("nothing to warm up")
 
 
 @pytest.mark.parametrize("architecture", ["judge", "bert", "mistral"])
