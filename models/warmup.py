@@ -37,6 +37,9 @@ from schemas import ScoreRequest
 
 if TYPE_CHECKING:
     from models.engine import Scorer
+    from schemas import ScoreResult
+
+    Prepared = PreparedRequest | ScoreResult  # what Scorer.prepare returns
 
 SHORT = 16  # tokens of a short item: flash's side of the length switch for every kernel
 # The long side: twice the switch of the Triton kernel (models.triton_attention.MIN_LENGTH), read when the
@@ -65,14 +68,15 @@ def warm_up(scorer: Scorer) -> WarmUpReport:
     graphs_before = traced_graphs()
     recorded_before = scorer.graphs.recorded if scorer.graphs is not None else 0
     batches = tokens = 0
+    extra = _template_tokens(scorer)
     if scorer.compiled or scorer.graphs is not None:
         repeats = 2 if scorer.graphs is not None else 1
-        for name, lengths, query in _variants(scorer):
+        for name, lengths, query in _variants(scorer, extra):
             for _ in range(repeats):
-                tokens += _score(scorer, name, [_request(scorer, name, lengths, query)])
+                tokens += _score(scorer, name, [scorer.prepare(_request(scorer, name, lengths, query))])
                 batches += 1
     if scorer.device.type == "cuda":
-        tokens += _score(scorer, "full token budget", _full_budget(scorer))
+        tokens += _score(scorer, "full token budget", _full_budget(scorer, extra))
         batches += 1
     return WarmUpReport(
         batches=batches,
@@ -86,10 +90,9 @@ def warm_up(scorer: Scorer) -> WarmUpReport:
 Variant = tuple[str, tuple[int, ...], int]  # a name, the items' lengths, the length of a query they share
 
 
-def _variants(scorer: Scorer) -> list[Variant]:
+def _variants(scorer: Scorer, extra: int) -> list[Variant]:
     """The batches that show the layers each variant (each a single request, so a single batch), no two
-    alike."""
-    extra = _template_tokens(scorer)
+    alike; a prompt holds `extra` tokens besides its ids."""
     limit = _room(scorer, extra)
     short = min(SHORT, limit)
     long = min(limit, LONG_OVER_SWITCH * _length_switch())
@@ -171,26 +174,24 @@ def _request(scorer: Scorer, name: str, lengths: Sequence[int], query: int) -> S
     )
 
 
-def _full_budget(scorer: Scorer) -> list[ScoreRequest]:
-    """Requests of one item each that together fill the token budget (within an item's length)."""
+def _full_budget(scorer: Scorer, extra: int) -> list[Prepared]:
+    """Requests of one item each, prepared, that together fill the token budget (within an item's length)."""
     budget = scorer.config.max_batch_tokens
-    length = min(_room(scorer, _template_tokens(scorer)), FULL_BUDGET_ITEM)
-    requests = []
+    length = min(_room(scorer, extra), FULL_BUDGET_ITEM)
+    requests: list[Prepared] = []
     held = 0
     for n in itertools.count():
-        request = _request(scorer, f"full budget {n}", (length,), 0)
-        prepared = scorer.prepare(request)
+        prepared = scorer.prepare(_request(scorer, f"full budget {n}", (length,), 0))
         size = prepared.num_tokens if isinstance(prepared, PreparedRequest) else length
         if held + size > budget:
             break
-        requests.append(request)
+        requests.append(prepared)
         held += size
-    return requests or [_request(scorer, "full budget", (1,), 0)]
+    return requests or [scorer.prepare(_request(scorer, "full budget", (1,), 0))]
 
 
-def _score(scorer: Scorer, name: str, requests: list[ScoreRequest]) -> int:
-    """Score `requests` (one batch); the tokens they held. ModelLoadError on any error result."""
-    prepared = [scorer.prepare(request) for request in requests]
+def _score(scorer: Scorer, name: str, prepared: list[Prepared]) -> int:
+    """Score prepared requests (one batch); the tokens they held. ModelLoadError on any error result."""
     tokens = sum(p.num_tokens for p in prepared if isinstance(p, PreparedRequest))
     for result in scorer.score_prepared(prepared):
         if not result.ok:

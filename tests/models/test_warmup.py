@@ -173,14 +173,15 @@ def test_a_variant_that_fails_refuses_to_start(tiny_llama_dir: Path) -> None:
 
 
 def test_the_full_budget_batch_fills_the_budget(tiny_llama_dir: Path) -> None:
-    from models.warmup import _full_budget
+    from models.warmup import _full_budget, _template_tokens
 
     scorer = _scorer(tiny_llama_dir, max_batch_tokens=3000)
-    requests = _full_budget(scorer)
-    sizes = [p.num_tokens for p in map(scorer.prepare, requests) if isinstance(p, PreparedRequest)]
-    assert len(sizes) == len(requests) > 1
+    prepared = _full_budget(scorer, _template_tokens(scorer))
+    ready = [p for p in prepared if isinstance(p, PreparedRequest)]
+    sizes = [p.num_tokens for p in ready]
+    assert len(sizes) == len(prepared) > 1
     assert 3000 - max(sizes) < sum(sizes) <= 3000
-    assert [len(b) for b in scorer.batch_runs([scorer.prepare(r) for r in requests], 3000)] == [len(requests)]
+    assert [len(b) for b in scorer.batch_runs(ready, 3000)] == [len(prepared)]
 
 
 def test_the_worker_warms_its_scorer_before_serving(
