@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import operator
 import time
@@ -548,8 +547,12 @@ class Scorer:
                 launched.compiled_graphs, output.forward_s,
             )  # fmt: skip
         if on_batch is not None:
-            stats = _stats(batch, output.forward_s, output.copy_s, output.hidden_bytes, output.packed_tokens)
-            on_batch(dataclasses.replace(stats, compiled_graphs=launched.compiled_graphs))
+            on_batch(
+                _stats(
+                    batch, output.forward_s, output.copy_s, output.hidden_bytes, output.packed_tokens,
+                    compiled_graphs=launched.compiled_graphs,
+                )
+            )  # fmt: skip
         tokenize_s = sum(p.tokenize_s for p in batch)
         timings = {"tokenize_s": tokenize_s, "forward_s": output.forward_s, "copy_s": output.copy_s}
         return [
@@ -981,6 +984,7 @@ def _stats(
     hidden_bytes: dict[str, int],
     packed_tokens: int | None = None,
     failed: bool = False,
+    compiled_graphs: int = 0,
 ) -> BatchStats:
     return BatchStats(
         requests=len(batch),
@@ -992,6 +996,7 @@ def _stats(
         hidden_requests=sum(1 for p in batch if _wants_hidden(p)),
         hidden_bytes=hidden_bytes,
         failed=failed,
+        compiled_graphs=compiled_graphs,
     )
 
 
