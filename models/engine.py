@@ -391,6 +391,15 @@ class Scorer:
         """The CUDA graphs of small packed batches (None when off): counts of recordings and replays."""
         return self._graphs
 
+    @torch.inference_mode()
+    def record_small_batch_graphs(self) -> int:
+        """Record the CUDA graphs of every small batch a request of a few items can make
+        (GraphedForward.record_ahead), up to the token budget; how many were recorded (0 without graphs)."""
+        if self._graphs is None:
+            return 0
+        with self._compiled or contextlib.nullcontext(), self._fused_mlps or contextlib.nullcontext():
+            return self._graphs.record_ahead(self.config.max_batch_tokens)
+
     @property
     def num_labels(self) -> int:
         """Floats per item from the model's own head (a judge has one per label id it is asked for)."""

@@ -6,10 +6,14 @@ latency. A CUDA graph records those launches once and replays them with one call
 
 A graph is recorded for fixed shapes, so a batch is padded up to a bucket (`GraphKey`):
 - tokens: a multiple of 16 up to 128, then 8 steps per doubling (at most 1/8 of the bucket is padding);
-- sequences (items): the next power of two; the unused slots are empty sequences (cu_seqlens repeats the
-  total);
-- longest item: the next power of two (at least 16), at most the token bucket. The attention kernel sizes its
-  grid by it, so it is part of the key rather than always the token bucket;
+- sequences (items): the next power of two, at least MIN_SEQUENCES; the unused slots are empty sequences
+  (cu_seqlens repeats the total);
+- longest item: the attention kernels size their grid by it, and the Triton kernel takes only batches whose
+  longest is past its length switch (models.triton_attention.takes), so it is part of the key. In batches of
+  up to SMALL_BATCH_TOKENS tokens only the side of the switch counts: the longest is keyed as the token
+  bucket when past the switch, else as the switch (or the bucket, if smaller). Such batches cost the host far
+  more than the GPU, so a grid sized by the bucket costs them nothing to speak of. Larger batches key the
+  next power of two (at least 16, at most the bucket), so that their grids stay close to their work;
 - with shared prefixes (models/packing.py): the groups, like the sequences, and the most suffix rows of a
   group and the longest prefix, like the longest item (the unused group slots are empty); where keys are
   gathered (sliding windows), also the key rows, bucketed like the tokens, and the longest key range, like
@@ -23,7 +27,11 @@ transformer works row by row, so whatever the padding rows hold never reaches an
 token ids and positions, so no kernel can fault on them.
 
 A shape is recorded when it comes a second time (the first batch of a shape takes the ordinary forward, the
-second runs once on the buffers, which is its result, and is then recorded; later ones replay). Graphs share
+second runs once on the buffers, which is its result, and is then recorded; later ones replay). The shapes
+of a batch of up to MIN_SEQUENCES sequences and SMALL_BATCH_TOKENS tokens (one request of a few items: what
+a worker at low load meets) are few, about two per token bucket, and the start-up warm-up records them all
+ahead (`record_ahead`), so that such a request replays a graph the first time its shape comes; those are
+held for good, outside the capacity. Graphs share
 one memory pool (they never run at once), copy their output into one buffer, and the least recently used is
 dropped beyond `capacity`. A recording that fails turns graphs off for the process with a warning; every
 batch then takes the ordinary forward.
@@ -47,6 +55,13 @@ STEPS_PER_DOUBLING = 8
 DEFAULT_CAPACITY = 256  # graphs held; their memory is one shared pool, each adds only its kernel list
 KEYS_PER_TOKEN = 16  # key rows the buffers hold per token of the largest batch (shared prefixes repeat)
 SEEN_SHAPES = 4096  # shapes met once, remembered so that the second batch of a shape records it
+# Sequence slots a graph has at least: one request of one to four items takes the same graph. An empty slot
+# costs the attention kernels a few programs that exit at once, and the last layer a pooled row.
+MIN_SEQUENCES = 4
+# Batches of up to this many tokens key their longest sequence by the side of the attention kernel's switch
+# only (see above), and the warm-up records their graphs ahead. A W2 request (1-4 items of 32-512 tokens)
+# is within it.
+SMALL_BATCH_TOKENS = 2048
 
 
 class PackedForward(Protocol):
@@ -129,17 +144,44 @@ def graph_key(
     def length(n: int, within: int) -> int:
         return min(within, max(MIN_TOKENS, next_power_of_two(n)))
 
+    if tokens <= SMALL_BATCH_TOKENS:
+        switch = _length_switch()
+        max_length = tokens if longest > switch else min(tokens, switch)
+    else:
+        max_length = length(longest, tokens)
     key_rows = token_bucket(keys) if keys else 0
     return GraphKey(
         tokens,
-        next_power_of_two(items),
-        length(longest, tokens),
+        max(MIN_SEQUENCES, next_power_of_two(items)),
+        max_length,
         key_rows,
         length(longest_keys, key_rows) if keys else 0,
         next_power_of_two(groups) if groups else 0,
         length(most_suffixes, tokens) if groups else 0,
         length(longest_prefix, tokens) if groups else 0,
     )
+
+
+def _length_switch() -> int:
+    """The longest sequence the Triton attention kernel leaves to flash, read at each call."""
+    from models import triton_attention  # imports models.config, which imports this module
+
+    return triton_attention.MIN_LENGTH
+
+
+def small_batch_keys(max_tokens: int) -> list[GraphKey]:
+    """The keys of every batch of up to MIN_SEQUENCES sequences and `max_tokens` tokens (at most
+    SMALL_BATCH_TOKENS) without shared prefixes: for each token bucket, one per side of the attention
+    kernel's length switch that such a batch can reach (none short past MIN_SEQUENCES short sequences)."""
+    switch = _length_switch()
+    keys: dict[GraphKey, None] = {}
+    fewest, tokens = 1, MIN_TOKENS  # the bucket's token counts run from `fewest` to `tokens`
+    while tokens <= min(max_tokens, SMALL_BATCH_TOKENS):
+        if fewest <= MIN_SEQUENCES * switch:
+            keys[graph_key(tokens, 1, min(tokens, switch))] = None
+        keys[graph_key(tokens, 1, tokens)] = None
+        fewest, tokens = tokens + 1, token_bucket(tokens + 1)
+    return list(keys)
 
 
 def cuda_recorder(device: torch.device) -> Recorder:
@@ -193,6 +235,9 @@ class GraphedForward:
         self.replays = 0
         self._record = recorder or cuda_recorder(device)
         self._graphs: OrderedDict[GraphKey, Callable[[], None]] = OrderedDict()
+        # Graphs recorded ahead (record_ahead): held for good, outside the capacity, so that a spell of large
+        # batches in many shapes does not drop them before the next quiet spell needs them.
+        self._ahead: dict[GraphKey, Callable[[], None]] = {}
         self._seen: OrderedDict[GraphKey, None] = OrderedDict()
         rows = token_bucket(max_tokens)
         # Buffers the graphs read and write: allocated once, outside the graphs' pool, at the largest shape.
@@ -222,7 +267,7 @@ class GraphedForward:
     @property
     def graphs(self) -> int:
         """Graphs held now."""
-        return len(self._graphs)
+        return len(self._graphs) + len(self._ahead)
 
     def run(self, packed: PackedBatch) -> torch.Tensor | None:
         """Hidden states [total, H] of `packed`, or None when it takes the ordinary forward (too many tokens,
@@ -243,30 +288,61 @@ class GraphedForward:
             0 if cross is None else cross.max_q,
             0 if cross is None else cross.max_k,
         )
-        replay = self._graphs.get(key)
+        replay = self._ahead.get(key) or self._graphs.get(key)
         if replay is None and not self._seen_before(key):
             return None  # a shape met once may never come back: not worth a recording yet
         self._fill(packed, key, total, items)
         if replay is not None:
-            self._graphs.move_to_end(key)
+            if key in self._graphs:
+                self._graphs.move_to_end(key)
             replay()
             self.replays += 1
             return self._out[:total]
-        hidden = self._call(key)  # this batch's result; recording below runs nothing
+        return self._run_and_record(key)[:total]
+
+    def record_ahead(self, max_tokens: int = SMALL_BATCH_TOKENS) -> int:
+        """Record now the graph of every batch of up to MIN_SEQUENCES sequences and `max_tokens` tokens
+        (small_batch_keys; at most SMALL_BATCH_TOKENS and this forward's own limit) that is not held yet;
+        how many it recorded. The buffers hold one sequence as long as the key's longest and whatever
+        earlier batches left (valid ids and positions); what the forward computes from them is not read."""
+        recorded = self.recorded
+        for key in small_batch_keys(min(max_tokens, self.max_tokens)):
+            if not self.enabled:
+                break
+            if key in self._ahead:
+                continue
+            if key in self._graphs:  # recorded from traffic already: held for good from now on
+                self._ahead[key] = self._graphs.pop(key)
+                continue
+            length = min(key.tokens, key.max_length)
+            self._cu[0] = 0
+            self._cu[1 : key.sequences + 1].fill_(length)
+            if self._rows is not None:
+                self._rows[: pooled_row_slots(key.sequences)].fill_(length - 1)
+            self._run_and_record(key)
+            if key in self._graphs:
+                self._ahead[key] = self._graphs.pop(key)
+        return self.recorded - recorded
+
+    def _run_and_record(self, key: GraphKey) -> torch.Tensor:
+        """Run the forward of `key` on the buffers (the result of the batch they hold), then record it; the
+        whole output buffer of that run. A failed recording turns graphs off."""
+        hidden = self._call(key)  # recording below runs nothing
         try:
             self._graphs[key] = self._record(lambda: self._write(key))
         except Exception as exc:  # a kernel that cannot be recorded: the ordinary forward from now on
             self.enabled = False
             self._graphs.clear()
+            self._ahead.clear()
             log.warning(
                 "recording a CUDA graph failed (%s: %s): every batch takes the ordinary forward from now on",
                 type(exc).__name__, exc,
             )  # fmt: skip
-            return hidden[:total]
+            return hidden
         self.recorded += 1
         if len(self._graphs) > self.capacity:
             self._graphs.popitem(last=False)
-        return hidden[:total]
+        return hidden
 
     def _seen_before(self, key: GraphKey) -> bool:
         """Whether `key` came before (among the last SEEN_SHAPES shapes not recorded); notes it if not."""

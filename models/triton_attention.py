@@ -56,9 +56,10 @@ OP_NAME = "score_worker::varlen_flash_forward"
 
 def takes(longest: int) -> bool:
     """Whether a batch whose longest sequence has `longest` tokens runs here rather than in flash: when that
-    is over MIN_LENGTH. A CUDA graph is recorded with the longest rounded up, at most to the next power of
-    two (models.graphs.graph_key), and MIN_LENGTH is a power of two, so the rounded length is over it
-    exactly when the batch's own is: a batch replayed from a graph takes the kernel it takes without one,
+    is over MIN_LENGTH. A CUDA graph is recorded with the longest rounded up (models.graphs.graph_key): in
+    small batches to the token bucket past MIN_LENGTH and to MIN_LENGTH below it, in larger ones at most to
+    the next power of two, and MIN_LENGTH is a power of two; so the rounded length is over it exactly when
+    the batch's own is: a batch replayed from a graph takes the kernel it takes without one,
     and its results never depend on whether its shape had been recorded (the deterministic setting promises
     the same bits either way). One comparison, so that torch.compile guards on it and nothing more."""
     return longest > MIN_LENGTH

@@ -14,6 +14,11 @@ capacity queued the requests behind it for seconds (docs/benchmarks.md). So befo
 scores one small synthetic batch of each variant its settings allow, each twice where CUDA graphs are on
 (the second sight of a shape records its graph, which reaches the layers through the graphs' own buffers).
 
+Where CUDA graphs are on, it then records the graph of every small batch one request of a few items can make
+(models.graphs.small_batch_keys: about two per token bucket up to 2,048 tokens, 56 in all), so that a worker
+at low load replays a graph from its first request rather than running the host-bound ordinary forward
+until each shape has come twice.
+
 On a CUDA device it then scores one batch at the full token budget: the allocator reserves that memory now,
 and a budget the GPU cannot hold fails here rather than on the first large batch.
 
@@ -51,14 +56,16 @@ FULL_BUDGET_ITEM = 512  # ids of each item of the full-budget batch: W2's and W1
 @dataclass(frozen=True)
 class WarmUpReport:
     """What the warm-up ran: batches (the repeats for graphs included), tokens in them, graphs torch.compile
-    traced while it ran (0 where the layers are not compiled, or were warm already), CUDA graphs recorded,
-    and how long it took."""
+    traced while it ran (0 where the layers are not compiled, or were warm already), CUDA graphs recorded
+    (those of small batches recorded ahead included, and counted in `ahead_graphs` too), and how long it
+    took."""
 
     batches: int
     tokens: int
     compiled_graphs: int
     cuda_graphs: int
     seconds: float
+    ahead_graphs: int = 0
 
 
 def warm_up(scorer: Scorer) -> WarmUpReport:
@@ -75,6 +82,7 @@ def warm_up(scorer: Scorer) -> WarmUpReport:
             for _ in range(repeats):
                 tokens += _score(scorer, name, [scorer.prepare(_request(scorer, name, lengths, query))])
                 batches += 1
+    ahead = scorer.record_small_batch_graphs()
     if scorer.device.type == "cuda":
         tokens += _score(scorer, "full token budget", _full_budget(scorer, extra))
         batches += 1
@@ -84,6 +92,7 @@ def warm_up(scorer: Scorer) -> WarmUpReport:
         compiled_graphs=traced_graphs() - graphs_before,
         cuda_graphs=(scorer.graphs.recorded if scorer.graphs is not None else 0) - recorded_before,
         seconds=time.perf_counter() - started,
+        ahead_graphs=ahead,
     )
 
 
@@ -207,7 +216,8 @@ def describe(report: WarmUpReport) -> str:
         return "nothing to warm up: no compiled layers, no CUDA graphs, not a GPU"
     return (
         f"warmed up in {report.seconds:.2f} s: {report.batches} batches of {report.tokens} tokens, "
-        f"{report.compiled_graphs} layer graphs compiled, {report.cuda_graphs} CUDA graphs recorded"
+        f"{report.compiled_graphs} layer graphs compiled, {report.cuda_graphs} CUDA graphs recorded "
+        f"({report.ahead_graphs} of them ahead, for small batches)"
     )
 
 

@@ -93,6 +93,35 @@ def test_a_replayed_graph_scores_the_batch_it_is_given(count: int, tiny_qwen3_di
     assert apart.min() > 0.1
 
 
+def test_graphs_recorded_ahead_score_a_request_the_first_time_its_shape_comes(tiny_qwen3_dir: Path) -> None:
+    """Small-batch graphs recorded before any request (on placeholder buffers), then replayed on requests of
+    one to four items on each side of the Triton kernel's switch: their own results, as without graphs."""
+    from models.graphs import SMALL_BATCH_TOKENS, small_batch_keys
+
+    graphed = Scorer(tiny_qwen3_dir, ScorerConfig(device="cuda", dtype="bfloat16"))
+    plain = Scorer(tiny_qwen3_dir, ScorerConfig(device="cuda", dtype="bfloat16", cuda_graphs="off"))
+    assert graphed.graphs is not None and graphed.attention_kernel == "triton"
+    assert graphed.record_small_batch_graphs() == len(small_batch_keys(SMALL_BATCH_TOKENS))
+    generator = np.random.default_rng(5)
+    for n, lengths in enumerate([(30,), (3, 41, 200), (17, 1, 1, 1), (500, 480, 2), (300, 300, 300, 300)]):
+        request = ScoreRequest(
+            request_id=f"ahead-{n}",
+            items=tuple(tuple(generator.integers(4, 500, length).tolist()) for length in lengths),
+            return_pooled_hidden_states=True,
+        )
+        got, want = graphed.score([request])[0], plain.score([request])[0]
+        assert got.ok and want.ok, (got.error, want.error)
+        assert graphed.graphs.replays == n + 1, lengths
+        want_scores = np.array([s[0] for s in want.scores], dtype=np.float32)
+        got_scores = np.array([s[0] for s in got.scores], dtype=np.float32)
+        scale = max(1.0, float(np.abs(want_scores).max()))
+        np.testing.assert_allclose(got_scores, want_scores, atol=2e-2 * scale, rtol=0)
+        assert got.pooled_hidden_states is not None and want.pooled_hidden_states is not None
+        for got_hidden, want_hidden in zip(got.pooled_hidden_states, want.pooled_hidden_states, strict=True):
+            g, w = (t.to_numpy().astype(np.float32) for t in (got_hidden, want_hidden))
+            assert np.linalg.norm(g - w) / np.linalg.norm(w) < 1e-2, lengths
+
+
 @pytest.mark.parametrize("kernel", ["flash", "triton", "fa4"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text"])
 def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(

@@ -18,8 +18,17 @@ import pytest
 import torch
 from scoring_testkit import CpuVarlenKernel, hidden_of, scores_of, token_requests
 
-from models import Scorer, ScorerConfig, write_tiny_model
-from models.graphs import MIN_TOKENS, GraphKey, graph_key, next_power_of_two, token_bucket
+from models import Scorer, ScorerConfig, triton_attention, write_tiny_model
+from models.graphs import (
+    MIN_SEQUENCES,
+    MIN_TOKENS,
+    SMALL_BATCH_TOKENS,
+    GraphKey,
+    graph_key,
+    next_power_of_two,
+    small_batch_keys,
+    token_bucket,
+)
 from schemas import ScoreRequest
 
 # Both paths run exact float32 attention per item; padding changes only the matmuls' tiling (a rounding).
@@ -77,9 +86,35 @@ def test_buckets_cover_the_batch_with_bounded_padding() -> None:
             assert bucket - tokens < bucket / 8  # 8 steps per doubling
         previous = bucket
     assert [next_power_of_two(n) for n in (0, 1, 2, 3, 64, 65)] == [1, 1, 2, 4, 64, 128]
-    assert graph_key(100, 1, 100) == GraphKey(112, 1, 112)  # the longest item never beyond the tokens
+    assert graph_key(100, 1, 100) == GraphKey(112, 4, 112)  # the longest item never beyond the tokens
     assert graph_key(6400, 64, 100) == GraphKey(6656, 64, 128)
     assert graph_key(3, 3, 1) == GraphKey(16, 4, 16)
+    assert graph_key(40, 5, 8) == GraphKey(48, 8, 48)
+
+
+def test_small_batches_key_only_the_side_of_the_attention_switch() -> None:
+    switch = triton_attention.MIN_LENGTH
+    assert MIN_SEQUENCES * switch < SMALL_BATCH_TOKENS  # both sides occur within small batches
+    # Up to SMALL_BATCH_TOKENS: the bucket past the switch, the switch (or the bucket) below it.
+    assert graph_key(1000, 3, switch + 44) == GraphKey(1024, 4, 1024)
+    assert graph_key(1000, 4, switch - 6) == GraphKey(1024, 4, switch)
+    assert graph_key(100, 2, 60) == GraphKey(112, 4, 112)
+    # Past it, the next power of two, so that a large batch's attention grid stays near its work.
+    assert graph_key(3000, 4, switch + 44) == GraphKey(3072, 4, 2 * switch)
+
+
+def test_the_small_batch_keys_are_every_key_of_a_request_of_a_few_items() -> None:
+    keys = small_batch_keys(SMALL_BATCH_TOKENS)
+    assert len(keys) == len(set(keys)) == 56  # 40 token buckets, 16 of them too large for a short side
+    met = set()
+    for items in range(1, MIN_SEQUENCES + 1):
+        for longest in range(1, SMALL_BATCH_TOKENS + 1):
+            # The fewest and the most tokens `items` sequences of this longest can hold, and one between.
+            for total in {longest + items - 1, (longest * items + longest + items) // 2, longest * items}:
+                if total <= SMALL_BATCH_TOKENS:
+                    met.add(graph_key(total, items, longest))
+    assert met == set(keys)
+    assert small_batch_keys(100) == [key for key in keys if key.tokens <= 100]
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma3_text", "phi3"])
@@ -97,6 +132,40 @@ def test_graphed_batches_score_like_the_exact_path(architecture: str, model_dirs
     _assert_same(graphed, plain, _requests([(28,), (5, 40), (16,), (3,)], seed=9))
     assert graphs.recorded == 1 and graphs.replays == 1 and recorder.recordings == 1
     assert graphed.info.cuda_graphs
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma3_text"])
+def test_small_batches_recorded_ahead_replay_from_their_first_batch(
+    architecture: str, model_dirs: dict[str, Path]
+) -> None:
+    recorder = CountingRecorder()
+    graphed, plain = _scorers(model_dirs[architecture], recorder)
+    graphs = graphed.graphs
+    assert graphs is not None
+    keys = small_batch_keys(SMALL_BATCH_TOKENS)
+    assert graphed.record_small_batch_graphs() == len(keys) == recorder.recordings == graphs.graphs
+    assert graphed.record_small_batch_graphs() == 0  # all held already
+    # One request of one to four items on each side of the switch, and a batch of a few requests: each
+    # replays the graph recorded ahead the first time its shape comes, on this batch's tokens.
+    batches = [[(30,)], [(3, 41, 200)], [(17, 1, 1, 1)], [(500, 480, 2)], [(9,), (12, 7)]]
+    for seed, batch in enumerate(batches):
+        _assert_same(graphed, plain, _requests(batch, seed=seed))
+    assert graphs.replays == len(batches) and graphs.recorded == len(keys)
+    # A spell of batches in other shapes (more sequences) fills and churns the capacity; the graphs recorded
+    # ahead stay held for the next quiet spell.
+    graphs.capacity = 1
+    for count in (5, 9):
+        for seed in (1, 2):
+            _assert_same(graphed, plain, _requests([(4,)] * count, seed=seed))
+    assert graphs.recorded == len(keys) + 2 and graphs.graphs == len(keys) + 1
+    _assert_same(graphed, plain, _requests(batches[1], seed=11))
+    assert graphs.recorded == len(keys) + 2 and graphs.replays == len(batches) + 1
+
+
+def test_recording_ahead_stays_within_the_graphs_token_limit(tiny_llama_dir: Path) -> None:
+    recorder = CountingRecorder()
+    graphed, _ = _scorers(tiny_llama_dir, recorder, graph_max_tokens=100)
+    assert graphed.record_small_batch_graphs() == len(small_batch_keys(100)) == recorder.recordings
 
 
 def test_mean_pooling_reads_only_the_items_rows(tiny_llama_dir: Path) -> None:

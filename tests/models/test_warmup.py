@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 from models import BatchStats, Scorer, ScorerConfig, triton_attention, write_tiny_model
 from models.attention import triton_or_flash
 from models.errors import ModelLoadError
+from models.graphs import small_batch_keys
 from models.prepare import PreparedRequest
 from models.warmup import describe, warm_up
 from schemas import ScoreRequest
@@ -97,8 +98,11 @@ def test_after_the_warm_up_no_batch_compiles(
     assert scorer.compiled and scorer.graphs is not None and scorer.shares_prefixes
     report = warm_up(scorer)
     assert report.compiled_graphs > 0 and report.cuda_graphs > 0, describe(report)
-    # Every variant twice: seen, then recorded (two variants may fall in one graph's shape).
-    assert report.batches % 2 == 0 and 0 < report.cuda_graphs <= report.batches // 2
+    # Every variant twice: seen, then recorded (two variants may fall in one graph's shape); then every
+    # small batch's graph that no variant recorded.
+    recorded_by_variants = report.cuda_graphs - report.ahead_graphs
+    assert report.batches % 2 == 0 and 0 < recorded_by_variants <= report.batches // 2
+    assert 0 < report.ahead_graphs <= len(small_batch_keys(512)) <= report.cuda_graphs
     traced = _graphs_traced()
     reference = Scorer(model_dirs[architecture], ScorerConfig(device="cpu", attention="reference"))
     for salt, batch in enumerate(TRAFFIC):
