@@ -19,7 +19,7 @@ A graph is recorded for fixed shapes, so a batch is padded up to a bucket (`Grap
   gathered (sliding windows), also the key rows, bucketed like the tokens, and the longest key range, like
   the longest item. Padding key rows point at row 0 and belong to no sequence.
 Where the last layer's row-wise modules run at the pooled rows only (models/pooled_rows.py), a buffer holds
-those rows, one per item, padded to the sequence slots (at least two: pooled_row_slots) by repeating the
+those rows, one per item, padded to the sequence slots (pooled_row_slots) by repeating the
 last.
 Padding tokens belong to no sequence: attention never reads them, and every other layer of a dense
 transformer works row by row, so whatever the padding rows hold never reaches an item's rows. Only the first
@@ -115,15 +115,13 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-# Never fewer pooled rows than this: torch.compile specializes a dynamic size that is 1, which would give the
-# last layer of a one-item batch graphs of its own.
-MIN_POOLED_ROWS = 2
-
-
 def pooled_row_slots(sequences: int) -> int:
     """The pooled rows a batch of `sequences` packed sequences computes in its last layer
-    (models/pooled_rows.py): its sequence slots in a CUDA graph of its shape, and at least MIN_POOLED_ROWS."""
-    return max(MIN_POOLED_ROWS, next_power_of_two(sequences))
+    (models/pooled_rows.py): its sequence slots in a CUDA graph of its shape (at least MIN_SEQUENCES), in
+    the ordinary forward too, so that a shape multiplies as many rows on either path. Never one row:
+    torch.compile specializes a dynamic size that is 1, which would give the last layer of a one-item batch
+    graphs of its own."""
+    return max(MIN_SEQUENCES, next_power_of_two(sequences))
 
 
 def graph_key(

@@ -74,8 +74,8 @@ class LastLayerAtPooledRows:
         return forward
 
     def at(self, rows: torch.Tensor) -> LastLayerAtPooledRows:
-        """The block in which the modules compute `rows` (a 1-D index tensor on the model's device, at least
-        two long: models.graphs.pooled_row_slots) only."""
+        """The block in which the modules compute `rows` (a 1-D index tensor on the model's device, padded
+        to models.graphs.pooled_row_slots, never one long) only."""
         torch._dynamo.maybe_mark_dynamic(rows, 0)  # dynamic from the first batch on, not from the second
         _ROWS[self._number] = rows
         return self

@@ -172,8 +172,8 @@ def test_padding_repeats_the_last_row() -> None:
     assert padded_rows(rows, 4).tolist() == [5, 9, 2, 2]
     assert padded_rows(rows, 3) is rows and padded_rows(rows, 2) is rows
     # A graph's sequence slots, never one row: torch.compile would give a count of 1 graphs of its own.
-    assert [pooled_row_slots(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [2, 2, 4, 4, 8, 64, 128]
-    assert padded_rows(torch.tensor([7]), pooled_row_slots(1)).tolist() == [7, 7]
+    assert [pooled_row_slots(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [4, 4, 4, 4, 8, 64, 128]
+    assert padded_rows(torch.tensor([7]), pooled_row_slots(1)).tolist() == [7, 7, 7, 7]
 
 
 def test_the_forward_in_place_is_what_runs_and_comes_back() -> None:
