@@ -30,11 +30,10 @@ A shape is recorded when it comes a second time (the first batch of a shape take
 second runs once on the buffers, which is its result, and is then recorded; later ones replay). The shapes
 of a batch of up to MIN_SEQUENCES sequences and SMALL_BATCH_TOKENS tokens (one request of a few items: what
 a worker at low load meets) are few, about two per token bucket, and the start-up warm-up records them all
-ahead (`record_ahead`), so that such a request replays a graph the first time its shape comes; those are
-held for good, outside the capacity. Graphs share
-one memory pool (they never run at once), copy their output into one buffer, and the least recently used is
-dropped beyond `capacity`. A recording that fails turns graphs off for the process with a warning; every
-batch then takes the ordinary forward.
+ahead (`record_ahead`), so that such a request replays a graph the first time its shape comes. Graphs share
+one memory pool (they never run at once) and copy their output into one buffer. Beyond `capacity` the least
+recently used is dropped; those recorded ahead are held for good, outside it. A recording that fails turns
+graphs off for the process with a warning; every batch then takes the ordinary forward.
 """
 
 from __future__ import annotations

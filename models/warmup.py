@@ -214,10 +214,10 @@ def describe(report: WarmUpReport) -> str:
     """One line for the log."""
     if not report.batches:
         return "nothing to warm up: no compiled layers, no CUDA graphs, not a GPU"
+    ahead = f" ({report.ahead_graphs} of them ahead, for small batches)" if report.ahead_graphs else ""
     return (
         f"warmed up in {report.seconds:.2f} s: {report.batches} batches of {report.tokens} tokens, "
-        f"{report.compiled_graphs} layer graphs compiled, {report.cuda_graphs} CUDA graphs recorded "
-        f"({report.ahead_graphs} of them ahead, for small batches)"
+        f"{report.compiled_graphs} layer graphs compiled, {report.cuda_graphs} CUDA graphs recorded{ahead}"
     )
 
 
