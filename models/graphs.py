@@ -142,7 +142,7 @@ def graph_key(
         return min(within, max(MIN_TOKENS, next_power_of_two(n)))
 
     if tokens <= SMALL_BATCH_TOKENS:
-        switch = _length_switch()
+        switch = length_switch()
         max_length = tokens if longest > switch else min(tokens, switch)
     else:
         max_length = length(longest, tokens)
@@ -159,7 +159,7 @@ def graph_key(
     )
 
 
-def _length_switch() -> int:
+def length_switch() -> int:
     """The longest sequence the Triton attention kernel leaves to flash, read at each call."""
     from models import triton_attention  # imports models.config, which imports this module
 
@@ -170,7 +170,7 @@ def small_batch_keys(max_tokens: int) -> list[GraphKey]:
     """The keys of every batch of up to MIN_SEQUENCES sequences and `max_tokens` tokens (at most
     SMALL_BATCH_TOKENS) without shared prefixes: for each token bucket, one per side of the attention
     kernel's length switch that such a batch can reach (none short past MIN_SEQUENCES short sequences)."""
-    switch = _length_switch()
+    switch = length_switch()
     keys: dict[GraphKey, None] = {}
     fewest, tokens = 1, MIN_TOKENS  # the bucket's token counts run from `fewest` to `tokens`
     while tokens <= min(max_tokens, SMALL_BATCH_TOKENS):
@@ -308,16 +308,14 @@ class GraphedForward:
                 break
             if key in self._ahead:
                 continue
-            if key in self._graphs:  # recorded from traffic already: held for good from now on
-                self._ahead[key] = self._graphs.pop(key)
-                continue
-            length = min(key.tokens, key.max_length)
-            self._cu[0] = 0
-            self._cu[1 : key.sequences + 1].fill_(length)
-            if self._rows is not None:
-                self._rows[: pooled_row_slots(key.sequences)].fill_(length - 1)
-            self._run_and_record(key)
-            if key in self._graphs:
+            if key not in self._graphs:  # else recorded from traffic already
+                length = min(key.tokens, key.max_length)
+                self._cu[0] = 0
+                self._cu[1 : key.sequences + 1].fill_(length)
+                if self._rows is not None:
+                    self._rows[: pooled_row_slots(key.sequences)].fill_(length - 1)
+                self._run_and_record(key)
+            if key in self._graphs:  # held for good from now on (absent if the recording failed)
                 self._ahead[key] = self._graphs.pop(key)
         return self.recorded - recorded
 

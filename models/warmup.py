@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from models.engine import traced_graphs
 from models.errors import ModelLoadError
+from models.graphs import length_switch
 from models.prepare import PreparedRequest
 from models.selfcheck import judge_labels
 from schemas import ScoreRequest
@@ -104,7 +105,7 @@ def _variants(scorer: Scorer, extra: int) -> list[Variant]:
     alike; a prompt holds `extra` tokens besides its ids."""
     limit = _room(scorer, extra)
     short = min(SHORT, limit)
-    long = min(limit, LONG_OVER_SWITCH * _length_switch())
+    long = min(limit, LONG_OVER_SWITCH * length_switch())
     variants: list[Variant] = [("one token", (1,), 0), ("one-token items", (1, 1), 0)]
     variants.append(("short items", (short, max(1, short - 3)), 0))
     if long > short:
@@ -130,7 +131,7 @@ def _shared_prefix_variants(prefix: int, room: int, where: str) -> list[Variant]
     suffixes), and a pass whose longest is one token is a variant of its own."""
     if prefix + 1 > room:
         return []
-    switch = _length_switch()
+    switch = length_switch()
     short = min(SHORT, room - prefix)
     variants: list[Variant] = [
         (f"a shared prefix{where}, one-token suffixes", (1, 1), prefix),
@@ -155,12 +156,6 @@ def _template_tokens(scorer: Scorer) -> int:
     """Tokens a prompt holds besides its query's and item's ids (a template's, special tokens)."""
     prepared = scorer.prepare(_request(scorer, "template", (1,), 1))
     return max(0, prepared.num_tokens - 2) if isinstance(prepared, PreparedRequest) else 0
-
-
-def _length_switch() -> int:
-    from models import triton_attention
-
-    return triton_attention.MIN_LENGTH
 
 
 def _ids(scorer: Scorer, count: int, offset: int) -> tuple[int, ...]:
