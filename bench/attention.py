@@ -5,9 +5,12 @@ Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/att
 
 Each case is one packed batch as the engine hands it to the kernel (q [T, H, D], k/v [T, Hkv, D], causal):
 W1's first token-budget batches (8B shapes, lognormal lengths), W3's prompts whole (query 512 + item 64,
-Qwen3-0.6B shapes), L1's 64 requests of 100 tokens, and a shared-prefix cross pass (suffixes over their
+Qwen3-0.6B shapes), L1's 64 requests of 100 tokens, W2-sized requests of one and four items, and a
+shared-prefix cross pass (suffixes over their
 prefix, not causal, with the log-sum-exp). Prints milliseconds and TFLOP/s of each kernel (the FLOPs the
-mask leaves: causal counts half the square), for every block configuration in `--configs`. Both kernels'
+mask leaves: causal counts half the square), launched back to back and replayed from a CUDA graph (the
+kernels alone, as the engine's graphs run them: short batches' launches take longer than their kernels),
+for every block configuration in `--configs`. Both kernels'
 outputs are compared with float32 attention on a sample of sequences; the script exits 1 when the Triton
 kernel's error exceeds twice flash's (plus 0.01), or its log-sum-exp differs by more than 0.01.
 Writes $OUT/attention.json.
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.common import environment, gpu_ms, make_lognormal_workload, out_dir, token_budget_chunks
+from bench.common import environment, gpu_ms, graph_ms, make_lognormal_workload, out_dir, token_budget_chunks
 from models import fa4_attention, triton_attention
 from models.attention import WANT_LSE, attend_causal, flash_varlen_gqa
 
@@ -68,7 +71,8 @@ class Case:
     def errors(self, out: torch.Tensor, lse: torch.Tensor | None, sample: int = 4) -> tuple[float, float]:
         """Max |out - float32 attention| and |lse - float32 log-sum-exp|, `sample` longest sequences."""
         out_err = lse_err = 0.0
-        longest = sorted(range(len(self.q_lengths)), key=lambda i: -self.q_lengths[i])[:sample]
+        by_length = sorted(range(len(self.q_lengths)), key=lambda i: -self.q_lengths[i])
+        longest = [i for i in by_length if self.q_lengths[i] > 0][:sample]
         bounds_q, bounds_k = self.cu_q.tolist(), self.cu_k.tolist()
         for i in longest:
             q = self.q[bounds_q[i] : bounds_q[i + 1]].transpose(0, 1)
@@ -100,6 +104,9 @@ def cases() -> list[Case]:
         Case("w1_batch1", [w1.lengths[i] for i in chunks[1]], 32, 8),
         Case("w3_whole", [576] * 28, 16, 8),
         Case("l1_64x100", [100] * 64, 16, 8),
+        # One W2 request as a small-batch graph runs it: four sequence slots, the unused ones empty.
+        Case("w2_1x100", [100, 0, 0, 0], 16, 8),
+        Case("w2_4items", [40, 120, 250, 90], 16, 8),
         Case("w3_cross", [64 * suffixes] * groups, 16, 8, k_lengths=[512] * groups, causal=False),
     ]
 
@@ -120,13 +127,20 @@ def _timed(
     out = case.run(kernel, lse=wants_lse)
     err = case.errors(*out) if wants_lse else case.errors(out, None)
     ms = gpu_ms(lambda: case.run(kernel), repeats)
+    in_graph = graph_ms(lambda: case.run(kernel), repeats)
     ok = err[0] <= 2 * flash_err[0] + 0.01 and err[1] <= 0.01
-    return {"ms": ms, "tflops": case.flops / ms / 1e9, "error": err, "ok": ok}
+    return {
+        "ms": ms, "tflops": case.flops / ms / 1e9, "graph_ms": in_graph,
+        "graph_tflops": case.flops / in_graph / 1e9, "error": err, "ok": ok,
+    }  # fmt: skip
 
 
 def _line(name: str, timed: dict[str, Any]) -> str:
     err = timed["error"]
-    return f"{name} {timed['ms']:7.3f} ms {timed['tflops']:6.0f} TFLOP/s err {err[0]:.2e}/{err[1]:.2e}"
+    return (
+        f"{name} {timed['ms']:7.3f} ms {timed['tflops']:6.0f} TFLOP/s, in a graph {timed['graph_ms']:7.3f} ms"
+        f" {timed['graph_tflops']:6.0f}; err {err[0]:.2e}/{err[1]:.2e}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,11 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         flash_out = case.run(flash_varlen_gqa, lse=wants_lse)
         flash_err = case.errors(*flash_out) if wants_lse else case.errors(flash_out, None)
+        flash_ms = gpu_ms(lambda c=case: c.run(flash_varlen_gqa), args.repeats)
+        flash_graph_ms = graph_ms(lambda c=case: c.run(flash_varlen_gqa), args.repeats)
         row["flash"] = {
-            "ms": gpu_ms(lambda c=case: c.run(flash_varlen_gqa), args.repeats),
-            "error": flash_err,
-        }
-        row["flash"]["tflops"] = case.flops / row["flash"]["ms"] / 1e9
+            "ms": flash_ms, "tflops": case.flops / flash_ms / 1e9, "graph_ms": flash_graph_ms,
+            "graph_tflops": case.flops / flash_graph_ms / 1e9, "error": flash_err,
+        }  # fmt: skip
         label = f"{case.name:<10} "
         flash_line = "  | " + _line("flash", row["flash"])
         if fa4_attention.available():

@@ -174,6 +174,22 @@ def gpu_ms(fn: Callable[[], Any], repeats: int = 30, warmup: int = 5) -> float:
     return float(start.elapsed_time(end)) / repeats
 
 
+def graph_ms(fn: Callable[[], Any], repeats: int = 30) -> float:
+    """Mean GPU milliseconds of fn's kernels replayed from a CUDA graph, `repeats` replays: what a call
+    costs inside the engine's graphs, without the host's launch cost that `gpu_ms` includes when the
+    kernels are shorter than their launches."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles and warms up outside the graph, as the engine's warm-up does
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return gpu_ms(graph.replay, repeats)
+
+
 def call_percentiles(run: Callable[[], Any], warmup: int, repeats: int) -> dict[str, float]:
     """Milliseconds per call (synchronised on CUDA), p50 and p90 over `repeats` calls after `warmup`."""
     for _ in range(warmup):

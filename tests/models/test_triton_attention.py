@@ -90,6 +90,32 @@ def test_kernel_matches_exact_attention(
     _attention_case(lengths, lengths, heads, kv_heads, head_dim, causal, dtype)
 
 
+def test_a_running_maximum_that_rises_late_is_exact() -> None:
+    """Keys whose scores grow along the sequence: the running maximum rises block after block, a little
+    and then by tens of units (in base 2), and every rise rescales what was accumulated before it."""
+    generator = torch.Generator().manual_seed(7)
+    length, heads, head_dim = 300, 2, 32
+    q = torch.randn(length, heads, head_dim, generator=generator).abs()
+    growth = torch.linspace(0.0, 1.0, length)[:, None, None]
+    k = torch.randn(length, 1, head_dim, generator=generator).abs() * (0.2 + 4.0 * growth**2)
+    v = torch.randn(length, 1, head_dim, generator=generator)
+    cu = _offsets([length])
+    for causal in (True, False):
+        out, lse = triton_attention.triton_varlen_attn(
+            q, k, v, cu, cu, length, length, scale=0.3, window_size=(-1, 0) if causal else (-1, -1),
+            enable_gqa=True, return_aux=WANT_LSE,
+        )  # fmt: skip
+        qs, ks, vs = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        expected = attend_causal(qs, ks, vs, scale=0.3, causal=causal).transpose(0, 1)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        scores = qs @ ks.repeat_interleave(heads, 0).transpose(1, 2) * 0.3
+        if causal:
+            scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        rise = (scores.amax(-1).max() - scores[..., :32].amax(-1).min()) * triton_attention.LOG2_E
+        assert float(rise) > 24  # base 2: the last keys outweigh the first block's by more than 2**24
+        torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-5)
+
+
 def test_a_program_packs_the_heads_that_share_keys() -> None:
     # The largest power of two dividing the group, at most PACK_HEADS, leaving at least 16 token rows.
     pack = triton_attention.PACK_HEADS
