@@ -41,6 +41,7 @@ from models.packing import (
 )
 from models.pooled_rows import LastLayerAtPooledRows, last_layer_row_wise, padded_rows
 from models.prepare import PairTemplate, PreparedRequest, Prompt, PromptBuilder, PromptError
+from models.reductions import one_pass_rows
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
 
 if TYPE_CHECKING:
@@ -932,13 +933,18 @@ class CompiledLayers:
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, self.RECOMPILE_LIMIT)
         self._compiled = [torch.compile(layer.forward, dynamic=True) for layer in self._layers]
+        self._reductions: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
     def __enter__(self) -> CompiledLayers:
         for layer, compiled in zip(self._layers, self._compiled, strict=True):
             layer.forward = compiled
+        # Traced and compiled on this thread, at a batch's first call: with one-pass row reductions.
+        self._reductions = one_pass_rows()
+        self._reductions.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._reductions.__exit__(None, None, None)
         for layer in self._layers:
             del layer.forward  # the class's forward again
 

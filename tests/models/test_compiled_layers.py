@@ -86,3 +86,66 @@ def test_the_graphed_path_does_not_recompile_the_layers(tiny_llama_dir: Path) ->
     failures = [f for reasons in torch._dynamo.utils.guard_failures.values() for f in reasons]
     layout = [f for f in failures if "dispatch key" in f or "stride" in f]
     assert not layout, layout
+
+
+class _Reduction:
+    """What inductor's heuristic reads of a reduction: its hint and how many elements a row has."""
+
+    def __init__(self, hint: str, row: int) -> None:
+        import sympy
+        from torch._inductor.runtime.hints import ReductionHint
+
+        self.hint = ReductionHint[hint]
+        self.reduction_numel, self.numel = sympy.Integer(row), sympy.Integer(64)
+
+    def get_reduction_hint(self) -> object:
+        return self.hint
+
+
+def test_rows_up_to_the_limit_reduce_in_one_pass() -> None:
+    import types
+
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch._inductor.virtualized import V
+
+    from models import reductions
+
+    ours, inductors = reductions.heuristics(), InductorChoices()
+    with V.set_graph_handler(types.SimpleNamespace(sizevars=SizeVarAllocator())):  # type: ignore[arg-type]
+        # Contiguous rows: inductor's own limit is 1,024; ours ONE_PASS_MAX.
+        for row in (512, 1024):
+            assert ours.should_use_persistent_reduction(_Reduction("INNER", row), False)
+            assert inductors.should_use_persistent_reduction(_Reduction("INNER", row), False)
+        for row in (3072, reductions.ONE_PASS_MAX):
+            assert ours.should_use_persistent_reduction(_Reduction("INNER", row), False)
+            assert not inductors.should_use_persistent_reduction(_Reduction("INNER", row), False)
+        wider = _Reduction("INNER", reductions.ONE_PASS_MAX * 2)
+        assert not ours.should_use_persistent_reduction(wider, False)
+        # Reductions across rows, and cooperative ones, keep inductor's answer.
+        for hint in ("OUTER", "DEFAULT"):
+            assert not ours.should_use_persistent_reduction(_Reduction(hint, 3072), False)
+        assert not ours.should_use_persistent_reduction(_Reduction("INNER", 3072), True)
+
+
+def test_the_packed_forward_compiles_with_one_pass_rows_on_its_own_thread(tiny_llama_dir: Path) -> None:
+    import threading
+
+    from torch._inductor.virtualized import V
+
+    from models import reductions
+
+    compiled = compile_layers(Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).hf_model.base_model)
+    assert compiled is not None
+    seen: list[bool] = []
+
+    def run() -> None:
+        with compiled:
+            seen.append(V.choices is reductions.heuristics())
+        seen.append(V.choices is reductions.heuristics())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == [True, False]
+    assert V.choices is not reductions.heuristics()
