@@ -505,3 +505,32 @@ def test_after_the_warm_up_no_batch_compiles(architecture: str) -> None:
                 results = scorer.score(requests)
                 assert all(r.ok for r in results), [r.error for r in results if not r.ok]
             assert traced() == after, f"compiled for {batch} after the warm-up ({describe(report)})"
+
+
+def test_rows_of_up_to_4096_reduce_in_one_pass() -> None:
+    """What models/reductions.py changes, where it changes anything (inductor's CUDA code): a 3,072-wide
+    SiLU-and-multiply with its scale per row, as the FP8 MLP computes it, compiles to one persistent kernel
+    inside `one_pass_rows` and to a looped one outside it, with the same results."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    from models.reductions import one_pass_rows
+
+    def scaled_activation(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        product = (torch.nn.functional.silu(gate) * up).float()
+        scale = (product.abs().amax(-1, keepdim=True) / 448.0).clamp(min=1e-12)
+        return product / scale, scale
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    gate, up = (torch.randn(100, 3072, device="cuda", generator=generator).bfloat16() for _ in "gu")
+    with inductor_config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        with one_pass_rows():
+            ours, ours_code = run_and_get_code(torch.compile(scaled_activation, dynamic=True), gate, up)
+        torch._dynamo.reset()
+        theirs, their_code = run_and_get_code(torch.compile(scaled_activation, dynamic=True), gate, up)
+    torch._dynamo.reset()
+    assert "triton_per_" in "\n".join(ours_code) and "triton_red_" not in "\n".join(ours_code)
+    assert "triton_red_" in "\n".join(their_code)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
