@@ -4,10 +4,10 @@ torch 2.11's varlen flash kernel is FlashAttention-2's Ampere code: on an H200 i
 shapes, sequences of a few hundred tokens) at 150-210 TFLOP/s. Triton compiles `tl.dot` to Hopper's
 warpgroup instructions, and this kernel, the same online-softmax algorithm with the query heads that share a
 K/V head computed together, runs those batches at 270-310 TFLOP/s and W3's whole prompts 1.8x as fast
-(bench/attention.py, docs/benchmarks.md). On 64 requests of 100 tokens flash stays faster, so short batches
-keep it (MIN_LENGTH). cuDNN's ragged attention ran W1's batches faster still, but torch 2.11 builds its
-cuDNN graph again on every call (about 55 ms), which no batch affords. FlashAttention-4, where installed,
-is the other choice (models/fa4_attention.py).
+(bench/attention.py, docs/benchmarks.md). Short batches keep flash (MIN_LENGTH): on them the two kernels
+are at par once launched, and flash's launch costs less outside a CUDA graph. cuDNN's ragged attention ran
+W1's batches faster still, but torch 2.11 builds its cuDNN graph again on every call (about 55 ms), which no
+batch affords. FlashAttention-4, where installed, is the other choice (models/fa4_attention.py).
 
 The kernel has the signature of torch's `varlen_attn` (models.config.VarlenKernel): q [T, H, D], k/v
 [T, Hkv, D] (grouped-query: each K/V head serves H // Hkv consecutive query heads), cumulative sequence
@@ -46,9 +46,11 @@ NUM_STAGES = 3
 # At most this many query heads that share a K/V head are computed by one program (BLOCK_M lanes: BLOCK_M /
 # PACK token rows of each), so that each key block is read once for them all.
 PACK_HEADS = 4
-# A batch whose longest sequence is no longer than this (a power of two) takes flash: on 64 requests of 100
-# tokens flash measured 0.05 ms a layer against 0.09-0.15 ms (bench/attention.py), and such batches spend
-# little of their time in attention.
+# A batch whose longest sequence is no longer than this (a power of two) takes flash. Replayed from a CUDA
+# graph the Triton kernel is at par or ahead on such batches (64 requests of 100 tokens: 0.045 ms a layer
+# against 0.051, bench/attention.py), but launched from Python it takes 0.13 ms, and outside a graph (a
+# shape's first batch, graphs off) flash's launch is the cheaper one; in a graph the gain would be about 1%
+# of such a batch's step.
 MIN_LENGTH = 256
 LOG2_E = 1.4426950408889634
 OP_NAME = "score_worker::varlen_flash_forward"
