@@ -6,12 +6,11 @@ Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/att
 Each case is one packed batch as the engine hands it to the kernel (q [T, H, D], k/v [T, Hkv, D], causal):
 W1's first token-budget batches (8B shapes, lognormal lengths), W3's prompts whole (query 512 + item 64,
 Qwen3-0.6B shapes), L1's 64 requests of 100 tokens, W2-sized requests of one and four items, and a
-shared-prefix cross pass (suffixes over their
-prefix, not causal, with the log-sum-exp). Prints milliseconds and TFLOP/s of each kernel (the FLOPs the
-mask leaves: causal counts half the square), launched back to back and replayed from a CUDA graph (the
-kernels alone, as the engine's graphs run them: short batches' launches take longer than their kernels),
-for every block configuration in `--configs`. Both kernels'
-outputs are compared with float32 attention on a sample of sequences; the script exits 1 when the Triton
+shared-prefix cross pass (suffixes over their prefix, not causal, with the log-sum-exp). Prints milliseconds
+and TFLOP/s of each kernel (the FLOPs the mask leaves: causal counts half the square), launched back to back
+and replayed from a CUDA graph (the kernels alone, as the engine's graphs run them: short batches' launches
+take longer than their kernels), for every block configuration in `--configs`. Both kernels' outputs are
+compared with float32 attention on a sample of sequences; the script exits 1 when the Triton
 kernel's error exceeds twice flash's (plus 0.01), or its log-sum-exp differs by more than 0.01.
 Writes $OUT/attention.json.
 """

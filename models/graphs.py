@@ -308,23 +308,24 @@ class GraphedForward:
                 break
             if key in self._ahead:
                 continue
-            if key not in self._graphs:  # else recorded from traffic already
-                length = min(key.tokens, key.max_length)
-                self._cu[0] = 0
-                self._cu[1 : key.sequences + 1].fill_(length)
-                if self._rows is not None:
-                    self._rows[: pooled_row_slots(key.sequences)].fill_(length - 1)
-                self._run_and_record(key)
-            if key in self._graphs:  # held for good from now on (absent if the recording failed)
+            if key in self._graphs:  # recorded from traffic already: held for good from now on
                 self._ahead[key] = self._graphs.pop(key)
+                continue
+            length = min(key.tokens, key.max_length)
+            self._cu[0] = 0
+            self._cu[1 : key.sequences + 1].fill_(length)
+            if self._rows is not None:
+                self._rows[: pooled_row_slots(key.sequences)].fill_(length - 1)
+            self._run_and_record(key, hold=True)
         return self.recorded - recorded
 
-    def _run_and_record(self, key: GraphKey) -> torch.Tensor:
-        """Run the forward of `key` on the buffers (the result of the batch they hold), then record it; the
-        whole output buffer of that run. A failed recording turns graphs off."""
+    def _run_and_record(self, key: GraphKey, hold: bool = False) -> torch.Tensor:
+        """Run the forward of `key` on the buffers (the result of the batch they hold), then record it: held
+        for good with `hold`, else among the least recently used. Returns the whole output buffer of that
+        run. A failed recording turns graphs off."""
         hidden = self._call(key)  # recording below runs nothing
         try:
-            self._graphs[key] = self._record(lambda: self._write(key))
+            graph = self._record(lambda: self._write(key))
         except Exception as exc:  # a kernel that cannot be recorded: the ordinary forward from now on
             self.enabled = False
             self._graphs.clear()
@@ -335,6 +336,10 @@ class GraphedForward:
             )  # fmt: skip
             return hidden
         self.recorded += 1
+        if hold:
+            self._ahead[key] = graph
+            return hidden
+        self._graphs[key] = graph
         if len(self._graphs) > self.capacity:
             self._graphs.popitem(last=False)
         return hidden
