@@ -8,6 +8,7 @@ from enum import StrEnum
 
 from schemas._checks import (
     PLAIN_FLOAT_TYPES,
+    PLAIN_INT_TYPES,
     check_float,
     check_int,
     check_metadata,
@@ -21,6 +22,8 @@ from schemas.errors import ErrorCode, SchemaError
 from schemas.request import check_version
 from schemas.tensor import Tensor
 from schemas.version import SCHEMA_VERSION
+
+_STR_TYPES = frozenset({str})
 
 
 class ResultStatus(StrEnum):
@@ -78,6 +81,8 @@ def _check_pooled(value: object) -> tuple[Tensor, ...] | None:
 def _check_truncated(value: object) -> tuple[int, ...] | None:
     if value is None:
         return None
+    if isinstance(value, tuple) and set(map(type, value)) <= PLAIN_INT_TYPES and min(value, default=0) >= 0:
+        return value  # what the engine builds: checked in C, field by field only when one is wrong
     if not isinstance(value, list | tuple):
         raise invalid(
             f"truncated_tokens must be nil or an array of integers, not {describe(value)}; send nil, or one "
@@ -89,6 +94,8 @@ def _check_truncated(value: object) -> tuple[int, ...] | None:
 def _check_timings(value: object) -> dict[str, float]:
     if not isinstance(value, Mapping):
         raise invalid(f"timings must be a map of stage name to seconds, not {describe(value)}.")
+    if set(map(type, value)) <= _STR_TYPES and set(map(type, value.values())) <= PLAIN_FLOAT_TYPES:
+        return dict(value)
     return {check_str(k, "a timings key"): check_float(v, f"timings[{quoted(k)}]") for k, v in value.items()}
 
 
@@ -119,7 +126,8 @@ class ScoreResult:
         check_version(self.version)
         if not isinstance(self.status, str) or self.status not in ("ok", "error"):
             raise invalid(f'status is {describe(self.status)} {quoted(self.status)}; send "ok" or "error".')
-        object.__setattr__(self, "status", ResultStatus(self.status))
+        if not isinstance(self.status, ResultStatus):
+            object.__setattr__(self, "status", ResultStatus(self.status))
         object.__setattr__(self, "scores", _check_scores(self.scores))
         object.__setattr__(self, "pooled_hidden_states", _check_pooled(self.pooled_hidden_states))
         check_int(self.prompt_tokens, "prompt_tokens", 0)

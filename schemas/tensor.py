@@ -13,6 +13,7 @@ import numpy.typing as npt
 from schemas._checks import describe, invalid, quoted
 
 MAX_TENSOR_DIMS = 8
+_PLAIN_INT = frozenset({int})
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _LITTLE_ENDIAN: dict[str, np.dtype[Any]] = {
     "float32": np.dtype("<f4"),
@@ -43,6 +44,17 @@ def check_tensor_parts(
     dtype: object, shape: object, data: object, field: str
 ) -> tuple[str, tuple[int, ...], bytes]:
     """Validate a tensor's three parts, including that data holds exactly prod(shape) elements."""
+    if (
+        type(dtype) is str
+        and dtype in ITEMSIZE
+        and type(shape) is tuple
+        and len(shape) <= MAX_TENSOR_DIMS
+        and set(map(type, shape)) <= _PLAIN_INT
+        and min(shape, default=0) >= 0
+        and type(data) is bytes
+        and len(data) == math.prod(shape) * ITEMSIZE[dtype]
+    ):
+        return dtype, shape, data  # the common case, checked at once; the sentences below say what is wrong
     name = check_dtype(dtype, f"{field}.dtype")
     if not isinstance(shape, list | tuple) or len(shape) > MAX_TENSOR_DIMS:
         raise invalid(f"{field}.shape must be an array of at most {MAX_TENSOR_DIMS} non-negative integers.")
