@@ -660,7 +660,11 @@ class Scorer:
             return _BatchOutput([[] for _ in batch], empty, 0.0, 0.0, {})
         hidden = self._read_hidden(batch, launched.rows)
         per_request: list[list[tuple[float, ...]]] = []
+        plain = launched.logits.tolist()  # one conversion for the requests that take their logits as they are
         for p, rows in zip(batch, _item_ranges(launched.item_counts), strict=True):
+            if not launched.columns and not p.request.apply_softmax:
+                per_request.append([tuple(row) for row in plain[rows.start : rows.stop]])
+                continue
             scores = launched.logits[rows.start : rows.stop]
             if launched.columns:  # a judge: this request's labels, in the order it sent them
                 scores = scores[:, [launched.columns[label] for label in p.request.label_token_ids or ()]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -433,17 +434,39 @@ class HostRows:
         """One tuple of schemas.Tensor per entry of `wanted`."""
         if self.buffer is None:
             return []
-        buffer = self.buffer.numpy()
         out: list[tuple[Tensor, ...]] = []
+        if sys.byteorder != "little":  # rows in the host's order: the schema's constructors convert them
+            buffer = self.buffer.numpy()
+            for entry, start in zip(self.wanted, self.offsets, strict=True):
+                width = hidden_row_bytes(self.hidden, entry.dtype)
+                out.append(
+                    tuple(
+                        _to_tensor(buffer[end - width : end], entry.dtype)
+                        for end in _ends(entry, start, width)
+                    )
+                )
+            return out
+        # The host's order is the wire's (little-endian): each row is a slice of the buffer's bytes, one copy.
+        raw = self.buffer.numpy().tobytes()
+        shape = (self.hidden,)
         for entry, start in zip(self.wanted, self.offsets, strict=True):
             width = hidden_row_bytes(self.hidden, entry.dtype)
+            name = entry.dtype.value
             out.append(
-                tuple(
-                    _to_tensor(buffer[start + i * width : start + (i + 1) * width], entry.dtype)
-                    for i in range(len(entry.rows))
-                )
+                tuple(Tensor(name, shape, raw[end - width : end]) for end in _ends(entry, start, width))
             )
         return out
+
+
+def _ends(entry: RowRequest, start: int, width: int) -> range:
+    """Where each of an entry's rows ends in the buffer."""
+    return range(start + width, start + (len(entry.rows) + 1) * width, width)
+
+
+def _to_tensor(raw: np.ndarray, dtype: HiddenDType) -> Tensor:
+    if dtype is HiddenDType.BFLOAT16:
+        return Tensor.from_bfloat16_bits(raw.view(np.uint16).copy())
+    return Tensor.from_numpy(raw.view(np.float32 if dtype is HiddenDType.FLOAT32 else np.float16).copy())
 
 
 def start_rows_copy(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> HostRows:
@@ -483,9 +506,3 @@ def to_host_async(device: torch.Tensor) -> torch.Tensor:
     host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
     host.copy_(device, non_blocking=True)
     return host
-
-
-def _to_tensor(raw: np.ndarray, dtype: HiddenDType) -> Tensor:
-    if dtype is HiddenDType.BFLOAT16:
-        return Tensor.from_bfloat16_bits(raw.view(np.uint16).copy())
-    return Tensor.from_numpy(raw.view(np.float32 if dtype is HiddenDType.FLOAT32 else np.float16).copy())
