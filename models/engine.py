@@ -249,7 +249,7 @@ class Scorer:
         self._graphs: GraphedForward | None = None
         if self.config.resolve_graphs(self.device, self.attention):
             self._graphs = GraphedForward(
-                self._packed_forward,
+                self._fast_packed_forward,
                 self.device,
                 self.config.graph_max_tokens,
                 self.hidden_size,
@@ -398,8 +398,7 @@ class Scorer:
         (GraphedForward.record_ahead), up to the token budget; how many were recorded (0 without graphs)."""
         if self._graphs is None:
             return 0
-        with self._compiled or contextlib.nullcontext(), self._fused_mlps or contextlib.nullcontext():
-            return self._graphs.record_ahead(self.config.max_batch_tokens)
+        return self._graphs.record_ahead(self.config.max_batch_tokens)
 
     @property
     def num_labels(self) -> int:
@@ -690,29 +689,37 @@ class Scorer:
             shared=groups,
             gather_keys=bool(groups) and self._gathers_keys(prompts),
         )
-        with self._compiled or contextlib.nullcontext(), self._fused_mlps or contextlib.nullcontext():
-            hidden = None if self._graphs is None else self._graphs.run(packed)
-            if hidden is None:
-                # The varlen kernel reads the bounds on the device; the exact path loops over items in
-                # Python, and reading them from a device tensor would stall on a copy in every layer.
-                on_device = self.attention == "varlen"
-                cu_seqlens = packed.cu_seqlens if on_device else packed.host_cu_seqlens
-                keys = None
-                if packed.shared is not None:
-                    shared = packed.shared
-                    cu_k = shared.cu_seqlens_k if on_device else shared.host_cu_seqlens_k
-                    keys = KeyLayout(shared.key_index, cu_k, shared.max_length_k)
-                hidden = self._packed_forward(
-                    packed.input_ids,
-                    packed.position_ids,
-                    cu_seqlens,
-                    packed.max_length,
-                    packed.token_type_ids,
-                    keys=keys,
-                    cross=packed.cross,
-                    pooled_rows=self._pooled_rows(packed),
-                )
+        # A replayed graph runs no Python forward: the layers are swapped in only where one runs (in the
+        # graphs' own forward when they record, and below).
+        hidden = None if self._graphs is None else self._graphs.run(packed)
+        if hidden is None:
+            # The varlen kernel reads the bounds on the device; the exact path loops over items in
+            # Python, and reading them from a device tensor would stall on a copy in every layer.
+            on_device = self.attention == "varlen"
+            cu_seqlens = packed.cu_seqlens if on_device else packed.host_cu_seqlens
+            keys = None
+            if packed.shared is not None:
+                shared = packed.shared
+                cu_k = shared.cu_seqlens_k if on_device else shared.host_cu_seqlens_k
+                keys = KeyLayout(shared.key_index, cu_k, shared.max_length_k)
+            hidden = self._fast_packed_forward(
+                packed.input_ids,
+                packed.position_ids,
+                cu_seqlens,
+                packed.max_length,
+                packed.token_type_ids,
+                keys=keys,
+                cross=packed.cross,
+                pooled_rows=self._pooled_rows(packed),
+            )
         return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
+
+    def _fast_packed_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """`_packed_forward` with the compiled layers and the fused MLPs in place (where the scorer has them)
+        for the call: HF's own modules stay as they are for everything else (the self-check's reference,
+        the padded path). Swapping them costs host time, which a replayed graph does not spend."""
+        with self._compiled or contextlib.nullcontext(), self._fused_mlps or contextlib.nullcontext():
+            return self._packed_forward(*args, **kwargs)
 
     def _pooled_rows(self, packed: PackedBatch) -> torch.Tensor | None:
         """The rows at which a batch's last layer computes its row-wise modules (padded as a CUDA graph of
