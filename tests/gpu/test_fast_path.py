@@ -1,7 +1,8 @@
 """The fast GPU path against HuggingFace: the real varlen kernel, the compiled layers and CUDA graphs.
 
 Marked `gpu` and skipped without a CUDA device; run on the GPU machine with
-`python -m pytest -m gpu tests/gpu tests/models/test_gpu_faults.py`. The CPU suite covers the same logic
+`python -m pytest -m gpu tests/gpu tests/models/test_gpu_faults.py` (with pytest-xdist, `-n 6` runs the whole
+suite on the one GPU in about five minutes). The CPU suite covers the same logic
 with a CPU varlen kernel and a stand-in graph recorder (tests/models/test_cuda_graphs.py).
 """
 
