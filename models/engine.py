@@ -659,9 +659,10 @@ class Scorer:
             return _BatchOutput([[] for _ in batch], empty, 0.0, 0.0, {})
         hidden = self._read_hidden(batch, launched.rows)
         per_request: list[list[tuple[float, ...]]] = []
-        plain = launched.logits.tolist()  # one conversion for the requests that take their logits as they are
+        # One conversion for the requests that take their logits as they are (a judge's never do).
+        plain = None if launched.columns else launched.logits.tolist()
         for p, rows in zip(batch, _item_ranges(launched.item_counts), strict=True):
-            if not launched.columns and not p.request.apply_softmax:
+            if plain is not None and not p.request.apply_softmax:
                 per_request.append([tuple(row) for row in plain[rows.start : rows.stop]])
                 continue
             scores = launched.logits[rows.start : rows.stop]

@@ -434,33 +434,26 @@ class HostRows:
         """One tuple of schemas.Tensor per entry of `wanted`."""
         if self.buffer is None:
             return []
-        out: list[tuple[Tensor, ...]] = []
-        if sys.byteorder != "little":  # rows in the host's order: the schema's constructors convert them
-            buffer = self.buffer.numpy()
-            for entry, start in zip(self.wanted, self.offsets, strict=True):
-                width = hidden_row_bytes(self.hidden, entry.dtype)
-                out.append(
-                    tuple(
-                        _to_tensor(buffer[end - width : end], entry.dtype)
-                        for end in _ends(entry, start, width)
-                    )
-                )
-            return out
-        # The host's order is the wire's (little-endian): each row is a slice of the buffer's bytes, one copy.
-        raw = self.buffer.numpy().tobytes()
         shape = (self.hidden,)
+        if sys.byteorder == "little":
+            # The host's order is the wire's: each row is a slice of the buffer's bytes, one copy.
+            raw = self.buffer.numpy().tobytes()
+
+            def row(dtype: HiddenDType, begin: int, end: int) -> Tensor:
+                return Tensor(dtype.value, shape, raw[begin:end])
+
+        else:  # rows in the host's order: the schema's constructors convert them
+            buffer = self.buffer.numpy()
+
+            def row(dtype: HiddenDType, begin: int, end: int) -> Tensor:
+                return _to_tensor(buffer[begin:end], dtype)
+
+        out: list[tuple[Tensor, ...]] = []
         for entry, start in zip(self.wanted, self.offsets, strict=True):
             width = hidden_row_bytes(self.hidden, entry.dtype)
-            name = entry.dtype.value
-            out.append(
-                tuple(Tensor(name, shape, raw[end - width : end]) for end in _ends(entry, start, width))
-            )
+            stop = start + len(entry.rows) * width
+            out.append(tuple(row(entry.dtype, begin, begin + width) for begin in range(start, stop, width)))
         return out
-
-
-def _ends(entry: RowRequest, start: int, width: int) -> range:
-    """Where each of an entry's rows ends in the buffer."""
-    return range(start + width, start + (len(entry.rows) + 1) * width, width)
 
 
 def _to_tensor(raw: np.ndarray, dtype: HiddenDType) -> Tensor:

@@ -10,10 +10,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from schemas._checks import describe, invalid, quoted
+from schemas._checks import PLAIN_INT_TYPES, describe, invalid, quoted
 
 MAX_TENSOR_DIMS = 8
-_PLAIN_INT = frozenset({int})
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _LITTLE_ENDIAN: dict[str, np.dtype[Any]] = {
     "float32": np.dtype("<f4"),
@@ -49,7 +48,7 @@ def check_tensor_parts(
         and dtype in ITEMSIZE
         and type(shape) is tuple
         and len(shape) <= MAX_TENSOR_DIMS
-        and set(map(type, shape)) <= _PLAIN_INT
+        and set(map(type, shape)) <= PLAIN_INT_TYPES
         and min(shape, default=0) >= 0
         and type(data) is bytes
         and len(data) == math.prod(shape) * ITEMSIZE[dtype]
