@@ -242,7 +242,7 @@ class Scorer:
         self._fused_mlps = self._fuse_mlps(Path(model_dir).name)
         self._pooled_layer = self._last_layer_at_pooled_rows()
         self._compiled: CompiledLayers | None = None
-        if self.config.resolve_compile(self.attention):
+        if self.config.resolve_compile(self.attention, self.device):
             self._compiled = compile_layers(self._loaded.base)
             if self._compiled is None:
                 log.info("%s has no decoder layer list to compile: it runs eager", Path(model_dir).name)

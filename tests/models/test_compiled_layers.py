@@ -43,12 +43,17 @@ def test_compiled_layers_score_like_eager(tiny_llama_dir: Path) -> None:
     )
 
 
-def test_auto_compiles_only_the_varlen_path() -> None:
-    assert ScorerConfig().resolve_compile("varlen")
-    assert not ScorerConfig().resolve_compile("reference")
-    assert not ScorerConfig().resolve_compile("plain")
-    assert ScorerConfig(compile="on").resolve_compile("reference")
-    assert not ScorerConfig(compile="off").resolve_compile("varlen")
+def test_auto_compiles_only_the_varlen_path_on_cuda() -> None:
+    import torch
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert ScorerConfig().resolve_compile("varlen", cuda)
+    assert not ScorerConfig().resolve_compile("varlen", cpu)
+    assert not ScorerConfig().resolve_compile("reference", cuda)
+    assert not ScorerConfig().resolve_compile("plain", cuda)
+    assert ScorerConfig(compile="on").resolve_compile("reference", cpu)
+    assert ScorerConfig(compile="on").resolve_compile("varlen", cpu)
+    assert not ScorerConfig(compile="off").resolve_compile("varlen", cuda)
     with pytest.raises(ValueError, match="compile"):
         ScorerConfig(compile="maybe")  # type: ignore[arg-type]
 

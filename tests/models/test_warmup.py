@@ -1,9 +1,9 @@
 """The start-up warm-up (models/warmup.py): after it, no batch of any kind makes the compiled layers compile.
 
-On the CPU the layers compile with inductor as on the GPU, the Triton attention kernel runs in Triton's
-interpreter behind the same length switch (lowered here so that short prompts cross it), flash is an exact
-stand-in, and CUDA graphs a stand-in recorder: the variants torch.compile traces are the GPU's. The GPU's
-own run of the same check is in tests/gpu/test_fast_path.py.
+On the CPU the layers compile with inductor as on the GPU (`compile="on"`: `auto` compiles on CUDA only),
+the Triton attention kernel runs in Triton's interpreter behind the same length switch (lowered here so that
+short prompts cross it), flash is an exact stand-in, and CUDA graphs a stand-in recorder: the variants
+torch.compile traces are the GPU's. The GPU's own run of the same check is in tests/gpu/test_fast_path.py.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_after_the_warm_up_no_batch_compiles(
     # and keys gathered where prompts outgrow the window) beside full-attention layers.
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
     torch._dynamo.reset()  # other tests' graphs would hide what this warm-up compiles
-    scorer = _scorer(model_dirs[architecture])
+    scorer = _scorer(model_dirs[architecture], compile="on")
     assert scorer.compiled and scorer.graphs is not None and scorer.shares_prefixes
     report = warm_up(scorer)
     assert report.compiled_graphs > 0 and report.cuda_graphs > 0, describe(report)
@@ -120,7 +120,7 @@ def test_the_traffic_compiles_without_it(tiny_llama_dir: Path, monkeypatch: pyte
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
     torch._dynamo.reset()
     # Each batch that compiles says so in its stats (the worker counts them, logs the batch).
-    scorer = _scorer(tiny_llama_dir)
+    scorer = _scorer(tiny_llama_dir, compile="on")
     scorer.score(_traffic_requests(TRAFFIC[2], 0))
     first = _graphs_traced()
     stats: list[BatchStats] = []
