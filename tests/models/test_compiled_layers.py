@@ -26,8 +26,16 @@ def _requests() -> list[ScoreRequest]:
 
 @pytest.mark.slow
 def test_compiled_layers_score_like_eager(tiny_llama_dir: Path) -> None:
+    import torch
+    from scoring_testkit import CpuVarlenKernelGqa
+
     eager = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
-    compiled = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", compile="on"))
+    # The varlen path, as on the GPU. Its CPU kernel's host-side checks stay out of dynamo, as the GPU
+    # kernel's custom op does; the exact path's loop over sequences would unroll into each graph instead.
+    kernel = torch._dynamo.disable(CpuVarlenKernelGqa())
+    compiled = Scorer(
+        tiny_llama_dir, ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel, compile="on")
+    )
     assert compiled.compiled and not eager.compiled and compiled.info.compiled
     requests = _requests()
     for first, second in zip(eager.score(requests), compiled.score(requests), strict=True):
