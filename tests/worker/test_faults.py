@@ -124,7 +124,9 @@ def test_kill9_twice_mid_stream_loses_nothing(
     rate = 150.0
 
     async def scenario() -> tuple[Accounting, list[KillReport], Stream]:
-        stream = await Stream.open(kafka_bootstrap, "kill9", 4800, rate)  # 32 s of traffic
+        # 43 s of traffic: long enough that the second kill still lands mid-stream when a busy host is slow
+        # to start the first successor (32 s was not, with the compiler running beside it).
+        stream = await Stream.open(kafka_bootstrap, "kill9", 6400, rate)
         # max_wait_ms holds each batch open a little, so that a kill finds requests in flight.
         env = worker_env(
             kafka_bootstrap, tiny_llama_dir, stream.names, max_inflight_requests=MAX_INFLIGHT, max_wait_ms=50
