@@ -149,8 +149,8 @@ class ScorerConfig:
         """Whether to compile the decoder layers, for the attention path the engine runs on `device`.
 
         "auto" compiles the varlen path on CUDA, where the fused kernels were measured to pay (1.22x on W1).
-        On the CPU the varlen path runs only with a kernel the caller brings, and inductor's C++ code for a
-        layer takes minutes to build on a small host for no measured gain: "on" still compiles there."""
+        On the CPU the varlen path runs only with a kernel the caller brings, and compiling a tiny model's
+        layers took minutes on a two-core host for no measured gain: "on" still compiles there."""
         if self.compile == "auto":
             return attention == "varlen" and device.type == "cuda"
         return self.compile == "on"

@@ -143,7 +143,7 @@ def test_engine_through_the_kernel_matches_the_reference_path(
     architecture: str, model_dirs: dict[str, Path]
 ) -> None:
     # The packed path with the fused MLPs against the exact path with HF's MLPs. Llama's layers are compiled
-    # (the kernel's shape function under dynamo, as on the GPU); inductor's CPU code takes minutes a model,
+    # (the kernel's shape function under dynamo, as on the GPU); compiling takes minutes a model on the CPU,
     # so the others run eager.
     compiled = architecture == "llama"
     config = ScorerConfig(

@@ -225,7 +225,7 @@ def test_engine_through_the_kernel_matches_the_reference_path(
     architecture: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The production wrapper: Triton where it applies, flash for sliding windows. Gemma 3 (both kernels) runs
-    # it under compiled layers, as the GPU does; inductor's CPU code takes minutes a model, so the others
+    # it under compiled layers, as the GPU does; compiling takes minutes a model on the CPU, so the others
     # run eager.
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", 0)  # these prompts are short
     FlashStandIn.windows.clear()
