@@ -425,7 +425,10 @@ def register_attention(kind: str, kernel: VarlenKernel | None = None, kernel_cho
     flash for sliding windows."""
     if kind == "reference":
         name = REFERENCE_ATTENTION
-        AttentionInterface.register(name, reference_attention)
+        # Compiled layers (compile="on") run it eager between their graphs, as the varlen kernels' custom ops
+        # are: its loop over sequences reads the bounds on the host, and traced it would unroll every batch's
+        # composition into a graph of its own (a compilation per batch).
+        AttentionInterface.register(name, torch.compiler.disable(reference_attention))  # type: ignore[no-untyped-call]
     elif kind == "varlen":
         if kernel is None and kernel_choice == "triton":
             name, kernel = f"{VARLEN_ATTENTION}_triton", triton_or_flash(_default_varlen_kernel())

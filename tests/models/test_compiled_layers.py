@@ -73,6 +73,30 @@ def test_a_model_without_a_layer_list_stays_eager() -> None:
 
 
 @pytest.mark.slow
+def test_compiled_layers_on_the_exact_path_compile_once_not_per_batch(tiny_llama_dir: Path) -> None:
+    """The exact attention reads each batch's sequence bounds on the host: traced into the layers' graphs, it
+    unrolled every batch composition into a compilation of its own. It runs eager between the graphs."""
+    import torch
+
+    from models.engine import traced_graphs
+
+    torch._dynamo.reset()  # other tests' graphs of the same layer code would hide what this one compiles
+    eager = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    compiled = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", attention="reference", compile="on"))
+    assert compiled.compiled
+    requests = _requests()
+    # The first two batches compile: static sizes, then dynamic ones.
+    batches = [requests, requests[:2], requests[1:4], requests[3:4], requests[:1] + requests[4:]]
+    for index, batch in enumerate(batches):
+        if index == 2:
+            compiled_by_then = traced_graphs()
+        for first, second in zip(eager.score(batch), compiled.score(batch), strict=True):
+            assert second.ok, second.error
+            np.testing.assert_allclose(np.array(second.scores), np.array(first.scores), atol=1e-5)
+    assert traced_graphs() == compiled_by_then
+
+
+@pytest.mark.slow
 def test_the_graphed_path_does_not_recompile_the_layers(tiny_llama_dir: Path) -> None:
     """The CUDA-graph buffers reach the compiled layers as the engine's own inputs do: inference tensors
     with a packed row's strides. torch.compile guards on both, and any difference recompiled the layers
