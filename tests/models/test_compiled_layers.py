@@ -31,7 +31,7 @@ def test_compiled_layers_score_like_eager(tiny_llama_dir: Path) -> None:
 
     eager = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
     # The varlen path, as on the GPU. Its CPU kernel's host-side checks stay out of dynamo, as the GPU
-    # kernel's custom op does; the exact path's loop over sequences would unroll into each graph instead.
+    # kernel's custom op does.
     kernel = torch._dynamo.disable(CpuVarlenKernelGqa())
     compiled = Scorer(
         tiny_llama_dir, ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel, compile="on")

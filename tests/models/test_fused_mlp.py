@@ -133,9 +133,15 @@ def test_the_swap_holds_only_inside_the_block(tiny_llama_dir: Path) -> None:
     torch.testing.assert_close(inside, mlp(x), atol=2e-5, rtol=2e-5)
 
 
-def _fused_on_cpu() -> ScorerConfig:
+def _fused_on_cpu(compile: bool = False) -> ScorerConfig:
     """The packed path (an exact CPU kernel behind the varlen wrapper) with the fused MLPs."""
-    return ScorerConfig(device="cpu", attention="varlen", varlen_kernel=CpuVarlenKernelGqa(), fused_mlp="on")
+    return ScorerConfig(
+        device="cpu",
+        attention="varlen",
+        varlen_kernel=CpuVarlenKernelGqa(),
+        fused_mlp="on",
+        compile="on" if compile else "off",
+    )
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "phi3"])
@@ -146,14 +152,7 @@ def test_engine_through_the_kernel_matches_the_reference_path(
     # (the kernel's shape function under dynamo, as on the GPU); compiling takes minutes a model on the CPU,
     # so the others run eager.
     compiled = architecture == "llama"
-    config = ScorerConfig(
-        device="cpu",
-        attention="varlen",
-        varlen_kernel=CpuVarlenKernelGqa(),
-        fused_mlp="on",
-        compile="on" if compiled else "off",
-    )
-    fused = Scorer(model_dirs[architecture], config)
+    fused = Scorer(model_dirs[architecture], _fused_on_cpu(compile=compiled))
     assert fused.compiled == compiled and fused.info.fused_mlp
     reference = Scorer(model_dirs[architecture], ScorerConfig(device="cpu", attention="reference"))
     assert not reference.info.fused_mlp
@@ -166,10 +165,7 @@ def test_engine_through_the_kernel_matches_the_reference_path(
 
 
 def test_engine_without_a_fusable_mlp_says_so(model_dirs: dict[str, Path]) -> None:
-    config = ScorerConfig(
-        device="cpu", attention="varlen", varlen_kernel=CpuVarlenKernelGqa(), fused_mlp="on"
-    )
-    assert not Scorer(model_dirs["gemma3_text"], config).info.fused_mlp
+    assert not Scorer(model_dirs["gemma3_text"], _fused_on_cpu()).info.fused_mlp
 
 
 def test_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
