@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
 from worker_testkit import Names, Record, fast_values, read_topic, request_record, settings_env
 
 from models import Scorer
@@ -213,6 +216,41 @@ class ResultWatcher:
         if self._task is not None:
             self._task.cancel()
         await self._consumer.stop()
+
+
+def gauge_total(metrics_port: int, name: str) -> float:
+    """The sum over its labels of one gauge a worker exposes on 127.0.0.1 (0 while unreachable)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as response:
+            text = response.read().decode()
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0.0
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == name
+        for sample in family.samples
+    )
+
+
+async def wait_holding(
+    metrics_port: int, timeout_s: float, busy_s: float = 2.0, poll_s: float = 0.02
+) -> None:
+    """Until a worker holds fetched requests it has not answered, judged from its in-flight gauge:
+    the gauge rose from zero (the worker had answered everything, so the requests it fetched since found
+    the model idle and wait max_wait_ms for company), or it stayed above zero for `busy_s` (the worker runs
+    behind the stream). A gauge merely above zero may be a batch being published that very moment."""
+    deadline = time.monotonic() + timeout_s
+    was_zero, busy_since = False, None
+    while time.monotonic() < deadline:
+        holding = gauge_total(metrics_port, "score_worker_inflight_bytes") > 0
+        now = time.monotonic()
+        if holding and (was_zero or (busy_since is not None and now - busy_since >= busy_s)):
+            return
+        was_zero = not holding
+        busy_since = (busy_since or now) if holding else None
+        await asyncio.sleep(poll_s)
+    raise TimeoutError(f"timed out after {timeout_s} s waiting for the worker to hold requests")
 
 
 async def wait_until(check: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.05) -> None:
