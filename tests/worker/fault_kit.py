@@ -243,7 +243,8 @@ async def wait_holding(
     deadline = time.monotonic() + timeout_s
     was_zero, busy_since = False, None
     while time.monotonic() < deadline:
-        holding = gauge_total(metrics_port, "score_worker_inflight_bytes") > 0
+        # Off the loop: a scrape the busy worker answers slowly must not stall this process's producer.
+        holding = await asyncio.to_thread(gauge_total, metrics_port, "score_worker_inflight_bytes") > 0
         now = time.monotonic()
         if holding and (was_zero or (busy_since is not None and now - busy_since >= busy_s)):
             return
