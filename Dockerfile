@@ -12,16 +12,20 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# torch first, in its own layer: it is by far the largest dependency and changes least often.
-RUN pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"
-
 WORKDIR /app
+# The versions the suite was run with (./dev.sh lock writes them); pyproject.toml keeps the ranges.
+COPY constraints.txt ./
+# torch first, in its own layer: it is by far the largest dependency and changes least often.
+# The torch index is an extra one: its build (2.13.0+cpu) ranks above PyPI's 2.13.0, and the pinned
+# dependencies come from PyPI.
+RUN pip install -c constraints.txt --extra-index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"
+
 # LICENSE is named by pyproject's license-files, so the build needs it.
 COPY pyproject.toml README.md LICENSE ./
 COPY schemas ./schemas
 COPY models ./models
 COPY worker ./worker
-RUN pip install ".[worker]"
+RUN pip install -c constraints.txt ".[worker]"
 
 # An unprivileged user. /models/generated belongs to it so that a named volume mounted there is writable
 # (Docker copies the directory's ownership into a new volume); /models/real is where a host directory with

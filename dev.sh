@@ -3,6 +3,7 @@
 #   ./dev.sh demo   - embedded broker + tiny local model + one worker + sample requests, results printed
 #   ./dev.sh test   - the whole suite: ruff, mypy and pytest against a real (embedded) broker and a real
 #                     Prometheus (installed with apt-get when missing and run as root)
+#   ./dev.sh lock   - resolve the dev install afresh and write the pins to constraints.txt
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -24,22 +25,42 @@ system_tools() {
     fi
 }
 
+# The versions the suite runs with: every install here (and the Dockerfile's) takes constraints.txt, while
+# pyproject.toml keeps the ranges users may install. `./dev.sh lock` writes it anew.
+CONSTRAINTS=constraints.txt
+TORCH_VERSION=2.13.0
+
 setup() {
     if [ ! -x "$VENV/bin/python" ]; then
         "$PY" -m venv "$VENV"
     fi
     local stamp="$VENV/.installed"
-    # Reinstall only when the dependency list changed: keeps repeated runs fast.
-    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-        "$VENV/bin/python" -m pip install -q --upgrade pip
-        # torch first and pinned: the CPU build lies on the development machines' disk, while a bare
-        # "torch" requirement would pull a multi-GB CUDA build. Any torch >= 2.11 already present is kept.
-        if ! "$VENV/bin/python" -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 11))' 2>/dev/null; then
-            "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-        fi
-        "$VENV/bin/python" -m pip install -q -e '.[dev]'
+    # Reinstall only when the dependency list or the pins changed: keeps repeated runs fast.
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$CONSTRAINTS" -nt "$stamp" ]; then
+        "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" --upgrade pip
+        # torch first and pinned, PyPI's build or a CPU build found beside it (pip's find-links or
+        # index): both are "torch==2.13.0" to pip, and the pins hold for either.
+        "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "torch==$TORCH_VERSION"
+        "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e '.[dev]'
         touch "$stamp"
     fi
+}
+
+# Resolves the dev install afresh in a scratch venv and writes what it took to constraints.txt.
+lock() {
+    local scratch
+    scratch=$(mktemp -d)
+    trap 'rm -rf "$scratch"' RETURN
+    "$PY" -m venv "$scratch/venv"
+    "$scratch/venv/bin/python" -m pip install -q --upgrade pip
+    "$scratch/venv/bin/python" -m pip install -q "torch==$TORCH_VERSION" -e '.[dev]'
+    {
+        echo "# What the suite was run with: ./dev.sh and the Dockerfile install with -c constraints.txt."
+        echo "# Written by ./dev.sh lock ($("$scratch/venv/bin/python" --version), $(uname -m)); do not edit by hand."
+        echo "# torch==$TORCH_VERSION also admits the CPU build (2.13.0+cpu); its CUDA packages are then not needed."
+        "$scratch/venv/bin/python" -m pip freeze --all --exclude-editable | grep -v '^score-worker'
+    } >"$CONSTRAINTS"
+    echo "dev.sh: wrote $CONSTRAINTS ($(grep -c '==' "$CONSTRAINTS") pins)" >&2
 }
 
 cmd="${1:-}"
@@ -57,8 +78,11 @@ case "$cmd" in
     setup)
         setup
         ;;
+    lock)
+        lock
+        ;;
     *)
-        echo "usage: ./dev.sh demo|test|setup [args...]" >&2
+        echo "usage: ./dev.sh demo|test|setup|lock [args...]" >&2
         exit 2
         ;;
 esac
