@@ -14,6 +14,13 @@ HEADER_CONTENT_TYPE = "content-type"
 HEADER_SCHEMA_VERSION = "x-schema-version"
 HEADER_ERROR_CODE = "x-error-code"
 HEADER_ERROR_MESSAGE = "x-error-message"
+# Where a dead-letter record's source lies: topic, partition, offset (the first, for a range) and, for a
+# range of records skipped unread, the last offset and the cause.
+HEADER_SOURCE_TOPIC = "x-source-topic"
+HEADER_SOURCE_PARTITION = "x-source-partition"
+HEADER_SOURCE_OFFSET = "x-source-offset"
+HEADER_SOURCE_LAST_OFFSET = "x-source-last-offset"
+HEADER_UNDECODABLE_CAUSE = "x-undecodable-cause"
 # Request-reply, as Spring Kafka's ReplyingKafkaTemplate writes them (KafkaHeaders.REPLY_TOPIC and
 # CORRELATION_ID): the topic the result should go to, and a correlation value copied onto the result.
 HEADER_REPLY_TOPIC = "kafka_replyTopic"

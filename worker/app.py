@@ -15,10 +15,12 @@ from worker.config import WorkerSettings
 from worker.errors import ModelStuckError
 from worker.gc_pauses import GcPauses, freeze_startup_heap, thaw_heap
 from worker.health import Readiness
-from worker.intake import Intake, ScorerLike, record_size
+from worker.holds import Hold
+from worker.intake import Intake, Outgoing, ScorerLike, record_size
 from worker.intake_processes import IntakeProcesses, builder_of, process_count
-from worker.metrics import WorkerMetrics
+from worker.metrics import ResultTally, WorkerMetrics
 from worker.pipeline import Pipeline
+from worker.publisher import unreadable_record
 from worker.sink import Sink
 from worker.source import Source
 from worker.topics import broker_record_limit, ensure_topics
@@ -101,12 +103,12 @@ class ScoreWorker:
     async def run(self) -> None:
         """Consume until stop(); raises PublishError, ModelStuckError or DeviceLostError on a fatal error."""
         self._loop = asyncio.get_running_loop()
-        settings = await self._effective_settings()
+        settings = self._settings = await self._effective_settings()
         self._sink = Sink(settings, self.metrics)
         intake = Intake(settings, self._scorer, self.metrics)
         processes = self._intake_processes(settings)
         self._pipeline = Pipeline(settings, intake, self.metrics, self._sink.deliver, self._spawn, processes)
-        self._source = Source(settings, self.metrics, self.readiness, self._on_revoked)
+        self._source = Source(settings, self.metrics, self.readiness, self._on_revoked, self._skip_unreadable)
         if settings.gc_freeze:
             frozen = freeze_startup_heap()
             log.info("%d objects alive at start (model, libraries) frozen out of garbage collection", frozen)
@@ -231,13 +233,25 @@ class ScoreWorker:
     async def _drain(self) -> None:
         """Stop fetching and wait, at most drain_timeout_ms, until everything fetched is published."""
         assert self._source is not None and self._sink is not None
-        self._source.pause_all()
+        self._source.stop_fetching()
         limit_s = self._settings.drain_timeout_ms / 1000
         if not await self._finish_in_flight(None, timeout_s=limit_s, keep_polling=True):
             log.warning(
                 "stopping with %d requests unfinished after %.0f s (drain_timeout_ms): they are not "
                 "committed, so the group delivers them again", self._sink.pending(), limit_s,
             )  # fmt: skip
+
+    def _skip_unreadable(self, hold: Hold) -> None:
+        """A batch that stayed unreadable is skipped: its range goes to the dead-letter topic, and the commit
+        passes the range once the broker acknowledged that record."""
+        assert self._sink is not None
+        first, last = hold.offset, hold.last_offset
+        data = hold.batch.data if hold.batch is not None else None
+        record = unreadable_record(self._settings, hold.tp, first, last, hold.cause, hold.message, data)
+        self._sink.track_range(hold.tp, first, last)
+        tally = ResultTally()
+        tally.add(record, 0)
+        self._spawn(self._sink.deliver(Outgoing([record], tally), [(hold.tp, first)]))
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Before losing partitions, let their in-flight requests finish (bounded), commit, forget them."""

@@ -11,6 +11,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from worker.undecodable import missing_codecs
+
 ENV_PREFIX = "SCORE_WORKER_"
 
 # Kafka's own rule for topic names (a longer name or another character is refused by the broker).
@@ -330,6 +332,19 @@ class WorkerSettings(KafkaSecurity):
     publish_linger_ms: int = Field(
         0, ge=0, le=1000, description="how long the producer holds results to send more of them together"
     )
+    results_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
+        "lz4",
+        description="compression codec of the result and dead-letter batches the worker writes (readers "
+        "need nothing to choose: every Kafka client reads every codec)",
+    )
+    undecodable_skip_after_ms: int = Field(
+        0,
+        ge=0,
+        description="a partition whose records cannot be read (a codec library missing, a corrupt batch) "
+        "stops at the first such offset and is retried with backoff; after this long still unreadable, its "
+        "batch is skipped: the offset range goes to the dead-letter topic (UNDECODABLE_RECORDS) and reading "
+        "goes on after it. 0: never skip, hold the partition until it reads",
+    )
     group_instance_id: str | None = Field(
         None,
         min_length=1,
@@ -398,6 +413,16 @@ class WorkerSettings(KafkaSecurity):
     def _check_topic(cls, value: str) -> str:
         if not is_topic_name(value):
             raise ValueError(f"{value!r} is not a valid Kafka topic name (letters, digits, '.', '_', '-')")
+        return value
+
+    @field_validator("results_compression")
+    @classmethod
+    def _check_compression(cls, value: str) -> str:
+        if value in missing_codecs():
+            raise ValueError(
+                f"{value} needs the cramjam package, which this installation lacks: install score-worker "
+                "with its declared dependencies, or choose gzip or none"
+            )
         return value
 
     @field_validator("reply_topic_pattern")

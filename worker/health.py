@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -29,6 +30,10 @@ class Readiness:
     broker_reachable: bool = False
     # False once the watchdog found a model call past its limit: the worker is stopping.
     model_responsive: bool = True
+    # False while fetching raises (the worker retries it); True again after a fetch that succeeded.
+    fetching: bool = True
+    # Partitions stopped at records the worker cannot read, by "topic[partition]": offset, cause, message.
+    held_partitions: dict[str, dict[str, Any]] = field(default_factory=dict)
     _last: bool | None = None
 
     def checks(self) -> dict[str, bool]:
@@ -37,7 +42,18 @@ class Readiness:
             "group_joined": self.group_joined,
             "broker_reachable": self.broker_reachable,
             "model_responsive": self.model_responsive,
+            "fetching": self.fetching,
+            "partitions_readable": not self.held_partitions,
         }
+
+    def details(self) -> dict[str, Any]:
+        """What /readyz shows beside the checks: the held partitions and why each is held."""
+        return {"held_partitions": self.held_partitions}
+
+    def hold(self, partitions: Mapping[str, Mapping[str, Any]]) -> None:
+        """Replace the held partitions (none: every partition reads)."""
+        self.held_partitions = {name: dict(info) for name, info in partitions.items()}
+        self._changed()
 
     @property
     def ready(self) -> bool:
@@ -46,9 +62,12 @@ class Readiness:
     def update(self, **checks: bool) -> None:
         """Set some checks; logs and exports each change of the overall state once."""
         for name, value in checks.items():
-            if name not in self.checks():
+            if name not in self.checks() or name == "partitions_readable":
                 raise ValueError(f"unknown readiness check {name!r}")
             setattr(self, name, value)
+        self._changed()
+
+    def _changed(self) -> None:
         ready = self.ready
         if ready != self._last:
             self._last = ready
@@ -68,10 +87,17 @@ class HealthServer:
     """
 
     def __init__(
-        self, host: str, port: int, exposition: Callable[[], bytes], checks: Callable[[], dict[str, bool]]
+        self,
+        host: str,
+        port: int,
+        exposition: Callable[[], bytes],
+        checks: Callable[[], dict[str, bool]],
+        details: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """`details`: more for /readyz's body beside the checks (why a check fails)."""
         self._host, self._port = host, port
         self._exposition, self._checks = exposition, checks
+        self._details = details
         self._server: asyncio.Server | None = None
 
     @property
@@ -126,7 +152,8 @@ class HealthServer:
         if target == "/readyz":
             checks = self._checks()
             ready = all(checks.values())
-            body = json.dumps({"ready": ready, "checks": checks}).encode() + b"\n"
+            extra = self._details() if self._details is not None else {}
+            body = json.dumps({"ready": ready, "checks": checks, **extra}).encode() + b"\n"
             status = "200 OK" if ready else "503 Service Unavailable"
             return status, "application/json", body, method
         return "404 Not Found", "text/plain", b"not found: try /metrics, /healthz or /readyz\n", method

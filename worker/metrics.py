@@ -36,7 +36,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # Label names a worker metric may carry: each has a small, fixed set of values (never a request id).
 BOUNDED_LABELS = frozenset(
-    {"model", "worker", "code", "status", "reason", "dtype", "topic", "partition", "generation"}
+    {"model", "worker", "code", "status", "reason", "dtype", "topic", "partition", "generation", "cause"}
 )
 # Garbage-collector pauses: tens of microseconds for the youngest generation, up to seconds for a full scan.
 GC_PAUSE_BUCKETS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
@@ -178,6 +178,23 @@ class WorkerMetrics:
         self.inflight = gauge("inflight_requests", "request records fetched and not yet fully published")
         self.inflight_bytes = gauge("inflight_bytes", "bytes of those request records")
         self.paused = gauge("paused_partitions", "partitions paused by backpressure")
+        self.undecodable_reads = counter(
+            "undecodable_reads_total",
+            "reads of a partition that stopped at records the worker cannot read (the first, and each retry)",
+            "topic", "partition", "cause",
+        )  # fmt: skip
+        self.held = gauge(
+            "held_partitions", "partitions stopped at records the worker cannot read (see /readyz)"
+        )
+        self.skipped_records = counter(
+            "skipped_records_total",
+            "offsets skipped after staying unreadable (undecodable_skip_after_ms); each range goes to the "
+            "dead-letter topic",
+            "topic", "partition", "cause",
+        )  # fmt: skip
+        self.fetch_failures = counter(
+            "fetch_failures_total", "fetches that raised (the worker rewinds to what it handed out, retries)"
+        )
         self.lag = gauge(
             "consumer_lag", "records behind: high-water mark minus position", "topic", "partition"
         )
@@ -218,7 +235,7 @@ class WorkerMetrics:
             self.requests, self.items, self.tokens, self.prefix_saved, self.intake_processed,
             self.intake_restarts, self.batches, self.batch_failures, self.layer_compilations,
             self.hidden_requests, self.commits, self.commit_failures, self.rebalances, self.assigned,
-            self.inflight, self.inflight_bytes, self.paused,
+            self.inflight, self.inflight_bytes, self.paused, self.held, self.fetch_failures,
         ):  # fmt: skip
             metric.labels(info.name, self.worker)
         for generation in (0, 1, 2):
@@ -318,6 +335,18 @@ class WorkerMetrics:
     def set_lag(self, lags: Mapping[tuple[str, int], int]) -> None:
         for (topic, partition), lag in lags.items():
             self._of(self.lag, topic, str(partition)).set(max(0, lag))
+
+    def undecodable(self, topic: str, partition: int, cause: str) -> None:
+        self._of(self.undecodable_reads, topic, str(partition), cause).inc()
+
+    def held_partitions(self, count: int) -> None:
+        self._of(self.held).set(count)
+
+    def skipped(self, topic: str, partition: int, cause: str, offsets: int) -> None:
+        self._of(self.skipped_records, topic, str(partition), cause).inc(offsets)
+
+    def fetch_failed(self) -> None:
+        self._of(self.fetch_failures).inc()
 
     def forget_partitions(self, partitions: Iterable[tuple[str, int]]) -> None:
         """Drop the lag series of partitions this worker no longer owns (another worker reports them)."""

@@ -39,6 +39,16 @@ class PartitionOffsets:
         if self._next is None or offset >= self._next:
             self._next = offset + 1
 
+    def track_range(self, first: int, last: int) -> None:
+        """Track offsets `first` to `last` as one entry that `done(first)` completes (a range of records
+        answered as a whole, such as a batch skipped unread): until then nothing from `first` on is
+        committable, and afterwards the commit may pass `last`."""
+        if last < first:
+            raise ValueError(f"empty range {first}-{last}")
+        self.track(first)
+        if self._next is None or last >= self._next:
+            self._next = last + 1
+
     def done(self, offset: int) -> bool:
         """Mark a tracked offset done; returns False when it is not open (untracked or already done)."""
         if offset not in self._open:
@@ -64,6 +74,9 @@ class OffsetTracker(Generic[P]):
 
     def track(self, partition: P, offset: int) -> None:
         self._partitions.setdefault(partition, PartitionOffsets()).track(offset)
+
+    def track_range(self, partition: P, first: int, last: int) -> None:
+        self._partitions.setdefault(partition, PartitionOffsets()).track_range(first, last)
 
     def done(self, partition: P, offset: int) -> bool:
         """Mark an offset done; False when the partition or offset is not tracked (e.g. revoked since)."""

@@ -13,12 +13,17 @@ from typing import TypeVar
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
-from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from schemas import (
     HEADER_ERROR_CODE,
     HEADER_ERROR_MESSAGE,
     HEADER_REPLY_TOPIC,
+    HEADER_SOURCE_LAST_OFFSET,
+    HEADER_SOURCE_OFFSET,
+    HEADER_SOURCE_PARTITION,
+    HEADER_SOURCE_TOPIC,
+    HEADER_UNDECODABLE_CAUSE,
     ErrorCode,
     ScoreResult,
     encode_result,
@@ -152,13 +157,7 @@ def dead_letter_record(
     Above the record limit the copy loses, in turn, its value, the request's headers and its key: the
     reason and the source position always remain, so the record can be found in the requests topic.
     """
-    reason: Headers = [
-        (HEADER_ERROR_CODE, str(code).encode()),
-        (HEADER_ERROR_MESSAGE, _shorten_utf8(message, _MAX_HEADER_MESSAGE)),
-        ("x-source-topic", record.topic.encode()),
-        ("x-source-partition", str(record.partition).encode()),
-        ("x-source-offset", str(record.offset).encode()),
-    ]
+    reason = _reason(code, message, TopicPartition(record.topic, record.partition), record.offset)
     topic, key, value, headers = settings.dlq_topic, record.key, record.value, list(record.headers)
     no_value = [("x-value-omitted-bytes", str(len(value or b"")).encode())]
     header_bytes = sum(len(name.encode()) + len(data or b"") for name, data in headers)
@@ -176,6 +175,47 @@ def dead_letter_record(
             OutRecord(topic, None, b"", reason + no_value + no_headers, dead_letter_reason=why),
         ],
     )
+
+
+def unreadable_record(
+    settings: WorkerSettings,
+    tp: TopicPartition,
+    first: int,
+    last: int,
+    cause: str,
+    message: str,
+    batch: bytes | None,
+) -> OutRecord:
+    """The dead-letter record of offsets `first` to `last`, skipped because they could not be read: the
+    batch as the broker stores it (to decode elsewhere, where its codec is at hand), the reason, the cause
+    and the source range. Above the record limit the batch is left out; the range and reason remain."""
+    code = ErrorCode.UNDECODABLE_RECORDS
+    reason = [
+        *_reason(code, message, tp, first),
+        (HEADER_SOURCE_LAST_OFFSET, str(last).encode()),
+        (HEADER_UNDECODABLE_CAUSE, cause.encode()),
+    ]
+    value = batch or b""
+    no_value = [("x-value-omitted-bytes", str(len(value)).encode())]
+    why = str(code)
+    return _first_within(
+        settings.max_record_bytes,
+        lambda fallback: OutRecord(
+            settings.dlq_topic, None, value, reason, dead_letter_reason=why, make_fallback=fallback
+        ),
+        lambda: [OutRecord(settings.dlq_topic, None, b"", reason + no_value, dead_letter_reason=why)],
+    )
+
+
+def _reason(code: ErrorCode, message: str, tp: TopicPartition, offset: int) -> Headers:
+    """The headers every dead-letter record carries: why, and where its source lies."""
+    return [
+        (HEADER_ERROR_CODE, str(code).encode()),
+        (HEADER_ERROR_MESSAGE, _shorten_utf8(message, _MAX_HEADER_MESSAGE)),
+        (HEADER_SOURCE_TOPIC, tp.topic.encode()),
+        (HEADER_SOURCE_PARTITION, str(tp.partition).encode()),
+        (HEADER_SOURCE_OFFSET, str(offset).encode()),
+    ]
 
 
 def _shorten_utf8(text: str, max_bytes: int) -> bytes:
@@ -208,7 +248,8 @@ def _first_within(
 
 
 class Publisher:
-    """The worker's producer: acks="all", no idempotence (Tansu lacks InitProducerId), batches raised."""
+    """The worker's producer: acks="all", no idempotence (Tansu lacks InitProducerId), batches raised,
+    compressed with `results_compression`."""
 
     def __init__(self, settings: WorkerSettings) -> None:
         self._retry_s = settings.publish_timeout_ms / 1000
@@ -221,6 +262,7 @@ class Publisher:
             max_batch_size=settings.max_record_bytes,
             max_request_size=settings.max_record_bytes,
             enable_idempotence=False,
+            compression_type=None if settings.results_compression == "none" else settings.results_compression,
         )
         self._topics: dict[str, tuple[bool, float]] = {}  # reply topic -> (exists, until when that holds)
 

@@ -37,8 +37,9 @@ class WorkerService:
         self.health: HealthServer | None = None
         if settings.metrics_port:
             self.health = HealthServer(
-                settings.metrics_host, settings.metrics_port, self.metrics.exposition, self.readiness.checks
-            )
+                settings.metrics_host, settings.metrics_port, self.metrics.exposition,
+                self.readiness.checks, self.readiness.details,
+            )  # fmt: skip
         self.worker: ScoreWorker | None = None
         self._stop_requested = False
 

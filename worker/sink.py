@@ -50,6 +50,10 @@ class Sink:
     def track(self, tp: TopicPartition, offset: int) -> None:
         self._tracker.track(tp, offset)
 
+    def track_range(self, tp: TopicPartition, first: int, last: int) -> None:
+        """Offsets answered together by one record (a range skipped unread), done as `first`."""
+        self._tracker.track_range(tp, first, last)
+
     def pending(self, partitions: Iterable[TopicPartition] | None = None) -> int:
         """Fetched requests not yet answered (over `partitions`, all when None)."""
         return self._tracker.pending(partitions)

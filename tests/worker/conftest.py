@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fault_kit import Spawn, WorkerProcess
 from worker_testkit import LiveWorker, Names, fast_settings
 
 from models import Scorer, ScorerConfig
@@ -77,3 +78,23 @@ def live_worker(  # a worker per test module that asks for it, on its own topics
         thread.join(timeout=60)
     assert not thread.is_alive(), "the worker did not stop"
     assert not errors, errors
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> Scorer:
+    """The in-process float32 scorer every worker result is checked against."""
+    return Scorer(tiny_llama_dir, ScorerConfig(device="cpu", dtype="float32"))
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Spawn]:
+    """Starts worker processes; whatever is still running at the end of the test is killed."""
+    started: list[WorkerProcess] = []
+
+    def start(name: str, env: dict[str, str]) -> WorkerProcess:
+        started.append(WorkerProcess(name, env, tmp_path))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.close()

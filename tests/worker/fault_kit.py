@@ -218,19 +218,30 @@ class ResultWatcher:
         await self._consumer.stop()
 
 
-def gauge_total(metrics_port: int, name: str) -> float:
-    """The sum over its labels of one gauge a worker exposes on 127.0.0.1 (0 while unreachable)."""
+def metric_samples(metrics_port: int, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of one metric family a worker exposes on 127.0.0.1 (none while it does not answer)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as response:
-            text = response.read().decode()
+            return samples_in(response.read().decode(), name)
     except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return 0.0
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
+        return []
+
+
+def samples_in(exposition: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of one metric family in Prometheus' text format, with their labels. Counters are named
+    without their _total suffix, as the parser names families."""
+    return [
+        (dict(sample.labels), sample.value)
+        for family in text_string_to_metric_families(exposition)
         if family.name == name
         for sample in family.samples
-    )
+        if sample.name in (name, f"{name}_total")
+    ]
+
+
+def gauge_total(metrics_port: int, name: str) -> float:
+    """The sum over its labels of one gauge a worker exposes on 127.0.0.1 (0 while unreachable)."""
+    return sum(value for _, value in metric_samples(metrics_port, name))
 
 
 async def wait_holding(
@@ -475,6 +486,9 @@ class RssSampler:
         if self._task is not None:
             self._task.cancel()
         return max(self.samples)
+
+
+Spawn = Callable[[str, dict[str, str]], WorkerProcess]
 
 
 # ---------------------------------------------------------------------------------------------- proxy

@@ -6,7 +6,6 @@ import asyncio
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from fault_kit import (
     ClientCutProxy,
     Poison,
     RssSampler,
+    Spawn,
     Stream,
     WorkerProcess,
     poison_corpus,
@@ -27,7 +27,7 @@ from fault_kit import (
 )
 from worker_testkit import header, read_topic, request_record
 
-from models import Scorer, ScorerConfig
+from models import Scorer
 from worker.broker import EmbeddedBroker, free_port
 from worker.config import WorkerSettings
 
@@ -38,28 +38,6 @@ COMMIT_INTERVAL_S = 0.1  # worker_env's commit_interval_ms
 POLL_S = 0.2  # the longest the worker's fetch loop waits between two looks at its commit timer
 START_BOUND_S = 60.0
 ALL_FOUR = r"assigned partitions: \[.*\[0\].*\[1\].*\[2\].*\[3\]"
-
-Spawn = Callable[[str, dict[str, str]], WorkerProcess]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama_dir: Path) -> Scorer:
-    """The in-process float32 scorer every worker result is checked against."""
-    return Scorer(tiny_llama_dir, ScorerConfig(device="cpu", dtype="float32"))
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Spawn]:
-    """Starts worker processes; whatever is still running at the end of the test is killed."""
-    started: list[WorkerProcess] = []
-
-    def start(name: str, env: dict[str, str]) -> WorkerProcess:
-        started.append(WorkerProcess(name, env, tmp_path))
-        return started[-1]
-
-    yield start
-    for process in started:
-        process.close()
 
 
 def figures(name: str, **values: Any) -> None:

@@ -126,3 +126,21 @@ def test_matches_a_simple_model_under_interleaved_tracking(ops: list[tuple[str, 
         expected = min(open_offsets) if open_offsets else (max(tracked) + 1 if tracked else None)
         assert tracker.committable() == expected
         assert len(tracker) == len(open_offsets)
+
+
+def test_a_range_answered_as_one_holds_the_commit_at_its_first_offset_then_passes_its_last() -> None:
+    offsets = PartitionOffsets()
+    offsets.track(4)
+    offsets.track_range(5, 9)  # a batch skipped unread: one dead-letter record answers all of it
+    assert offsets.committable() == 4
+    offsets.done(4)
+    assert offsets.committable() == 5  # not past the range while its record is unacknowledged
+    offsets.track(10)  # read after the range meanwhile
+    offsets.done(10)
+    assert offsets.committable() == 5
+    assert offsets.done(5)
+    assert offsets.committable() == 11
+    alone = PartitionOffsets()
+    alone.track_range(0, 2)
+    alone.done(0)
+    assert alone.committable() == 3

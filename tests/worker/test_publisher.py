@@ -8,12 +8,19 @@ from types import SimpleNamespace
 from typing import Any
 
 from aiokafka.errors import UnknownTopicOrPartitionError
-from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import ConsumerRecord, TopicPartition
 from worker_testkit import Names, fast_settings, read_topic
 
 from schemas import ErrorCode, ResultStatus, ScoreResult, decode_result
 from worker.config import WorkerSettings
-from worker.publisher import OutRecord, Publisher, dead_letter_record, record_size, result_record
+from worker.publisher import (
+    OutRecord,
+    Publisher,
+    dead_letter_record,
+    record_size,
+    result_record,
+    unreadable_record,
+)
 from worker.replies import Route
 from worker.topics import ensure_topics
 
@@ -173,3 +180,24 @@ def test_a_batch_of_results_shares_one_produce_request_without_lingering(
     assert asyncio.run(scenario()) == 1
     read = asyncio.run(read_topic(kafka_bootstrap, settings.results_topic, len(records), settle_s=0.2))
     assert sorted(decode_result(r.value).request_id for r in read) == sorted(f"r{i}" for i in range(50))
+
+
+def test_a_skipped_range_keeps_its_batch_within_the_limit_and_its_range_and_reason_always(
+    tmp_path: Path,
+) -> None:
+    settings = _settings(tmp_path)
+    tp = TopicPartition("s" * 249, 3)
+    small = unreadable_record(settings, tp, 17, 21, "codec_unavailable", "batch 17-21 is lz4", b"batch")
+    headers = dict(small.headers)
+    assert small.key is None and small.value == b"batch" and small.topic == settings.dlq_topic
+    assert headers["x-error-code"] == b"UNDECODABLE_RECORDS"
+    assert (headers["x-source-offset"], headers["x-source-last-offset"]) == (b"17", b"21")
+    assert headers["x-source-partition"] == b"3" and headers["x-source-topic"] == tp.topic.encode()
+    assert headers["x-undecodable-cause"] == b"codec_unavailable"
+    large = unreadable_record(settings, tp, 17, 21, "crc_mismatch", HOSTILE_MESSAGE, b"b" * (2 * FLOOR))
+    assert record_size(large.key, large.value, large.headers) <= FLOOR
+    headers = dict(large.headers)
+    assert large.value == b"" and headers["x-value-omitted-bytes"] == str(2 * FLOOR).encode()
+    assert headers["x-source-last-offset"] == b"21" and headers["x-undecodable-cause"] == b"crc_mismatch"
+    unknown = unreadable_record(settings, tp, 17, 17, "crc_mismatch", "no batch", None)
+    assert unknown.value == b"" and dict(unknown.headers)["x-source-last-offset"] == b"17"

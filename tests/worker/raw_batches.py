@@ -1,0 +1,135 @@
+"""Record batches built and damaged by hand, and written to the broker's wire in a raw produce request."""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable, Sequence
+
+from aiokafka.client import AIOKafkaClient
+from aiokafka.protocol.produce import ProduceRequest
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from aiokafka.record.util import calc_crc32c
+from aiokafka.structs import TopicPartition
+from worker_testkit import Record
+
+GZIP, LZ4 = 1, 3
+# Offsets in a v2 batch header (see worker/undecodable.py): length, CRC, attributes, record count, and
+# where the records begin.
+_LENGTH_AT, _CRC_AT, _ATTRIBUTES_AT, _COUNT_AT, _RECORDS_AT = 8, 17, 21, 57, 61
+
+
+def build(records: Sequence[Record], codec: int = 0) -> bytearray:
+    """A v2 record batch of `records`, as a producer writes it (base offset 0: the broker assigns its own)."""
+    builder = DefaultRecordBatchBuilder(
+        magic=2, compression_type=codec, is_transactional=0, producer_id=-1, producer_epoch=-1,
+        base_sequence=-1, batch_size=64 << 20,
+    )  # fmt: skip
+    now_ms = int(time.time() * 1000)
+    for delta, (key, value, headers) in enumerate(records):
+        assert builder.append(delta, timestamp=now_ms, key=key, value=value, headers=headers) is not None
+    return bytearray(builder.build())
+
+
+def seal(batch: bytearray) -> bytes:
+    """The batch with its length field and CRC made to match its bytes (so the damage passes the CRC)."""
+    struct.pack_into(">i", batch, _LENGTH_AT, len(batch) - 12)
+    struct.pack_into(">I", batch, _CRC_AT, calc_crc32c(bytes(batch[_ATTRIBUTES_AT:])))
+    return bytes(batch)
+
+
+def crc_damaged(records: Sequence[Record]) -> bytes:
+    """A byte of the last record flipped after the CRC was written: a copy damaged on its way."""
+    batch = build(records)
+    batch[-1] ^= 0xFF
+    return bytes(batch)
+
+
+def payload_cut(records: Sequence[Record]) -> bytes:
+    """A gzip batch whose compressed payload lost its last bytes before its producer sealed it: the CRC
+    holds, decompressing fails."""
+    return seal(build(records, GZIP)[:-6])
+
+
+def record_missing(records: Sequence[Record]) -> bytes:
+    """An uncompressed batch that announces one record more than it holds (CRC sealed): the library parses
+    the records it holds and fails on the one it does not."""
+    batch = build(records)
+    struct.pack_into(">i", batch, _COUNT_AT, len(records) + 1)
+    return seal(batch)
+
+
+def record_damaged(records: Sequence[Record]) -> bytes:
+    """An uncompressed batch whose second record announces two bytes more than it holds (CRC sealed): the
+    library reads the first record and fails at the second's offset."""
+    assert len(records) >= 2
+    batch = build(records)
+    first_length, pos = _varint(batch, _RECORDS_AT)
+    second = pos + first_length
+    length, end = _varint(batch, second)
+    longer = _zigzag(length + 2)
+    assert len(longer) == end - second, "pick records whose length's varint keeps its size"
+    batch[second:end] = longer
+    return seal(batch)
+
+
+def _varint(data: bytes | bytearray, pos: int) -> tuple[int, int]:
+    """A zigzag varint (Kafka's record fields) at `pos`: its value and the position after it."""
+    shift = raw = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        raw |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return (raw >> 1) ^ -(raw & 1), pos
+
+
+def _zigzag(value: int) -> bytes:
+    raw = (value << 1) ^ (value >> 63)
+    out = bytearray()
+    while True:
+        if raw < 0x80:
+            return bytes(out + bytes([raw]))
+        out.append((raw & 0x7F) | 0x80)
+        raw >>= 7
+
+
+def with_codec(batch: bytes, codec: int) -> bytes:
+    """The batch relabelled as compressed with `codec` (CRC sealed)."""
+    relabelled = bytearray(batch)
+    (attributes,) = struct.unpack_from(">h", relabelled, _ATTRIBUTES_AT)
+    struct.pack_into(">h", relabelled, _ATTRIBUTES_AT, (attributes & ~0x07) | codec)
+    return seal(relabelled)
+
+
+def rewrite_batches(data: bytes, change: Callable[[int, bytes], bytes]) -> bytes:
+    """Fetched bytes with every complete v2 batch passed through `change(base_offset, batch)`."""
+    out, pos = bytearray(), 0
+    while pos + 12 <= len(data):
+        base, length = struct.unpack_from(">qi", data, pos)
+        end = pos + 12 + length
+        if end > len(data):
+            break
+        out += change(base, data[pos:end])
+        pos = end
+    return bytes(out + data[pos:])
+
+
+async def produce_raw(bootstrap: str, tp: TopicPartition, batch: bytes) -> int:
+    """Write one batch to the partition's leader exactly as given; returns the base offset it got."""
+    client = AIOKafkaClient(bootstrap_servers=bootstrap)
+    await client.bootstrap()
+    try:
+        await client.force_metadata_update()
+        leader = client.cluster.leader_for_partition(tp)
+        assert leader is not None and leader >= 0, f"no leader for {tp}"
+        response = await client.send(
+            leader, ProduceRequest(None, -1, 10_000, [(tp.topic, [(tp.partition, batch)])])
+        )
+        ((_, partitions),) = response.topics
+        ((_, error_code, base_offset, *_),) = partitions
+        assert error_code == 0, f"the broker refused the batch: error {error_code}"
+        return int(base_offset)
+    finally:
+        await client.close()
