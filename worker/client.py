@@ -24,8 +24,10 @@ from schemas import (
     header_request_id,
     request_headers,
 )
+from worker.codecs import DEFAULT_COMPRESSION, Compression, producer_compression
 from worker.errors import WorkerError
 from worker.topics import create_missing_topics
+from worker.undecodable import FetchGuard, Unreadable, classify, describe, read_raw_batch
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,9 @@ class ClientStats:
     duplicates: int = 0  # a second result for an id already answered (at-least-once redelivery)
     unknown: int = 0  # results for ids this client is not waiting for (other producers, late results)
     undecodable: int = 0
+    # Offsets of the results topic skipped because their batch could not be read at all (a damaged batch):
+    # the results there are lost to this client, and their requests time out, named.
+    unreadable: int = 0
 
 
 def new_request_id() -> str:
@@ -99,8 +104,10 @@ class ScoreClient:
         kafka_options: Mapping[str, Any] | None = None,
         reply_topic: str | None = None,
         reply_topic_partitions: int = 1,
+        compression: Compression = DEFAULT_COMPRESSION,
     ) -> None:
-        """`kafka_options` go to every aiokafka client (e.g. security_protocol, ssl_context, sasl_*)."""
+        """`kafka_options` go to every aiokafka client (e.g. security_protocol, ssl_context, sasl_*);
+        `compression` is the codec of the request batches it sends (results of any codec are read)."""
         self.requests_topic = requests_topic
         self.results_topic = results_topic
         self.reply_topic = reply_topic
@@ -112,11 +119,14 @@ class ScoreClient:
         self._start_timeout = start_timeout
         self._remembered_ids = remembered_ids
         self._kafka_options = dict(kafka_options or {})
+        self._compression = compression
         self._pending: dict[str, asyncio.Future[ScoreResult]] = {}
         # Answered ids, bounded: tells a redelivered duplicate from a stranger's result.
         self._answered: OrderedDict[str, None] = OrderedDict()
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
+        self._guard: FetchGuard | None = None
+        self._retried: set[tuple[TopicPartition, int]] = set()  # unreadable offsets read once more
         self._reader: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
 
@@ -151,6 +161,7 @@ class ScoreClient:
             linger_ms=2,
             max_batch_size=256 * 1024,
             max_request_size=self._max_message_bytes,
+            compression_type=producer_compression(self._compression),
             **self._kafka_options,
         )
         try:
@@ -268,6 +279,8 @@ class ScoreClient:
         if self.reply_topic is not None:
             await self._create_reply_topic()
         await self._consumer.start()
+        self._guard = FetchGuard(self._consumer)
+        self._guard.attach()
         await self._position_at_end(self._consumer)
         await self._producer.start()
 
@@ -292,10 +305,13 @@ class ScoreClient:
         await consumer.seek_to_end(*tps)
         while any(consumer.highwater(tp) is None for tp in tps):
             await consumer.getmany(*tps, timeout_ms=100)  # anything returned here predates us: dropped
+        assert self._guard is not None
+        await self._guard.take()  # what came before the end is not ours, readable or not
         for tp in tps:
             highwater = consumer.highwater(tp)
             assert highwater is not None
             consumer.seek(tp, highwater)
+        consumer.resume(*tps)
 
     async def _results_partitions(self, consumer: AIOKafkaConsumer) -> set[int]:
         for _ in range(20):
@@ -348,6 +364,9 @@ class ScoreClient:
                 for records in batches.values():
                     for record in records:
                         self._handle(record)
+                assert self._guard is not None
+                for unreadable in await self._guard.take():
+                    await self._pass_unreadable(unreadable)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a dead reader must not leave callers waiting for their timeout
@@ -357,6 +376,26 @@ class ScoreClient:
                 if not future.done():
                     future.set_exception(ScoreClientError(f"results consumer failed: {exc!r}"))
             self._pending.clear()
+
+    async def _pass_unreadable(self, unreadable: Unreadable) -> None:
+        """A results batch that cannot be read: read once more when its bytes are sound (the fetch failed),
+        else skipped with a warning. Reading goes on after it either way."""
+        assert self._consumer is not None
+        tp, offset = unreadable.tp, unreadable.offset
+        batch = await read_raw_batch(self._consumer, tp, offset)
+        cause = classify(unreadable, batch)
+        if cause == "fetch_error" and (tp, offset) not in self._retried:
+            self._retried.add((tp, offset))
+        else:
+            last = batch.last_offset if batch is not None and batch.base_offset <= offset else offset
+            log.warning(
+                "results %s[%d] offsets %d-%d cannot be read (%s): %s; skipped, their requests time out",
+                tp.topic, tp.partition, offset, last, cause, describe(cause, batch, unreadable.error),
+            )  # fmt: skip
+            self.stats.unreadable += last - offset + 1
+            offset = last + 1
+        self._consumer.seek(tp, offset)
+        self._consumer.resume(tp)
 
     def _handle(self, record: ConsumerRecord[Any, Any]) -> None:
         header_id = header_request_id(record.headers)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.undecodable import missing_codecs
+from worker.codecs import DEFAULT_COMPRESSION, Compression, missing_codecs
 
 ENV_PREFIX = "SCORE_WORKER_"
 
@@ -332,8 +332,8 @@ class WorkerSettings(KafkaSecurity):
     publish_linger_ms: int = Field(
         0, ge=0, le=1000, description="how long the producer holds results to send more of them together"
     )
-    results_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
-        "lz4",
+    results_compression: Compression = Field(
+        DEFAULT_COMPRESSION,
         description="compression codec of the result and dead-letter batches the worker writes (readers "
         "need nothing to choose: every Kafka client reads every codec)",
     )

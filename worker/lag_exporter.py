@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from worker.config import SECURITY_ENV_VARS, security_from_environment
 from worker.health import HealthServer
 from worker.metrics import PREFIX
+from worker.undecodable import FetchGuard
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class LagExporter:
         self.healthy = False
         self._highwater: dict[TopicPartition, int] = {}
         self._consumer: AIOKafkaConsumer | None = None
+        self._guard: FetchGuard | None = None
         self._admin: AIOKafkaAdminClient | None = None
         # One consumer per group that never subscribes: it reads the group's commits without joining it
         # (the admin client's OffsetFetch is not understood by every Kafka-protocol broker).
@@ -108,6 +110,9 @@ class LagExporter:
                 **self._options, enable_auto_commit=False, max_partition_fetch_bytes=1, fetch_max_wait_ms=100
             )
             await self._consumer.start()
+            # Its fetches only learn the high-water mark: a batch it cannot decode must not fail the poll.
+            self._guard = FetchGuard(self._consumer)
+            self._guard.attach()
             for group in self._groups:
                 reader = AIOKafkaConsumer(**self._options, group_id=group, enable_auto_commit=False)
                 self._group_readers[group] = reader
@@ -187,6 +192,8 @@ class LagExporter:
         for tp in partitions:
             consumer.seek(tp, max(0, max(listed.get(tp, 0), self._highwater.get(tp, 0)) - 1))
         await consumer.getmany(*partitions, timeout_ms=300)
+        if self._guard is not None:
+            await self._guard.take()  # the records are not needed, readable or not
         for tp in partitions:
             fetched = consumer.highwater(tp)
             self._highwater[tp] = max(self._highwater.get(tp, 0), listed.get(tp, 0), fetched or 0)

@@ -29,6 +29,7 @@ from schemas import (
     encode_result,
     result_headers,
 )
+from worker.codecs import producer_compression
 from worker.config import WorkerSettings
 from worker.errors import PublishError
 from worker.replies import DEFAULT_ROUTE, Route
@@ -262,7 +263,7 @@ class Publisher:
             max_batch_size=settings.max_record_bytes,
             max_request_size=settings.max_record_bytes,
             enable_idempotence=False,
-            compression_type=None if settings.results_compression == "none" else settings.results_compression,
+            compression_type=producer_compression(settings.results_compression),
         )
         self._topics: dict[str, tuple[bool, float]] = {}  # reply topic -> (exists, until when that holds)
 

@@ -27,6 +27,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from schemas import HiddenDType, Input, ScoreRequest, encode_request, request_headers
+from worker.codecs import CODEC_NAMES, DEFAULT_COMPRESSION, producer_compression
 from worker.config import SECURITY_ENV_VARS, security_from_environment
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ ENV_VARS: tuple[str, ...] = (
     "SCORE_SAMPLES_RATE",
     "SCORE_SAMPLES_HIDDEN_FRACTION",
     "SCORE_SAMPLES_INVALID_FRACTION",
+    "SCORE_SAMPLES_COMPRESSION",
     *SECURITY_ENV_VARS,
 )
 DEFAULT_HEARTBEAT_FILE = "/tmp/score-samples.alive"
@@ -135,6 +137,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--count", type=_count, default=0, metavar="N", help="stop after N requests (default 0: forever)"
     )
     parser.add_argument("--seed", type=int, default=None, help="random seed of the mix (default: random)")
+    parser.add_argument(
+        "--compression",
+        choices=CODEC_NAMES,
+        default=env.get("SCORE_SAMPLES_COMPRESSION", DEFAULT_COMPRESSION),
+        help=f"codec of the batches sent (default: $SCORE_SAMPLES_COMPRESSION or {DEFAULT_COMPRESSION})",
+    )
     parser.add_argument(
         "--heartbeat-file",
         type=Path,
@@ -330,7 +338,7 @@ async def _produce(args: argparse.Namespace, mix: SampleMix, security: dict[str,
     stop = asyncio.Event()
     producer = AIOKafkaProducer(
         bootstrap_servers=args.bootstrap_servers, client_id="score-samples", acks="all", linger_ms=5,
-        **security,
+        compression_type=producer_compression(args.compression), **security,
     )  # fmt: skip
     sender = _Sender(args, producer, mix)
     with _stop_on_signals(stop):

@@ -13,12 +13,13 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import ConsumerStoppedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from worker.codecs import missing_codecs
 from worker.config import WorkerSettings
 from worker.health import Readiness
 from worker.holds import PartitionHolds, Skip
 from worker.logs import PAUSING, RESUMING
 from worker.metrics import WorkerMetrics
-from worker.undecodable import FetchGuard, missing_codecs
+from worker.undecodable import FetchGuard
 
 log = logging.getLogger(__name__)
 

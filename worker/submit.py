@@ -33,6 +33,7 @@ from worker.client import (
     ScoreClientError,
     new_request_id,
 )
+from worker.codecs import CODEC_NAMES, DEFAULT_COMPRESSION
 from worker.config import security_from_environment
 
 EXIT_OK = 0
@@ -93,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("SCORE_WORKER_RESULTS_TOPIC", DEFAULT_RESULTS_TOPIC),
         metavar="TOPIC",
         help="topic results are read from (default: $SCORE_WORKER_RESULTS_TOPIC or score.results)",
+    )
+    parser.add_argument(
+        "--compression",
+        choices=CODEC_NAMES,
+        default=os.environ.get("SCORE_WORKER_REQUESTS_COMPRESSION", DEFAULT_COMPRESSION),
+        help=f"codec of the request batches sent (default: $SCORE_WORKER_REQUESTS_COMPRESSION or "
+        f"{DEFAULT_COMPRESSION}); results of any codec are read",
     )
     parser.add_argument(
         "--reply-topic",
@@ -203,6 +211,7 @@ async def _score_to(
         reply_topic=args.reply_topic,
         max_message_bytes=args.max_record_bytes,
         kafka_options=security,
+        compression=args.compression,
     ) as client:
         async for result in client.stream(requests, timeout=args.timeout):
             arrived[index_of[result.request_id]] = result

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from aiokafka import AIOKafkaConsumer, codec
+from aiokafka import AIOKafkaConsumer
 from aiokafka.consumer import fetcher as aiokafka_fetcher
 from aiokafka.errors import (
     CorruptRecordException,
@@ -38,6 +38,8 @@ from aiokafka.record.memory_records import MemoryRecords
 from aiokafka.record.util import calc_crc32c
 from aiokafka.structs import TopicPartition
 
+from worker.codecs import CODECS, available
+
 log = logging.getLogger(__name__)
 
 Cause = Literal[
@@ -48,15 +50,6 @@ CAUSES: tuple[Cause, ...] = (
     "codec_unavailable", "unknown_codec", "crc_mismatch", "truncated", "unparseable", "fetch_error",
 )  # fmt: skip
 
-# The compression codecs Kafka defines (the low three bits of a batch's attributes).
-CODECS = {0: "none", 1: "gzip", 2: "snappy", 3: "lz4", 4: "zstd"}
-_CODEC_AVAILABLE = {
-    0: lambda: True,
-    1: codec.has_gzip,
-    2: codec.has_snappy,
-    3: codec.has_lz4,
-    4: codec.has_zstd,
-}
 # Record batch v2 header: baseOffset int64, batchLength int32, partitionLeaderEpoch int32, magic int8,
 # crc uint32 (CRC-32C of everything after it), attributes int16, lastOffsetDelta int32, ... 61 bytes in all.
 _V2_HEADER = 61
@@ -70,11 +63,6 @@ _INSPECT_BYTES = 8 << 20
 # The held batch is there, so a broker answers at once; some (Tansu) answer a fetch that may not wait at
 # all with nothing.
 _INSPECT_WAIT_MS = 100
-
-
-def missing_codecs() -> list[str]:
-    """The codecs this installation cannot decompress (none with score-worker's declared dependencies)."""
-    return [name for code, name in CODECS.items() if not _CODEC_AVAILABLE[code]()]
 
 
 @dataclass(frozen=True)
@@ -165,7 +153,7 @@ def classify(unreadable: Unreadable, batch: RawBatch | None) -> Cause:
             return "crc_mismatch"
         if batch.codec not in CODECS:
             return "unknown_codec"
-        if not _CODEC_AVAILABLE[batch.codec]():
+        if not available(CODECS[batch.codec]):
             return "codec_unavailable"
         # The bytes are sound and the library reads them now: the failure was not in them.
         return "fetch_error" if _decodes(batch) else "unparseable"

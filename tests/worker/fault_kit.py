@@ -29,7 +29,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
-from worker_testkit import Names, Record, fast_values, read_topic, request_record, settings_env
+from worker_testkit import Names, Record, fast_values, header, read_topic, request_record, settings_env
 
 from models import Scorer
 from schemas import (
@@ -904,3 +904,43 @@ def _odd_but_valid(c: PoisonCorpus) -> None:
     specials = {"metadata": {"n": math.nan, "i": [math.inf, -math.inf]}}
     c.odd_but_valid("NaN and infinities in metadata", specials, None, [])
     c.odd_but_valid("300 KB unknown key", {"x-producer-blob": c.noise(300_000)}, None, [])
+
+
+def check_poison(acc: Accounting, dead: list[Any], placed: dict[tuple[int, int], Poison]) -> None:
+    """Each bad record got what the contract promises: its error result, its dead letter, nothing more."""
+    letters: dict[tuple[int, int], Any] = {}
+    for letter in dead:
+        source = (
+            int(header(letter, "x-source-partition") or -1),
+            int(header(letter, "x-source-offset") or -1),
+        )
+        assert source not in letters, f"two dead letters for {source}"
+        letters[source] = letter
+    assert set(letters) <= set(placed), "a good request was dead-lettered"
+    wrong = [
+        f"{p.label}: {why}" for at, p in placed.items() if (why := _poison_fault(acc, letters.get(at), p))
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def _poison_fault(acc: Accounting, letter: Any, poison: Poison) -> str | None:
+    """What is wrong with the answer to one bad record, or None."""
+    if poison.dead_letter != (letter is not None):
+        return f"dead letter expected: {poison.dead_letter}, found: {letter is not None}"
+    if letter is not None and poison.code and header(letter, "x-error-code") != str(poison.code).encode():
+        return f"dead letter code {header(letter, 'x-error-code')!r}, expected {poison.code}"
+    if poison.result_id is None:
+        return None
+    results = acc.by_id.get(poison.result_id, [])
+    if len(results) != 1:
+        return f"{len(results)} results for {poison.result_id}"
+    error = results[0].error
+    if poison.ok:
+        return None if error is None else f"expected an OK result, got {error.code}: {error.message[:200]}"
+    if error is None:
+        return "expected an error result, got OK"
+    if poison.code and error.code != poison.code:
+        return f"code {error.code}, expected {poison.code}: {error.message[:200]}"
+    if poison.echo is not None and results[0].metadata != poison.echo:
+        return f"metadata {results[0].metadata!r} instead of the request's {poison.echo!r}"
+    return None

@@ -19,13 +19,14 @@ from fault_kit import (
     Spawn,
     Stream,
     WorkerProcess,
+    check_poison,
     poison_corpus,
     spot_check,
     wait_holding,
     wait_until,
     worker_env,
 )
-from worker_testkit import header, read_topic, request_record
+from worker_testkit import read_topic, request_record
 
 from models import Scorer
 from worker.broker import EmbeddedBroker, free_port
@@ -363,46 +364,6 @@ def test_poison_records_interleaved_with_good_ones(
     assert all(acc.counts[rid] == 2 for rid in duplicated)
     check_poison(acc, dead, placed)
     assert peak < idle + growth_bound_mib * 1024
-
-
-def check_poison(acc: Accounting, dead: list[Any], placed: dict[tuple[int, int], Poison]) -> None:
-    """Each bad record got what the contract promises: its error result, its dead letter, nothing more."""
-    letters: dict[tuple[int, int], Any] = {}
-    for letter in dead:
-        source = (
-            int(header(letter, "x-source-partition") or -1),
-            int(header(letter, "x-source-offset") or -1),
-        )
-        assert source not in letters, f"two dead letters for {source}"
-        letters[source] = letter
-    assert set(letters) <= set(placed), "a good request was dead-lettered"
-    wrong = [
-        f"{p.label}: {why}" for at, p in placed.items() if (why := _poison_fault(acc, letters.get(at), p))
-    ]
-    assert not wrong, "\n".join(wrong)
-
-
-def _poison_fault(acc: Accounting, letter: Any, poison: Poison) -> str | None:
-    """What is wrong with the answer to one bad record, or None."""
-    if poison.dead_letter != (letter is not None):
-        return f"dead letter expected: {poison.dead_letter}, found: {letter is not None}"
-    if letter is not None and poison.code and header(letter, "x-error-code") != str(poison.code).encode():
-        return f"dead letter code {header(letter, 'x-error-code')!r}, expected {poison.code}"
-    if poison.result_id is None:
-        return None
-    results = acc.by_id.get(poison.result_id, [])
-    if len(results) != 1:
-        return f"{len(results)} results for {poison.result_id}"
-    error = results[0].error
-    if poison.ok:
-        return None if error is None else f"expected an OK result, got {error.code}: {error.message[:200]}"
-    if error is None:
-        return "expected an error result, got OK"
-    if poison.code and error.code != poison.code:
-        return f"code {error.code}, expected {poison.code}: {error.message[:200]}"
-    if poison.echo is not None and results[0].metadata != poison.echo:
-        return f"metadata {results[0].metadata!r} instead of the request's {poison.echo!r}"
-    return None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from schemas import HiddenDType, ScoreRequest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("kafkajs@2", "@msgpack/msgpack@3")
+PACKAGES = ("kafkajs@2", "@msgpack/msgpack@3", "fzstd@0.1")
 
 # Sends the requests through the README's makeRequest, reads every result with its readResult. The group
 # joins before anything is sent, and reads the (fresh) results topic from its start.

@@ -14,8 +14,9 @@ from aiokafka.structs import TopicPartition
 from pydantic import ValidationError
 from worker_testkit import Names, fast_settings
 
+from worker.codecs import missing_codecs
 from worker.holds import FIRST_RETRY_S, MAX_RETRY_S, retry_delay
-from worker.undecodable import CAUSES, Unreadable, classify, describe, missing_codecs, parse_batch
+from worker.undecodable import CAUSES, Unreadable, classify, describe, parse_batch
 
 RECORDS = [(b"k%d" % i, b"value %d " % i * 8, [("h", b"x")]) for i in range(3)]
 TP = TopicPartition("requests", 0)
