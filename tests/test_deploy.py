@@ -552,6 +552,23 @@ def test_the_image_build_gets_every_file_it_copies() -> None:
         assert source not in ignored, f".dockerignore leaves {source} out of the build context"
 
 
+def test_the_image_installs_the_pinned_versions_the_suite_ran_with() -> None:
+    """Every pip install of the image takes constraints.txt, which pins the codec library (cramjam) and
+    torch's build-independent version, as ./dev.sh does."""
+    installs = [
+        rest for keyword, rest in _dockerfile_instructions() if keyword == "RUN" and "pip install" in rest
+    ]
+    assert installs and all("-c constraints.txt" in rest for rest in installs), installs
+    pins = {
+        line.split("==")[0].lower(): line.split("==")[1]
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+    assert {"torch", "transformers", "aiokafka", "cramjam", "numpy"} <= pins.keys()
+    assert pins["torch"] == re.search(r"TORCH_VERSION=(\S+)", DOCKERFILE.read_text()).group(1)  # type: ignore[union-attr]
+    assert f"TORCH_VERSION={pins['torch']}" in (ROOT / "dev.sh").read_text()
+
+
 def test_license_is_the_apache_license_2() -> None:
     text = (ROOT / "LICENSE").read_text()
     assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")

@@ -335,6 +335,12 @@ def test_the_light_install_sends_and_reads_without_torch(
         [str(python), "-c", missing.format(mods=worker_only)], capture_output=True, text=True, check=True
     )
     assert probe.stdout.strip() == "[]", f"the light install pulled in {probe.stdout}"
+    # It reads and writes every codec Kafka defines (its ScoreClient below sends zstd, the default).
+    codecs = subprocess.run(
+        [str(python), "-c", "from worker.codecs import missing_codecs; print(missing_codecs())"],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert codecs.stdout.strip() == "[]", codecs.stdout
     names = live_worker.names
     requests = mixed_requests("light")
     stdin = "\n".join(base64.b64encode(encode_request(r)).decode() for r in requests)
