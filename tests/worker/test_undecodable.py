@@ -479,3 +479,44 @@ def test_a_fetch_that_raises_is_retried_without_losing_or_repeating_a_request(
             await watcher.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_cause_that_passes_clears_by_itself(
+    kafka_bootstrap: str, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, reference: Scorer
+) -> None:
+    """Bytes damaged in transit once (a broker serving a bad copy, then a good one): the held partition's
+    next retry reads them, everything is answered once, and the worker is ready again, with nothing skipped
+    and no setting changed."""
+
+    async def scenario() -> None:
+        names = Names.unique("transient")
+        await create_topics(kafka_bootstrap, names, PARTITIONS)
+        tp = TopicPartition(names.requests, 0)
+        received = ReceivedBytes(monkeypatch, names.requests)
+        before = make_requests(f"{names.group}-before", 3)
+        await produce_to(kafka_bootstrap, tp, before)
+        inside = make_requests(f"{names.group}-inside", 3, seed=1)
+        base = (await produce_to(kafka_bootstrap, tp, inside))[0]
+        received.unknown_codec[0] = base
+        watcher = await ResultWatcher(kafka_bootstrap, names.results).start()
+        settings = fast_settings(
+            kafka_bootstrap, tiny_llama_dir, names, create_topics=False, self_check=False
+        )
+        worker = ScoreWorker(settings, Scorer(tiny_llama_dir, ScorerConfig(device="cpu")))
+        task = asyncio.create_task(worker.run())
+        try:
+            await wait_until(lambda: ids(before) <= watcher.first.keys(), 90, "the requests before")
+            await wait_until(lambda: bool(worker.readiness.held_partitions), 30, "the held partition")
+            assert not worker.readiness.ready
+            received.unknown_codec.clear()  # the next read gets the batch as it was written
+            await wait_until(lambda: ids(inside) <= watcher.first.keys(), 60, "the requests in the batch")
+            assert worker.readiness.ready and not worker.readiness.held_partitions
+            assert not exposed(worker, "score_worker_skipped_records")
+            await asyncio.sleep(0.5)  # a duplicate would have come by now
+            check_answered_once(watcher, before + inside, set(), reference)
+            worker.stop()
+            await asyncio.wait_for(task, 60)
+        finally:
+            await watcher.stop()
+
+    asyncio.run(scenario())
