@@ -12,8 +12,8 @@ CODECS: dict[int, Compression] = {0: "none", 1: "gzip", 2: "snappy", 3: "lz4", 4
 CODEC_NAMES: tuple[Compression, ...] = tuple(CODECS.values())
 # What the project's producers write unless told otherwise (the results, ScoreClient, submit, the sample
 # producer). On W2's results zstd stored 31% fewer bytes with bfloat16 hidden states and 13% with float32
-# ones, in about the same publish time; lz4 saved 11% and 5% and took 2.4-2.9 times as long
-# (docs/benchmarks.md, "Result compression").
+# ones, for 14-30 microseconds more per result; lz4 saved 11% and 5% for more time, gzip as much as zstd
+# for 4-7 times the uncompressed time (docs/benchmarks.md, "Result compression").
 DEFAULT_COMPRESSION: Compression = "zstd"
 _AVAILABLE = {
     "none": lambda: True,

@@ -190,3 +190,23 @@ def test_broker_hop_times_both_partitions_at_every_step(tmp_path: Path) -> None:
         for where in ("filled", "fresh"):
             figures = row[where]
             assert 0 < figures["p50_ms"] <= figures["p90_ms"] <= figures["max_ms"] < 1000
+
+
+def test_compression_benchmark_publishes_every_codec_and_checks_what_it_read_back(tmp_path: Path) -> None:
+    """The results-codec benchmark end to end on the CPU: an embedded broker, every codec for both hidden
+    dtypes, the read-back and float32 checks passing (a run whose results were wrong exits 1)."""
+    proc = _run_script(
+        ["bench/compression.py", "--requests", "24", "--repeats", "1", "--layers", "1", "--group", "8"],
+        tmp_path, 600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "compression.json").read_text())
+    assert report["verdict"] == "ok"
+    runs = {(run["dtype"], run["codec"]): run for run in report["runs"]}
+    assert set(runs) == {
+        (d, c) for d in ("bfloat16", "float32") for c in ("none", "gzip", "snappy", "lz4", "zstd")
+    }
+    for dtype in ("bfloat16", "float32"):
+        assert report[f"correctness_{dtype}"]["ok"] and report[f"correctness_{dtype}"]["hidden_items"] > 0
+        # The stored bytes are the raw batches: zstd's are fewer than the uncompressed ones.
+        assert runs[(dtype, "zstd")]["stored_bytes"] < runs[(dtype, "none")]["stored_bytes"]
