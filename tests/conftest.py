@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,16 @@ import torch
 # Triton reads the choice when it is imported, which importing `models` does: so it is made here, first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Runs under another ATEN_CPU_CAPABILITY (the suite's numerical tests run also with "default" and "avx2",
+# which change the kernels' summation orders as another CPU would): inductor's caches key its generated C++
+# without that setting, so a kernel written for this CPU's vector ISA would be found in the cache and built
+# with the other ISA's flags, and fail to compile. Each capability keeps a cache of its own.
+if os.environ.get("ATEN_CPU_CAPABILITY"):
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        str(Path(tempfile.gettempdir()) / f"torchinductor_{os.getuid()}_{os.environ['ATEN_CPU_CAPABILITY']}"),
+    )
 
 from models import write_tiny_model
 

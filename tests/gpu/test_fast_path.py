@@ -17,6 +17,19 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tolerances import (
+    TENSOR_CORES,
+    assert_within,
+    attention_bound,
+    forward_bound,
+    forward_length,
+    forward_sums,
+    gated_silu_bound,
+    half_forward_bound,
+    lse_bound,
+    merged_attention_bound,
+    unit_roundoff,
+)
 
 from models import Scorer, ScorerConfig
 from models.tiny import ARCHITECTURES
@@ -64,6 +77,31 @@ def _requests(count: int, length: int, seed: int, vocab: int = 500) -> list[Scor
     ]
 
 
+def _testkit() -> Any:
+    """tests/models/scoring_testkit.py, imported where a test needs it (tests/models is not on the path when
+    tests/gpu runs alone)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    import scoring_testkit
+
+    return scoring_testkit
+
+
+def _bf16_bound(model_dir: Path, longest: int, magnitude: float, implementations: int = 2) -> float:
+    """tolerances.half_forward_bound for a tiny model's bf16 forward on the GPU (tensor cores' float32 sums,
+    each sum's result rounded to bfloat16, u = 2^-8): its sums in series (scoring_testkit.forward_sums) for
+    prompts of up to `longest` tokens, at `magnitude` (a score scale, or 1 for a norm-wise relative error)."""
+    sums = forward_sums(model_dir, longest)
+    return half_forward_bound(
+        torch.bfloat16,
+        sums=sums,
+        magnitude=magnitude,
+        accumulation=TENSOR_CORES,
+        implementations=implementations,
+    )
+
+
 def _arrays(results: list[ScoreResult]) -> tuple[np.ndarray, np.ndarray]:
     assert all(r.error is None for r in results), [r.error for r in results if r.error]
     scores = np.array([r.scores[0] for r in results], dtype=np.float32)
@@ -85,13 +123,16 @@ def test_a_replayed_graph_scores_the_batch_it_is_given(count: int, tiny_qwen3_di
     assert graphed.graphs.recorded == 1 and graphed.graphs.replays == 1
     want_scores, want_hidden = _arrays(plain.score(second))
     scale = max(1.0, float(np.abs(want_scores).max()))
-    np.testing.assert_allclose(got_scores, want_scores, atol=2e-2 * scale, rtol=0)
+    # Two bf16 forwards (padding changes the matmuls' tiling): the model's sums in series for 100-token
+    # prompts, each rounded to bf16 (_bf16_bound), at the scores' scale and, norm-wise, relative to the state.
+    np.testing.assert_allclose(got_scores, want_scores, atol=_bf16_bound(tiny_qwen3_dir, 100, scale), rtol=0)
     relative = np.linalg.norm(got_hidden - want_hidden, axis=1) / np.linalg.norm(want_hidden, axis=1)
-    assert relative.max() < 1e-2
-    # And not the first batch's results: the inputs were read from the buffers at replay.
+    assert relative.max() <= _bf16_bound(tiny_qwen3_dir, 100, 1.0)
+    # And not the first batch's results: the inputs were read from the buffers at replay (further apart
+    # than two computations of one batch can be).
     _, first_hidden = _arrays(plain.score(_requests(count, 100, seed=1)))
     apart = np.linalg.norm(got_hidden - first_hidden, axis=1) / np.linalg.norm(first_hidden, axis=1)
-    assert apart.min() > 0.1
+    assert apart.min() > _bf16_bound(tiny_qwen3_dir, 100, 1.0)
 
 
 def test_graphs_recorded_ahead_score_a_request_the_first_time_its_shape_comes(tiny_qwen3_dir: Path) -> None:
@@ -116,11 +157,13 @@ def test_graphs_recorded_ahead_score_a_request_the_first_time_its_shape_comes(ti
         want_scores = np.array([s[0] for s in want.scores], dtype=np.float32)
         got_scores = np.array([s[0] for s in got.scores], dtype=np.float32)
         scale = max(1.0, float(np.abs(want_scores).max()))
-        np.testing.assert_allclose(got_scores, want_scores, atol=2e-2 * scale, rtol=0)
+        # Two bf16 forwards of these prompts (_bf16_bound), at the scores' scale and norm-wise.
+        atol = _bf16_bound(tiny_qwen3_dir, max(lengths), scale)
+        np.testing.assert_allclose(got_scores, want_scores, atol=atol, rtol=0)
         assert got.pooled_hidden_states is not None and want.pooled_hidden_states is not None
         for got_hidden, want_hidden in zip(got.pooled_hidden_states, want.pooled_hidden_states, strict=True):
             g, w = (t.to_numpy().astype(np.float32) for t in (got_hidden, want_hidden))
-            assert np.linalg.norm(g - w) / np.linalg.norm(w) < 1e-2, lengths
+            assert np.linalg.norm(g - w) / np.linalg.norm(w) <= _bf16_bound(tiny_qwen3_dir, max(lengths), 1.0)
 
 
 @pytest.mark.parametrize("kernel", ["flash", "triton", "fa4"])
@@ -131,18 +174,15 @@ def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(
     """Three requests' 40-token queries, each computed once for its items, through the real varlen kernel
     (more keys than queries per sequence), the compiled layers and a replayed CUDA graph (three groups in
     four slots: one left empty, its bounds padded on the device): each item as its whole prompt in HF
-    float32, within bf16's error (twice HF's own bf16 error plus 5% of the score scale, as gpu_check).
-    With kernel "triton", both passes take the Triton kernel (these prompts are shorter than its minimum);
-    with "fa4", FlashAttention-4 (skipped where it is not installed)."""
-    import sys
-
+    float32, within one bf16 forward's bound (_against_float32_hf). With kernel "triton", both passes take
+    the Triton kernel (these prompts are shorter than its minimum); with "fa4", FlashAttention-4 (skipped
+    where it is not installed)."""
     from models import triton_attention
 
     _skip_without(kernel)
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", 0)
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-    from scoring_testkit import hf_reference
+    hf_reference = _testkit().hf_reference
 
     from models.tiny import write_tiny_model
 
@@ -169,15 +209,15 @@ def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(
         prompts = [query + item for query in queries for item in items]
         reference = hf_reference(model_dir, prompts)
         bf16 = hf_reference(model_dir, prompts, dtype=torch.bfloat16)
+        longest = max(len(p) for p in prompts)
+        scores_bound, hidden_bound = _against_float32_hf(model_dir, longest, reference, bf16)
     scores = np.array([row for result in results for row in result.scores], dtype=np.float32)
-    scale = max(1.0, float(np.abs(reference.logits).max()))
-    bound = 2 * float(np.abs(bf16.logits - reference.logits).max()) + 0.05 * scale
-    assert float(np.abs(scores - reference.logits).max()) <= bound
+    assert float(np.abs(scores - reference.logits).max()) <= scores_bound
     hidden = np.stack(
         [t.to_numpy().astype(np.float32) for result in results for t in result.pooled_hidden_states or ()]
     )
     relative = np.linalg.norm(hidden - reference.hidden, axis=1) / np.linalg.norm(reference.hidden, axis=1)
-    assert relative.max() < 5e-2
+    assert relative.max() <= hidden_bound
 
 
 @pytest.mark.parametrize("kernel", ["triton", "fa4"])
@@ -241,19 +281,21 @@ def test_fused_mlp_kernel_matches_float32_in_bfloat16(tokens: int, hidden: int, 
     want = torch.nn.functional.silu(x.float() @ gate.float().t()) * (x.float() @ up.float().t())
     got = fused_mlp.gate_up_silu(x, gate, up)
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, width)
-    assert float((got.float() - want).norm() / want.norm()) < 5e-3  # bf16 rounding of the output
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    # Both from the same bf16 operands with float32 sums (tensor cores truncating: gated_silu_bound each),
+    # the kernel's then rounded to bf16 (u = 2^-8 of |out|): per element, and as a norm.
+    float32_part = 2 * gated_silu_bound(x, gate, up, accumulation=TENSOR_CORES)
+    bound = float32_part + unit_roundoff(torch.bfloat16) * want.double().abs()
+    relative = float((got.float() - want).norm() / want.norm())
+    assert relative <= float(bound.norm() / want.double().norm()), relative
+    assert_within(got, want, bound, "fused gate/up/SiLU")
 
 
 def _engine_matches_float32_hf(architecture: str, config: ScorerConfig) -> Any:
     """Score prompts of 1 to 300 tokens with a tiny model of `architecture` under `config` three times (the
     ordinary forward, a recording, a replay; without graphs, the ordinary forward three times), check the
-    last against HF float32 within twice HF's own bf16 error (hidden states within 5%), and return the
-    scorer's info."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-    from scoring_testkit import hf_reference
+    last against HF float32 within one bf16 forward's bound (_against_float32_hf), and return the scorer's
+    info."""
+    hf_reference = _testkit().hf_reference
 
     from models.tiny import write_tiny_model
 
@@ -274,13 +316,28 @@ def _engine_matches_float32_hf(architecture: str, config: ScorerConfig) -> Any:
             assert scorer.graphs is not None and scorer.graphs.replays == 1
         reference = hf_reference(model_dir, list(prompts))
         bf16 = hf_reference(model_dir, list(prompts), dtype=torch.bfloat16)
+        scores_bound, hidden_bound = _against_float32_hf(model_dir, 300, reference, bf16)
     scores, hidden = _arrays(results)
-    scale = max(1.0, float(np.abs(reference.logits).max()))
-    bound = 2 * float(np.abs(bf16.logits - reference.logits).max()) + 0.05 * scale
-    assert float(np.abs(scores.reshape(-1) - reference.logits.reshape(-1)).max()) <= bound
+    assert float(np.abs(scores.reshape(-1) - reference.logits.reshape(-1)).max()) <= scores_bound
     relative = np.linalg.norm(hidden - reference.hidden, axis=1) / np.linalg.norm(reference.hidden, axis=1)
-    assert relative.max() < 5e-2
+    assert relative.max() <= hidden_bound
     return scorer.info
+
+
+def _against_float32_hf(model_dir: Path, longest: int, reference: Any, bf16: Any) -> tuple[float, float]:
+    """How far the engine's bf16 results may be from HF's float32 ones: one bf16 forward's bound
+    (_bf16_bound, implementations=1) plus float32's own (forward_bound), at the scores' scale and norm-wise
+    for the hidden states; or twice HF's own bf16 error on the same prompts where that is larger (the
+    model's conditioning as it shows there, beyond the bound's at-scale model of each sum)."""
+    scale = max(1.0, float(np.abs(reference.logits).max()))
+    length = forward_length(model_dir, longest)
+    float32 = forward_bound(torch.float32, length=length, magnitude=1.0, implementations=1)
+    scores = (_bf16_bound(model_dir, longest, 1.0, implementations=1) + float32) * scale
+    hidden = _bf16_bound(model_dir, longest, 1.0, implementations=1) + float32
+    hf_scores = float(np.abs(bf16.logits - reference.logits).max())
+    norms = np.linalg.norm(reference.hidden, axis=1)
+    hf_hidden = float((np.linalg.norm(bf16.hidden - reference.hidden, axis=1) / norms).max())
+    return max(scores, 2 * hf_scores), max(hidden, 2 * hf_hidden)
 
 
 @pytest.mark.parametrize("kernel", ["triton", "fa4"])
@@ -307,8 +364,32 @@ def test_kernel_matches_flash_in_bfloat16(window: tuple[int, int], head_dim: int
     args = (q, k, v, cu, cu, max(lengths), max(lengths))
     want, want_lse = flash_varlen_gqa(*args, window_size=window, enable_gqa=True, return_aux=WANT_LSE)
     got, got_lse = run(*args, window_size=window, enable_gqa=True, return_aux=WANT_LSE)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got_lse, want_lse, atol=1e-3, rtol=1e-3)
+    # Two online softmaxes of the same bf16 operands with float32 sums on tensor cores, each rounding its
+    # weights and its output to bf16 (u = 2^-8): per element, at each sequence's exact magnitudes
+    # (tolerances.attention_bound, lse_bound; implementations=2).
+    exact_attention = _testkit().exact_attention
+    bound = torch.zeros(got.shape, dtype=torch.float64, device="cuda")
+    lse_limit = torch.zeros(got_lse.shape, dtype=torch.float64, device="cuda")
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        if start == end:
+            continue
+        q_seq, k_seq, v_seq = (x[start:end].transpose(0, 1) for x in (q, k, v))
+        exact = exact_attention(q_seq, k_seq, v_seq, scale=None, causal=window == (-1, 0))
+        common = {
+            "head_dim": head_dim,
+            "keys": exact.keys,
+            "accumulation": TENSOR_CORES,
+            "implementations": 2,
+        }
+        bound[start:end] = attention_bound(
+            torch.float32, score_magnitude=exact.score, value_magnitude=exact.value, stored=torch.bfloat16,
+            **common,
+        ).transpose(0, 1)  # fmt: skip
+        lse_limit[:, start:end] = lse_bound(
+            torch.float32, score_magnitude=exact.score[..., 0], lse_magnitude=exact.lse.abs(), **common
+        )
+    assert_within(got, want, bound, "attention")
+    assert_within(got_lse, want_lse, lse_limit, "log-sum-exp")
 
 
 @pytest.mark.parametrize("window", [(-1, 0), (7, 0), (-1, -1)])
@@ -328,6 +409,7 @@ def test_flash_kernel_takes_grouped_kv_heads_unrepeated(window: tuple[int, int])
         for h in (heads, kv_heads, kv_heads)
     )
     got = flash_varlen_gqa(q, k, v, cu, cu, max(lengths), max(lengths), window_size=window, enable_gqa=True)
+    # The same kernel, tiles and sums: grouped heads read their K/V head where repeated ones read a copy.
     groups = heads // kv_heads
     want = varlen_attn(
         q,
@@ -388,14 +470,28 @@ def test_two_flash_passes_merge_into_one_pass_over_gathered_keys(kernel_name: st
         q, k.index_select(0, keys.key_index), v.index_select(0, keys.key_index), cu, keys.cu_seqlens_k,
         packed.max_length, keys.max_length_k, window_size=(-1, 0), enable_gqa=True,
     )  # fmt: skip
-    # Both are bf16 outputs of float32 sums in another order: a bf16 step or two apart at most.
-    torch.testing.assert_close(merged, gathered, atol=2e-2, rtol=2e-2)
+    # Both are bf16 outputs of float32 sums on tensor cores in other orders: the merged passes and the one
+    # pass over gathered keys each within their bound of the exact (up to 576 keys, 128-term scores),
+    # at the largest score magnitude sum |q k| / sqrt(128) and the largest |v| of the batch.
+    q64, k64 = q.double().abs(), k.double().abs().repeat_interleave(heads // kv_heads, dim=1)
+    score = float(torch.einsum("thd,shd->hts", q64, k64).amax()) / dim**0.5
+    value_max = float(v.double().abs().max())
+    common = {"head_dim": dim, "keys": 576, "score_magnitude": score, "accumulation": TENSOR_CORES}
+    merged_bound = merged_attention_bound(torch.float32, value_max=value_max, stored=torch.bfloat16, **common)
+    one_pass = attention_bound(
+        torch.float32, value_magnitude=value_max, stored=torch.bfloat16, value_max=value_max, **common
+    )
+    torch.testing.assert_close(merged, gathered, atol=merged_bound + one_pass, rtol=0)
     rows_of = packed.row_of_token.split([len(p) for p in prompts])
     for index in (0, 17, 31, 32):  # suffixes of both groups, and the prompt of its own
         rows = rows_of[index]
         q_rows, k_rows, v_rows = (x[rows].transpose(0, 1) for x in (q, k, v))
         whole = attend_causal(q_rows, k_rows, v_rows, scale=None)
-        torch.testing.assert_close(merged[rows].float(), whole.transpose(0, 1), atol=2e-2, rtol=2e-2)
+        # The merged passes' bound and float32 attention's own, from the same bf16 operands.
+        float32 = attention_bound(torch.float32, value_magnitude=value_max, **common)
+        torch.testing.assert_close(
+            merged[rows].float(), whole.transpose(0, 1), atol=merged_bound + float32, rtol=0
+        )
 
 
 @pytest.mark.parametrize("name", [*ARCHITECTURES, GQA_MODEL])
@@ -405,9 +501,13 @@ def test_fp8_projections_agree_with_hf_on_the_same_projections(
     """FP8 on the H200's tensor cores (torch._scaled_mm, row-wise scales) with the defaults (varlen kernel,
     compiled layers, graphs): the start-up self-check against HF's own forward with the same FP8 modules
     must pass, three times so that a batch is recorded and replayed (its bound widened by how far a last-bit
-    change of FP8's inputs moves HF's own result); the results stay near bf16's: these random 2-layer models
-    move by up to 0.06 in cosine under FP8 rounding (gemma3_text 0.947 on the H200), a broken product by
-    nearly all of it."""
+    change of FP8's inputs moves HF's own result); the results stay near bf16's. FP8's deviation is every
+    projection's input and weight rounded to e4m3 (at most 2^-4 of the element): a priori it exceeds the
+    values, so the model's response is measured on the same requests, as the self-check measures FP8's
+    sensitivity: every projection input moved by the whole 2^-4 before rounding, up and down alternately,
+    then the other way round; the larger move bounds a rounding pattern of mixed signs and mostly smaller
+    steps, and bf16's own rounding (_bf16_bound) is added. A broken product moves results by nearly all of
+    their scale."""
     from models.selfcheck import run_self_check
 
     fp8 = Scorer(gpu_models[name], ScorerConfig(device="cuda", dtype="bfloat16", quantization="fp8"))
@@ -416,15 +516,27 @@ def test_fp8_projections_agree_with_hf_on_the_same_projections(
     for _ in range(3):
         report = run_self_check(fp8)
         assert report.max_score_diff <= report.score_bound, report
+    from models.fp8 import jittered
+
     requests = _requests(16, 40, seed=11)
     fp8_scores, fp8_hidden = _arrays(fp8.score(requests))
     bf16_scores, bf16_hidden = _arrays(bf16.score(requests))
-    cosine = (fp8_hidden * bf16_hidden).sum(1) / (
-        np.linalg.norm(fp8_hidden, axis=1) * np.linalg.norm(bf16_hidden, axis=1)
-    )
-    assert np.isfinite(fp8_scores).all() and float(cosine.min()) > 0.9, cosine
+
+    def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
     scale = max(1.0, float(np.abs(bf16_scores).max()))
-    assert float(np.abs(fp8_scores - bf16_scores).max()) < 0.25 * scale
+    moved_scores, moved_angle = 0.0, 0.0
+    for amount in (2.0**-4, -(2.0**-4)):
+        with jittered(fp8.hf_model, amount):
+            scores, hidden = _arrays(fp8.score(requests))
+        moved_scores = max(moved_scores, float(np.abs(scores - fp8_scores).max()))
+        moved_angle = max(moved_angle, float(np.arccos(np.clip(cosines(hidden, fp8_hidden), -1, 1)).max()))
+    bf16_part = _bf16_bound(gpu_models[name], 40, 1.0)
+    angle = moved_angle + float(np.arcsin(min(1.0, bf16_part)))
+    cosine = cosines(fp8_hidden, bf16_hidden)
+    assert np.isfinite(fp8_scores).all() and float(cosine.min()) >= np.cos(min(angle, np.pi)), cosine
+    assert float(np.abs(fp8_scores - bf16_scores).max()) <= moved_scores + bf16_part * scale
 
 
 @pytest.mark.parametrize("graphs", ["on", "off"])
@@ -440,6 +552,7 @@ def test_batches_launched_ahead_of_their_finish_score_as_alone(graphs: str, tiny
     prepared = [[scorer.prepare(r) for r in batch] for batch in batches]
     launched = [scorer.launch(batch) for batch in prepared]  # type: ignore[arg-type]
     together = [_arrays(scorer.finish(pending)) for pending in launched]
+    # The same batches through the same graphs and kernels: the same arithmetic, bit for bit.
     for (want_scores, want_hidden), (got_scores, got_hidden) in zip(alone, together, strict=True):
         np.testing.assert_array_equal(got_scores, want_scores)
         np.testing.assert_array_equal(got_hidden, want_hidden)
@@ -536,5 +649,7 @@ def test_rows_of_up_to_4096_reduce_in_one_pass() -> None:
     torch._dynamo.reset()
     assert "triton_per_" in "\n".join(ours_code) and "triton_red_" not in "\n".join(ours_code)
     assert "triton_red_" in "\n".join(their_code)
+    # The same elementwise arithmetic in both kernels, and a maximum, which is exact in any order: the same
+    # bits.
     for a, b in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

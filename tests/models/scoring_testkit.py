@@ -11,15 +11,56 @@ from typing import Any
 
 import numpy as np
 import torch
+from tolerances import assert_forward_close as assert_forward_close
+from tolerances import cosine_gap, forward_bound
+from tolerances import forward_atol as forward_atol
+from tolerances import forward_length as forward_length
+from tolerances import forward_sums as forward_sums
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from models.attention import attend_causal
 
-# Float32 on CPU: the packed path and HF's padded eager path do the same math in a different order
-# (SDPA vs explicit matmuls, other GEMM shapes), which moves O(1) values by about 1e-6. A packing, mask or
-# position bug moves them by 1e-2 or more, so 1e-4 separates the two with a wide margin on both sides.
-ATOL = 1e-4
-RTOL = 1e-4
+
+def self_check_atol(model_dir: str | Path, report: Any, *, mean_pooled: bool = False) -> float:
+    """forward_bound for the start-up self-check's comparison (models.selfcheck: its fixed prompts of at
+    most max(_LENGTHS) token ids, plus at most three template tokens of an encoder, packed and through HF's
+    plain forward, both float32), at the report's score scale (the largest |score|, at least 1)."""
+    from models.selfcheck import _LENGTHS
+
+    length = forward_length(model_dir, max(_LENGTHS) + 3, mean_pooled=mean_pooled)
+    return forward_bound(torch.float32, length=length, magnitude=report.score_scale)
+
+
+def self_check_cosine_floor(scorer: Any, model_dir: str | Path) -> float:
+    """The least cosine two float32 computations of the self-check's pooled states can have: each element
+    within forward_bound at the states' scale (at least 1), so 1 - cos <= r^2 with r = sqrt(H) times that
+    over the smallest state's norm (tolerances.cosine_gap); the states are the packed path's, scored here
+    on the check's own fixed prompts."""
+    from models.selfcheck import _LENGTHS, _fixed_prompts
+    from schemas import ScoreRequest
+
+    request = ScoreRequest("floor", items=tuple(_fixed_prompts(scorer)), return_pooled_hidden_states=True)
+    hidden = hidden_of(scorer.score([request])[0]).astype(np.float64)
+    mean = scorer.pooling == "mean"
+    length = forward_length(model_dir, max(_LENGTHS) + 3, mean_pooled=mean)
+    elementwise = forward_bound(torch.float32, length=length, magnitude=max(1.0, float(np.abs(hidden).max())))
+    norm = float(np.linalg.norm(hidden, axis=1).min())
+    return 1.0 - float(cosine_gap(elementwise, hidden.shape[1], norm))
+
+
+def assert_scored_alike(got: Any, expected: Any, scorer: Any, requests: Sequence[Any]) -> None:
+    """Two results of the same request from two float32 computations (another path, batch or graph): their
+    scores and, where returned, pooled hidden states within forward_atol for `scorer`'s model (the
+    directory it was loaded from) and the longest prompt of `requests` as `scorer` prepares them; a mean
+    pooling adds its sum over the tokens."""
+    model_dir = Path(scorer.hf_model.name_or_path)
+    longest = max(len(p) for request in requests for p in scorer.prepare(request).prompts)
+    mean = scorer.pooling == "mean"
+    assert_forward_close(scores_of(got), scores_of(expected), model_dir, longest=longest, mean_pooled=mean)
+    if expected.pooled_hidden_states is not None:
+        assert_forward_close(
+            hidden_of(got), hidden_of(expected), model_dir, longest=longest, mean_pooled=mean
+        )
 
 
 @dataclass(frozen=True)
@@ -179,6 +220,62 @@ def _log_sum_exp(
     if left_window is not None:
         allowed &= cols >= rows - left_window
     return torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+@dataclass(frozen=True)
+class ExactAttention:
+    """Attention of one sequence in float64 (exact, for float32 inputs, to 2^-29 of float32's error), and the
+    magnitudes that bound a float32 computation of it (tolerances.attention_bound, lse_bound)."""
+
+    out: torch.Tensor  # [H, Lq, D]
+    lse: torch.Tensor  # [H, Lq], natural log; -inf where a row sees no key
+    score: torch.Tensor  # [H, Lq, 1]: the largest sum of |q_i k_i| * |scale| over the keys a row sees
+    value: torch.Tensor  # [H, Lq, D]: the softmax-weighted sum of |v| (at least |out|)
+    value_max: float  # the largest |v|
+    keys: int  # the most keys a row sees
+
+
+def exact_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float | None,
+    left_window: int | None = None,
+    softcap: float | None = None,
+    causal: bool = True,
+) -> ExactAttention:
+    """attend_causal's contract ([H, Lq, D], [Hkv, Lk, D]: queries the last Lq positions, left window w,
+    softcap, grouped heads) computed in float64 from the inputs' values."""
+    heads, length, head_dim = query.shape
+    keys = key.shape[1]
+    q = query.double()
+    k = key.double().repeat_interleave(heads // key.shape[0], dim=0)
+    v = value.double().repeat_interleave(heads // value.shape[0], dim=0)
+    scale = scale if scale is not None else head_dim**-0.5
+    device = query.device
+    rows = torch.arange(length, device=device).unsqueeze(1) + (keys - length)
+    cols = torch.arange(keys, device=device).unsqueeze(0)
+    allowed = cols <= rows if causal else torch.ones(length, keys, dtype=torch.bool, device=device)
+    if left_window is not None:
+        allowed &= cols >= rows - left_window
+        if not causal:
+            allowed &= cols <= rows + left_window
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # a row that sees no key: all 0
+    terms = (q.abs() @ k.abs().transpose(-1, -2) * abs(scale)).masked_fill(~allowed, 0.0)
+    return ExactAttention(
+        out=weights @ v,
+        lse=lse,
+        score=terms.amax(-1, keepdim=True),
+        value=weights @ v.abs(),
+        value_max=float(v.abs().max()) if v.numel() else 0.0,
+        keys=int(allowed.sum(-1).max()) if allowed.numel() else 0,
+    )
 
 
 @dataclass

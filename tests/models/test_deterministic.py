@@ -50,6 +50,7 @@ def test_results_do_not_depend_on_the_batch(architecture: str, judge: bool, tmp_
         scorer = Scorer(model_dir, ScorerConfig(device="cpu", deterministic=True, max_batch_tokens=budget))
         for order in (requests, requests[::-1]):
             for result in scorer.score(order):
+                # The setting's promise: each item's arithmetic is its own, so the bits are too.
                 scores, hidden = _arrays(result)
                 np.testing.assert_array_equal(scores, alone[result.request_id][0])
                 np.testing.assert_array_equal(hidden, alone[result.request_id][1])

@@ -8,7 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from scoring_testkit import ATOL, RTOL, hf_reference, hidden_of, scores_of, tokenize
+from scoring_testkit import assert_forward_close, forward_atol, hf_reference, hidden_of, scores_of, tokenize
+from tolerances import (
+    assert_within,
+    gamma,
+    rounded_pair_tolerances,
+    softmax_bound,
+    sum_bound,
+    unit_roundoff,
+)
 from transformers import AutoModelForSequenceClassification
 
 from models import Scorer, ScorerConfig, engine
@@ -34,8 +42,15 @@ def _ids(count: int, length: int, seed: int) -> list[tuple[int, ...]]:
     ]
 
 
-def _assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
-    np.testing.assert_allclose(actual, expected, atol=ATOL, rtol=RTOL)
+def _assert_close(actual: np.ndarray, expected: np.ndarray, model_dir: Path, longest: int) -> None:
+    # The packed engine and HF's padded eager forward, both float32, sum in different orders (SDPA vs
+    # explicit matmuls, other GEMM shapes): the model's chain of sums for prompts of up to `longest`
+    # tokens, at the values' scale (at least 1): scoring_testkit.forward_atol.
+    assert_forward_close(actual, expected, model_dir, longest=longest)
+
+
+def _longest(prompts: Sequence[Sequence[int]]) -> int:
+    return max(len(p) for p in prompts)
 
 
 @pytest.mark.parametrize("architecture", DECODERS)
@@ -56,8 +71,8 @@ def test_text_requests_match_hf(architecture: str, model_dirs: dict[str, Path]) 
     assert max(len(p) for p in prompts) > 16, "prompts must be longer than mistral's sliding window"
     actual_scores = np.concatenate([scores_of(r) for r in results])
     actual_hidden = np.concatenate([hidden_of(r) for r in results])
-    _assert_close(actual_scores, reference.logits)
-    _assert_close(actual_hidden, reference.hidden)
+    _assert_close(actual_scores, reference.logits, model_dir, _longest(prompts))
+    _assert_close(actual_hidden, reference.hidden, model_dir, _longest(prompts))
     assert [r.prompt_tokens for r in results[:4]] == [len(p) for p in prompts[:4]]
     assert results[4].prompt_tokens == sum(len(p) for p in prompts[4:])
 
@@ -68,7 +83,10 @@ def test_reference_is_self_consistent(tiny_llama_dir: Path) -> None:
     model = AutoModelForSequenceClassification.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
     with torch.inference_mode():
         logits = model.score(torch.from_numpy(reference.hidden)).numpy()
-    _assert_close(logits, reference.logits)
+    # One 64-term dot product twice (HF's head over every padded position vs over the pooled rows: other
+    # GEMM shapes), each within gamma(64) of its terms' magnitude sum |w_i h_i|.
+    magnitude = np.abs(reference.hidden) @ np.abs(model.score.weight.detach().numpy()).T
+    assert_within(logits, reference.logits, sum_bound(torch.float32, 64, magnitude, implementations=2))
 
 
 def test_left_and_right_padding_agree_with_engine(llama_scorer: Scorer, tiny_llama_dir: Path) -> None:
@@ -81,8 +99,13 @@ def test_left_and_right_padding_agree_with_engine(llama_scorer: Scorer, tiny_lla
     )
     for left_pad in (False, True):
         reference = hf_reference(tiny_llama_dir, prompts, left_pad=left_pad)
-        _assert_close(np.concatenate([scores_of(r) for r in results]), reference.logits)
-        _assert_close(np.concatenate([hidden_of(r) for r in results]), reference.hidden)
+        longest = _longest(prompts)
+        _assert_close(
+            np.concatenate([scores_of(r) for r in results]), reference.logits, tiny_llama_dir, longest
+        )
+        _assert_close(
+            np.concatenate([hidden_of(r) for r in results]), reference.hidden, tiny_llama_dir, longest
+        )
 
 
 @pytest.mark.parametrize("item_first", [False, True])
@@ -98,18 +121,17 @@ def test_token_ids_are_joined_verbatim(item_first: bool, qwen3_scorer: Scorer, t
     (result,) = qwen3_scorer.score([request])
     prompts = [item + query if item_first else query + item for item in items]
     reference = hf_reference(tiny_qwen3_dir, prompts)
-    _assert_close(scores_of(result), reference.logits)
-    _assert_close(hidden_of(result), reference.hidden)
+    _assert_close(scores_of(result), reference.logits, tiny_qwen3_dir, _longest(prompts))
+    _assert_close(hidden_of(result), reference.hidden, tiny_qwen3_dir, _longest(prompts))
     assert result.prompt_tokens == sum(len(p) for p in prompts)  # no special tokens added to token ids
 
 
 def test_text_item_first_tokenizes_item_then_query(llama_scorer: Scorer, tiny_llama_dir: Path) -> None:
     request = ScoreRequest(request_id="text", query=" is it good?", items=TEXTS[:2], item_first=True)
     (result,) = llama_scorer.score([request])
-    reference = hf_reference(
-        tiny_llama_dir, [tokenize(tiny_llama_dir, t + " is it good?") for t in TEXTS[:2]]
-    )
-    _assert_close(scores_of(result), reference.logits)
+    prompts = [tokenize(tiny_llama_dir, t + " is it good?") for t in TEXTS[:2]]
+    reference = hf_reference(tiny_llama_dir, prompts)
+    _assert_close(scores_of(result), reference.logits, tiny_llama_dir, _longest(prompts))
     assert result.pooled_hidden_states is None
 
 
@@ -121,24 +143,35 @@ def test_three_labels_and_softmax(three_label_dir: Path) -> None:
             ScoreRequest(request_id="soft", items=TEXTS, apply_softmax=True),
         ]
     )
-    reference = hf_reference(three_label_dir, [tokenize(three_label_dir, t) for t in TEXTS])
+    prompts = [tokenize(three_label_dir, t) for t in TEXTS]
+    reference = hf_reference(three_label_dir, prompts)
     assert scores_of(plain).shape == (len(TEXTS), 3)
-    _assert_close(scores_of(plain), reference.logits)
+    _assert_close(scores_of(plain), reference.logits, three_label_dir, _longest(prompts))
     expected = torch.softmax(torch.from_numpy(reference.logits), dim=-1).numpy()
-    _assert_close(scores_of(soft), expected)
-    np.testing.assert_allclose(scores_of(soft).sum(axis=1), 1.0, atol=1e-6)
+    # The softmax of 3 logits that two float32 forwards leave forward_atol apart (tolerances.softmax_bound).
+    logits_bound = forward_atol(three_label_dir, reference.logits, longest=_longest(prompts))
+    atol = softmax_bound(torch.float32, labels=3, logit_error=logits_bound)
+    np.testing.assert_allclose(scores_of(soft), expected, atol=atol, rtol=0)
+    u = unit_roundoff(torch.float32)
+    # Each row sums to 1 up to the normaliser's 3-term sum (gamma(2)), its reciprocal and the products
+    # (2u) and numpy's float32 sum of the three (gamma(2)): exp's own errors cancel in the ratio.
+    np.testing.assert_allclose(scores_of(soft).sum(axis=1), 1.0, atol=2 * gamma(2) + 2 * u, rtol=0)
 
 
 def test_softmax_over_one_label_is_one(llama_scorer: Scorer) -> None:
     (result,) = llama_scorer.score([ScoreRequest(request_id="one", items=TEXTS, apply_softmax=True)])
-    assert result.scores == ((1.0,),) * len(TEXTS)
+    assert result.scores == ((1.0,),) * len(TEXTS)  # exp(z - z) / exp(z - z) = 1, exactly in float32
 
 
-def _assert_rounded(actual: np.ndarray, reference: np.ndarray, dtype: torch.dtype) -> None:
-    """actual equals the float32 reference rounded to `dtype`, give or take one unit in the last place."""
+def _assert_rounded(
+    actual: np.ndarray, reference: np.ndarray, dtype: torch.dtype, model_dir: Path, longest: int
+) -> None:
+    """actual is the engine's float32 state rounded to `dtype`, expected HF's float32 one rounded alike: the
+    float32 states at most forward_atol apart, each then rounded (u = 2^-11 for float16, 2^-8 for
+    bfloat16): tolerances.rounded_pair_tolerances."""
     expected = torch.from_numpy(reference).to(dtype).float().numpy()
-    relative_ulp = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
-    np.testing.assert_array_less(np.abs(actual - expected), np.abs(expected) * relative_ulp + 1e-7)
+    atol, rtol = rounded_pair_tolerances(dtype, forward_atol(model_dir, reference, longest=longest))
+    np.testing.assert_allclose(actual, expected, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
@@ -178,7 +211,7 @@ def test_mixed_batch_hidden_state_flags_and_dtypes(
     for i, (result, dtype) in enumerate(zip(results, asks, strict=True)):
         prompts = [tokenize(model_dir, t) for t in requests[i].items if isinstance(t, str)]
         reference = hf_reference(model_dir, prompts)
-        _assert_close(scores_of(result), reference.logits)
+        _assert_close(scores_of(result), reference.logits, model_dir, _longest(prompts))
         assert result.metadata == {"i": i} and result.request_id == f"r{i}"
         if dtype is None:
             assert result.pooled_hidden_states is None
@@ -187,10 +220,10 @@ def test_mixed_batch_hidden_state_flags_and_dtypes(
         assert [t.dtype for t in result.pooled_hidden_states] == [dtype.value] * 2
         assert all(t.shape == (scorer.hidden_size,) for t in result.pooled_hidden_states)
         if dtype is HiddenDType.FLOAT32:
-            _assert_close(hidden_of(result), reference.hidden)
+            _assert_close(hidden_of(result), reference.hidden, model_dir, _longest(prompts))
         else:
             torch_dtype = torch.float16 if dtype is HiddenDType.FLOAT16 else torch.bfloat16
-            _assert_rounded(hidden_of(result), reference.hidden, torch_dtype)
+            _assert_rounded(hidden_of(result), reference.hidden, torch_dtype, model_dir, _longest(prompts))
 
 
 def test_result_fields(llama_scorer: Scorer, tiny_llama_dir: Path) -> None:
@@ -222,13 +255,17 @@ def test_last_pooling_matches_hf_when_a_prompt_ends_in_the_pad_id(tiny_llama_dir
     states, head, hf_logits = _hf_single(tiny_llama_dir, prompt)
     request = ScoreRequest(request_id="r", items=(prompt,), return_pooled_hidden_states=True)
     default = Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).score([request])[0]
-    _assert_close(scores_of(default), hf_logits[None])
-    _assert_close(hidden_of(default), states[3].numpy()[None])  # the last token that is not the pad id
+    longest = len(prompt)
+    _assert_close(scores_of(default), hf_logits[None], tiny_llama_dir, longest)
+    # The last token that is not the pad id.
+    _assert_close(hidden_of(default), states[3].numpy()[None], tiny_llama_dir, longest)
     true_last = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", pooling="last_token")).score([request])[0]
-    _assert_close(hidden_of(true_last), states[-1].numpy()[None])
+    _assert_close(hidden_of(true_last), states[-1].numpy()[None], tiny_llama_dir, longest)
     with torch.no_grad():
-        _assert_close(scores_of(true_last), head(states[-1:]).numpy())
-    assert not np.allclose(scores_of(true_last), scores_of(default), atol=1e-3)  # the rule matters here
+        _assert_close(scores_of(true_last), head(states[-1:]).numpy(), tiny_llama_dir, longest)
+    # The rule matters here: the two poolings differ by more than the two forwards' rounding could.
+    apart = float(np.abs(scores_of(true_last) - scores_of(default)).max())
+    assert apart > forward_atol(tiny_llama_dir, scores_of(default), longest=longest), apart
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
@@ -242,6 +279,11 @@ def test_cls_and_mean_pooling_against_hf_hidden_states(pooling: str, tiny_qwen3_
     for prompt, result in zip(prompts, scorer.score(requests), strict=True):
         states, head, _ = _hf_single(tiny_qwen3_dir, prompt)
         expected = states[0] if pooling == "cls" else states.mean(0)
-        _assert_close(hidden_of(result), expected.numpy()[None])
+        # Two float32 forwards, mean pooling one more sum over the prompt's tokens (forward_length).
+        mean = pooling == "mean"
+        atol = forward_atol(tiny_qwen3_dir, expected.numpy(), longest=len(prompt), mean_pooled=mean)
+        np.testing.assert_allclose(hidden_of(result), expected.numpy()[None], atol=atol, rtol=0)
         with torch.no_grad():
-            _assert_close(scores_of(result), head(expected[None]).numpy())
+            logits = head(expected[None]).numpy()
+        atol = forward_atol(tiny_qwen3_dir, logits, longest=len(prompt), mean_pooled=mean)
+        np.testing.assert_allclose(scores_of(result), logits, atol=atol, rtol=0)

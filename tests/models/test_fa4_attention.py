@@ -30,7 +30,8 @@ def test_causal_and_full_attention_take_fa4_and_windows_take_flash(monkeypatch: 
     for calls, window in enumerate(((-1, 0), (-1, -1)), start=1):
         out = kernel(q, kv, kv, cu, cu, 7, 7, window_size=window, enable_gqa=True)
         expected = CpuVarlenKernelGqa()(q, kv, kv, cu, cu, 7, 7, window_size=window, enable_gqa=True)
-        torch.testing.assert_close(out, expected)
+        # The routing hands the stand-in the same tensors: the same arithmetic, bit for bit.
+        torch.testing.assert_close(out, expected, atol=0, rtol=0)
         # FA4 took it, with the grouped K/V heads as they are.
         assert (len(fa4.calls), fa4.gqa_calls, len(flash.calls)) == (calls, calls, 0)
     kernel(q, kv, kv, cu, cu, 7, 7, window_size=(3, 0), enable_gqa=True)

@@ -10,7 +10,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from scoring_testkit import ATOL, RTOL, CpuVarlenKernelGqa, hf_reference, hidden_of, scores_of
+from scoring_testkit import (
+    CpuVarlenKernelGqa,
+    assert_forward_close,
+    exact_attention,
+    hf_reference,
+    hidden_of,
+    scores_of,
+)
+from tolerances import assert_within, attention_bound, sum_bound
 
 from models import Scorer, ScorerConfig, engine
 from models.attention import attend_causal
@@ -40,6 +48,10 @@ def _requests() -> list[ScoreRequest]:
 
 def _whole_prompts() -> list[tuple[int, ...]]:
     return [QUERY + item for item in ITEMS] + [OTHER] + [QUERY + r for r in RESPONSES]
+
+
+# The longest whole prompt (40 + 18 tokens): the most keys a softmax-weighted sum adds up here.
+LONGEST = max(len(p) for p in _whole_prompts())
 
 
 class PackSpy:
@@ -75,11 +87,14 @@ def test_each_item_scores_as_its_whole_prompt_in_hf(
     results = scorer.score(_requests())
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     reference = hf_reference(model_dirs[architecture], _whole_prompts())
-    np.testing.assert_allclose(
-        np.concatenate([scores_of(r) for r in results]), reference.logits, atol=ATOL, rtol=RTOL
+    # The engine (prefixes once, merged passes or gathered keys) and HF's padded whole prompts, both
+    # float32: the model's chain of sums for LONGEST keys, at the values' scale (forward_atol).
+    model = model_dirs[architecture]
+    assert_forward_close(
+        np.concatenate([scores_of(r) for r in results]), reference.logits, model, longest=LONGEST
     )
-    np.testing.assert_allclose(
-        np.concatenate([hidden_of(r) for r in results]), reference.hidden, atol=ATOL, rtol=RTOL
+    assert_forward_close(
+        np.concatenate([hidden_of(r) for r in results]), reference.hidden, model, longest=LONGEST
     )
     # The query ran once for the four items and the three responses, not seven times.
     whole = sum(len(p) for p in _whole_prompts())
@@ -94,9 +109,15 @@ def test_every_pooling_gives_the_unshared_result(pooling: str, tiny_qwen3_dir: P
     shared = Scorer(
         tiny_qwen3_dir, ScorerConfig(device="cpu", pooling=pooling, share_prefix_min_tokens=MIN_TOKENS)
     )
+    mean = pooling == "mean"  # one more sum, over each prompt's tokens
     for got, expected in zip(shared.score(_requests()), plain.score(_requests()), strict=True):
-        np.testing.assert_allclose(scores_of(got), scores_of(expected), atol=ATOL, rtol=RTOL)
-        np.testing.assert_allclose(hidden_of(got), hidden_of(expected), atol=ATOL, rtol=RTOL)
+        # Two float32 forwards of the same prompts: the chain of sums for LONGEST keys (forward_atol).
+        assert_forward_close(
+            scores_of(got), scores_of(expected), tiny_qwen3_dir, longest=LONGEST, mean_pooled=mean
+        )
+        assert_forward_close(
+            hidden_of(got), hidden_of(expected), tiny_qwen3_dir, longest=LONGEST, mean_pooled=mean
+        )
 
 
 def test_an_item_never_sees_its_siblings(tiny_llama_dir: Path) -> None:
@@ -105,10 +126,16 @@ def test_an_item_never_sees_its_siblings(tiny_llama_dir: Path) -> None:
     changed = (ITEMS[0], (90, 91, 92, 93, 94, 95), *ITEMS[2:])
     after = scorer.score([ScoreRequest("r", query=QUERY, items=changed, return_pooled_hidden_states=True)])[0]
     assert before.pooled_hidden_states is not None and after.pooled_hidden_states is not None
+    # The two batches differ in length (item 1 has 18 tokens, then 6), so their GEMMs may block the other
+    # items' rows differently: equal up to two float32 forwards' rounding (forward_atol, LONGEST keys). A
+    # sibling seen would move them by a token's share of attention, orders of magnitude more.
     for index in (0, 2, 3):
-        assert before.scores[index] == after.scores[index]
-        np.testing.assert_array_equal(
-            before.pooled_hidden_states[index].to_numpy(), after.pooled_hidden_states[index].to_numpy()
+        assert_forward_close(before.scores[index], after.scores[index], tiny_llama_dir, longest=LONGEST)
+        assert_forward_close(
+            before.pooled_hidden_states[index].to_numpy(),
+            after.pooled_hidden_states[index].to_numpy(),
+            tiny_llama_dir,
+            longest=LONGEST,
         )
     assert before.scores[1] != after.scores[1]
 
@@ -129,6 +156,7 @@ def test_an_encoder_never_shares(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     request = ScoreRequest("e", query="the same question here", items=("one answer", "another answer"))
     spy = PackSpy(monkeypatch)
     for got, expected in zip(shared.score([request]), plain.score([request]), strict=True):
+        # Nothing shared: the same packed row through the same code, so the same arithmetic, bit for bit.
         np.testing.assert_array_equal(scores_of(got), scores_of(expected))
     assert spy.tokens[0] == spy.tokens[1]
 
@@ -187,8 +215,10 @@ def test_packing_lays_out_the_prefixes_then_the_suffixes_then_the_rest() -> None
     assert gathered.host_cu_seqlens_k.tolist() == [0, 3, 8, 12, 13]
     mean = pack(prompts, torch.device("cpu"), "mean", shared=groups)
     hidden = torch.arange(7, dtype=torch.float32).unsqueeze(1)  # row r holds r
-    expected = [[6.0], [(0 + 1 + 2 + 3 + 4) / 5], [(0 + 1 + 2 + 5) / 4]]
-    torch.testing.assert_close(pool(hidden, mean), torch.tensor(expected))
+    expected = torch.tensor([[6.0], [(0 + 1 + 2 + 3 + 4) / 5], [(0 + 1 + 2 + 5) / 4]], dtype=torch.float64)
+    # A float32 averaging matmul against the exact means: at most 5 terms of one sign, each weighted by
+    # the rounded 1/n: within gamma(6) of the mean.
+    assert_within(pool(hidden, mean), expected, sum_bound(torch.float32, 6, expected))
 
 
 def test_two_groups_lie_in_one_run_of_prefixes_and_one_of_suffixes() -> None:
@@ -232,7 +262,14 @@ def test_fewer_queries_than_keys_are_the_last_positions() -> None:
     for window in (None, 2):
         whole = attend_causal(q, k, v, scale=0.5, left_window=window)
         tail = attend_causal(q[:, 4:], k, v, scale=0.5, left_window=window)
-        torch.testing.assert_close(tail, whole[:, 4:], atol=1e-6, rtol=1e-6)
+        exact = exact_attention(q[:, 4:], k, v, scale=0.5, left_window=window)
+        # Two float32 computations (SDPA over 2 or over 6 queries, other masks): 4-term scores, 6 keys,
+        # per element (tolerances.attention_bound, implementations=2).
+        bound = attention_bound(
+            torch.float32, head_dim=4, keys=6, score_magnitude=exact.score, value_magnitude=exact.value,
+            implementations=2,
+        )  # fmt: skip
+        assert_within(tail, whole[:, 4:], bound)
         assert not math.isnan(float(tail.sum()))
 
 
@@ -257,14 +294,16 @@ def test_cuda_graphs_replay_batches_with_shared_prefixes(tiny_llama_dir: Path) -
         items = tuple((5 + round_, 6, 7 + round_) for _ in range(4))  # same shape, other tokens each time
         multi = [ScoreRequest("m", query=QUERY, items=items, return_pooled_hidden_states=True)]
         for got, expected in zip(scorer.score(multi), plain.score(multi), strict=True):
-            np.testing.assert_allclose(scores_of(got), scores_of(expected), atol=ATOL, rtol=RTOL)
-            np.testing.assert_allclose(hidden_of(got), hidden_of(expected), atol=ATOL, rtol=RTOL)
+            # Two float32 forwards: the chain of sums for 43-token prompts (forward_atol).
+            assert_forward_close(scores_of(got), scores_of(expected), tiny_llama_dir, longest=43)
+            assert_forward_close(hidden_of(got), hidden_of(expected), tiny_llama_dir, longest=43)
     assert graphs.recorded == 1 and graphs.replays == 1
     # A shape without sharing after it: its own graph, with no stale key rows in the way.
     for _ in range(3):
         (got,) = scorer.score([ScoreRequest("a", items=(OTHER,), return_pooled_hidden_states=True)])
         (expected,) = plain.score([ScoreRequest("a", items=(OTHER,), return_pooled_hidden_states=True)])
-        np.testing.assert_allclose(hidden_of(got), hidden_of(expected), atol=ATOL, rtol=RTOL)
+        # Two float32 forwards of a 6-token prompt (forward_atol).
+        assert_forward_close(hidden_of(got), hidden_of(expected), tiny_llama_dir, longest=len(OTHER))
     assert graphs.recorded == 2 and graphs.replays == 2
 
 
@@ -275,6 +314,7 @@ def test_the_deterministic_setting_is_unchanged_by_sharing(tiny_qwen3_dir: Path)
         tiny_qwen3_dir, ScorerConfig(device="cpu", deterministic=True, share_prefix_min_tokens=MIN_TOKENS)
     )
     for got, expected in zip(shared.score(_requests()), alone.score(_requests()), strict=True):
+        # The deterministic setting's promise: the same arithmetic item by item, bit for bit.
         np.testing.assert_array_equal(scores_of(got), scores_of(expected))
         np.testing.assert_array_equal(hidden_of(got), hidden_of(expected))
 
@@ -304,8 +344,9 @@ def test_the_token_budget_counts_a_shared_prefix_once(
     assert (stats.tokens, stats.packed_tokens) == (held, computed)
     assert len(batches["plain"]) > 1 and all(s.packed_tokens == s.tokens for s in batches["plain"])
     for a, b in zip(ours, theirs, strict=True):
-        np.testing.assert_allclose(scores_of(a), scores_of(b), atol=ATOL, rtol=RTOL)
-        np.testing.assert_allclose(hidden_of(a), hidden_of(b), atol=ATOL, rtol=RTOL)
+        # Two float32 forwards of the same prompts: the chain of sums for LONGEST keys (forward_atol).
+        assert_forward_close(scores_of(a), scores_of(b), tiny_llama_dir, longest=LONGEST)
+        assert_forward_close(hidden_of(a), hidden_of(b), tiny_llama_dir, longest=LONGEST)
 
 
 def test_the_budget_never_counts_less_than_a_share_of_what_prompts_hold(tiny_llama_dir: Path) -> None:
@@ -348,8 +389,10 @@ def test_sliding_windows_take_two_passes_until_a_prompt_outgrows_them(
         (result,) = scorer.score([request])
         assert packs[-1].cross is not None and (packs[-1].shared is not None) == gathered
         reference = hf_reference(model_dirs[architecture], [query + item for item in items])
-        np.testing.assert_allclose(scores_of(result), reference.logits, atol=ATOL, rtol=RTOL)
-        np.testing.assert_allclose(hidden_of(result), reference.hidden, atol=ATOL, rtol=RTOL)
+        # The engine and HF's float32 forward: the chain of sums for the longest whole prompt.
+        model, longest = model_dirs[architecture], len(query) + max(len(item) for item in items)
+        assert_forward_close(scores_of(result), reference.logits, model, longest=longest)
+        assert_forward_close(hidden_of(result), reference.hidden, model, longest=longest)
 
 
 def test_a_batch_measured_then_launched_finds_its_groups_once(
@@ -374,6 +417,7 @@ def test_a_batch_measured_then_launched_finds_its_groups_once(
     again = scorer.score_prepared([scorer.prepare(r) for r in _requests()])
     assert len(calls) == 2
     for a, b in zip(first, again, strict=True):
+        # The same prompts in the same batches through the same code: the same arithmetic, bit for bit.
         np.testing.assert_array_equal(scores_of(a), scores_of(b))
 
 
@@ -404,7 +448,8 @@ def test_cuda_graphs_pad_the_cross_pass_with_empty_groups(tiny_llama_dir: Path) 
             ScoreRequest(f"m{q}", query=tuple(range(10 * q + 40, 10 * q + 50)), items=items) for q in range(3)
         ]
         for got, expected in zip(scorer.score(batch), plain.score(batch), strict=True):
-            np.testing.assert_allclose(scores_of(got), scores_of(expected), atol=ATOL, rtol=RTOL)
+            # Two float32 forwards of 12-token prompts (forward_atol).
+            assert_forward_close(scores_of(got), scores_of(expected), tiny_llama_dir, longest=12)
     assert graphs.recorded == 1 and graphs.replays == 1
     cross_bounds = [bounds for bounds in kernel.calls if bounds[0] != 0]  # the cross passes start past row 0
     assert cross_bounds and all(len(b) == 5 and b[-1] == b[-2] for b in cross_bounds[-4:])
@@ -435,7 +480,8 @@ def test_the_engines_split_keeps_requests_sharing_a_prompt_in_one_batch(
     plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_batch_tokens=56))
     assert not plain.share_prefix(prepared[3], prepared[4])
     for a, b in zip(ours, plain.score(requests), strict=True):
-        np.testing.assert_allclose(scores_of(a), scores_of(b), atol=ATOL, rtol=RTOL)
-        np.testing.assert_allclose(hidden_of(a), hidden_of(b), atol=ATOL, rtol=RTOL)
+        # Two float32 forwards of 23-token prompts (forward_atol).
+        assert_forward_close(scores_of(a), scores_of(b), tiny_llama_dir, longest=23)
+        assert_forward_close(hidden_of(a), hidden_of(b), tiny_llama_dir, longest=23)
     short = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", share_prefix_min_tokens=21))
     assert not short.share_prefix(prepared[3], prepared[4])  # 20 shared, fewer than it asks

@@ -11,7 +11,15 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from scoring_testkit import _reference_varlen, hidden_of, scores_of, token_requests
+from scoring_testkit import (
+    _reference_varlen,
+    assert_forward_close,
+    exact_attention,
+    hidden_of,
+    scores_of,
+    token_requests,
+)
+from tolerances import assert_within, attention_bound, lse_bound
 
 pytest.importorskip("triton")
 
@@ -20,7 +28,6 @@ from models.attention import (
     CAUSAL_OR_FULL,
     WANT_LSE,
     LseRequest,
-    attend_causal,
     triton_or_flash,
     varlen_outputs,
 )
@@ -56,20 +63,28 @@ def _attention_case(
         return_aux=WANT_LSE,
     )  # fmt: skip
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (heads, sum(q_lengths))
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-    for i, (q_len, k_len) in enumerate(zip(q_lengths, k_lengths, strict=True)):
+    for i, q_len in enumerate(q_lengths):
         rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
         keys = slice(int(cu_k[i]), int(cu_k[i + 1]))
         if q_len == 0:
             continue
         qs, ks, vs = q[rows].transpose(0, 1), k[keys].transpose(0, 1), v[keys].transpose(0, 1)
-        expected = attend_causal(qs, ks, vs, scale=0.3, causal=causal).transpose(0, 1)
-        torch.testing.assert_close(out[rows].float(), expected, atol=tolerance, rtol=tolerance)
-        scores = qs.float() @ ks.float().repeat_interleave(heads // kv_heads, 0).transpose(1, 2) * 0.3
-        if causal:  # queries are the last q_len positions, as flash aligns them
-            allowed = torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len)
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        torch.testing.assert_close(lse[:, rows], torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-4)
+        # Queries are the last q_len positions when causal, as flash aligns them.
+        exact = exact_attention(qs, ks, vs, scale=0.3, causal=causal)
+        # Against float64: the kernel's float32 scores (head_dim terms) and online softmax over the row's
+        # keys in 32-key blocks, at each row's score magnitude and each element's sum p|v|; float16 also
+        # rounds the weights and the output (u = 2^-11).
+        bound = attention_bound(
+            torch.float32, head_dim=head_dim, keys=exact.keys, score_magnitude=exact.score,
+            value_magnitude=exact.value, stored=dtype, value_max=exact.value_max,
+        )  # fmt: skip
+        assert_within(out[rows].transpose(0, 1), exact.out, bound, "attention")
+        # The same float32 arithmetic, and log2 of the normaliser, at the row's |lse|.
+        lse_limit = lse_bound(
+            torch.float32, head_dim=head_dim, keys=exact.keys, score_magnitude=exact.score[..., 0],
+            lse_magnitude=exact.lse.abs(),
+        )  # fmt: skip
+        assert_within(lse[:, rows], exact.lse, lse_limit, "log-sum-exp")
 
 
 @pytest.mark.parametrize(
@@ -106,14 +121,26 @@ def test_a_running_maximum_that_rises_late_is_exact() -> None:
             enable_gqa=True, return_aux=WANT_LSE,
         )  # fmt: skip
         qs, ks, vs = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        expected = attend_causal(qs, ks, vs, scale=0.3, causal=causal).transpose(0, 1)
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-        scores = qs @ ks.repeat_interleave(heads, 0).transpose(1, 2) * 0.3
+        exact = exact_attention(qs, ks, vs, scale=0.3, causal=causal)
+        # "Exact" is float32's own error against float64: 32-term scores of up to S = sum |q k| * 0.3 (here
+        # tens of units: the rising keys make each score error gamma(34) * S carry into its weight), the
+        # rescales of 10 key blocks, a 300-key weighted sum: tolerances.attention_bound per element.
+        bound = attention_bound(
+            torch.float32, head_dim=head_dim, keys=length, score_magnitude=exact.score,
+            value_magnitude=exact.value,
+        )  # fmt: skip
+        assert_within(out.transpose(0, 1), exact.out, bound, "attention")
+        scores = qs.double() @ ks.double().repeat_interleave(heads, 0).transpose(1, 2) * 0.3
         if causal:
             scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
         rise = (scores.amax(-1).max() - scores[..., :32].amax(-1).min()) * triton_attention.LOG2_E
         assert float(rise) > 24  # base 2: the last keys outweigh the first block's by more than 2**24
-        torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-5)
+        # The same arithmetic and log2 of the normaliser, at each row's |lse|.
+        lse_limit = lse_bound(
+            torch.float32, head_dim=head_dim, keys=length, score_magnitude=exact.score[..., 0],
+            lse_magnitude=exact.lse.abs(),
+        )  # fmt: skip
+        assert_within(lse, exact.lse, lse_limit, "log-sum-exp")
 
 
 def test_a_program_packs_the_heads_that_share_keys() -> None:
@@ -241,8 +268,11 @@ def test_engine_through_the_kernel_matches_the_reference_path(
     reference = Scorer(model_dirs[architecture], ScorerConfig(device="cpu", attention="reference"))
     requests = token_requests([(30,), (3, 41), (17,), (1,)])
     for got, expected in zip(varlen.score(requests), reference.score(requests), strict=True):
-        np.testing.assert_allclose(scores_of(got), scores_of(expected), atol=1e-5, rtol=0)
-        np.testing.assert_allclose(hidden_of(got), hidden_of(expected), atol=1e-5, rtol=0)
+        # Two float32 forwards (Triton or flash vs the exact path's SDPA, other GEMM shapes): the model's
+        # chain of sums for prompts of up to 41 tokens, at the values' scale (at least 1).
+        model = model_dirs[architecture]
+        assert_forward_close(scores_of(got), scores_of(expected), model, longest=41)
+        assert_forward_close(hidden_of(got), hidden_of(expected), model, longest=41)
     # Flash served the sliding-window layers and nothing else (tiny mistral and gemma3 have windows).
     windowed = architecture in ("mistral", "gemma3_text")
     assert bool(FlashStandIn.windows) == windowed
@@ -271,9 +301,12 @@ def test_shared_prefixes_through_the_kernel_match_whole_prompts(
         )
         for n in range(2)
     ]
+    longest = max(len(item) for request in requests for item in request.items)
     for got, expected in zip(shared.score(requests), reference.score(requests), strict=True):
-        np.testing.assert_allclose(scores_of(got), scores_of(expected), atol=1e-5, rtol=0)
-        np.testing.assert_allclose(hidden_of(got), hidden_of(expected), atol=1e-5, rtol=0)
+        # Two float32 forwards: the model's chain of sums for the whole prompts (45 tokens), at the values'
+        # scale (at least 1); the two passes' merge adds two roundings, well inside one key's share.
+        assert_forward_close(scores_of(got), scores_of(expected), tiny_llama_dir, longest=longest)
+        assert_forward_close(hidden_of(got), hidden_of(expected), tiny_llama_dir, longest=longest)
 
 
 def test_short_batches_take_flash() -> None:
@@ -287,8 +320,14 @@ def test_short_batches_take_flash() -> None:
         out = kernel(q, q, q, cu, cu, longest, longest, window_size=(-1, 0))
         for start, end in ((0, 3), (3, 3 + longest)):
             rows = q[start:end].transpose(0, 1)
-            expected = attend_causal(rows, rows, rows, scale=None).transpose(0, 1)
-            torch.testing.assert_close(out[start:end], expected, atol=1e-5, rtol=1e-5)
+            exact = exact_attention(rows, rows, rows, scale=None)
+            # Either kernel (SDPA's or Triton's float32 online softmax) against float64: 16-term scores,
+            # the row's keys in blocks, per element.
+            bound = attention_bound(
+                torch.float32, head_dim=16, keys=exact.keys, score_magnitude=exact.score,
+                value_magnitude=exact.value,
+            )  # fmt: skip
+            assert_within(out[start:end].transpose(0, 1), exact.out, bound, f"{longest} keys")
     assert FlashStandIn.windows == [(-1, 0)]  # the short batch only
 
 
@@ -330,9 +369,14 @@ def test_the_choice_costs_compiled_layers_one_guard() -> None:
             FlashStandIn.windows.clear()
             q = torch.randn(longest + 3, 2, 16)
             rows = q[3:].transpose(0, 1)
-            expected = attend_causal(rows, rows, rows, scale=None).transpose(0, 1) * 2
+            exact = exact_attention(rows, rows, rows, scale=None)
             got = compiled(q, _offsets([3, longest]), longest)
-            torch.testing.assert_close(got[3:], expected, atol=1e-5, rtol=1e-5)
+            # Either kernel against float64 (16-term scores, `longest` keys in blocks), doubled exactly.
+            bound = attention_bound(
+                torch.float32, head_dim=16, keys=exact.keys, score_magnitude=exact.score,
+                value_magnitude=exact.value,
+            )  # fmt: skip
+            assert_within(got[3:].transpose(0, 1), 2 * exact.out, 2 * bound, f"{longest} keys")
             assert bool(FlashStandIn.windows) == (longest <= triton_attention.MIN_LENGTH), longest
     finally:
         torch._dynamo.reset()

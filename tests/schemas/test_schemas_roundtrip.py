@@ -342,7 +342,7 @@ def test_ok_result_every_field_round_trips() -> None:
     result = ScoreResult(
         request_id="req-9",
         status=ResultStatus.OK,
-        scores=((0.1, 0.9), (-3.0e38, 5e-324)),
+        scores=((0.1, 0.9), (-3.0e38, 5e-324)),  # msgpack's float64 carries any double exactly
         pooled_hidden_states=pooled,
         prompt_tokens=42,
         model="tiny-llama",

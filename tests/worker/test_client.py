@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,10 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgpack
-import numpy as np
 import pytest
-from worker_testkit import LiveWorker, Names, fast_settings, produce, read_topic
+from worker_testkit import LiveWorker, Names, assert_scored_alike, fast_settings, produce, read_topic
 
+from models import Scorer
 from schemas import (
     ErrorCode,
     HiddenDType,
@@ -54,22 +55,15 @@ def mixed_requests(prefix: str) -> list[ScoreRequest]:
     ]
 
 
-def assert_same_outcome(got: ScoreResult, expected: ScoreResult) -> None:
+def assert_same_outcome(
+    got: ScoreResult, expected: ScoreResult, scorer: Scorer, request: ScoreRequest
+) -> None:
     assert got.request_id == expected.request_id
     assert got.status == expected.status
     assert got.error == expected.error
     assert got.metadata == expected.metadata
     assert got.prompt_tokens == expected.prompt_tokens
-    assert len(got.scores) == len(expected.scores)
-    for row, expected_row in zip(got.scores, expected.scores, strict=True):
-        assert row == pytest.approx(expected_row, abs=1e-4)
-    if expected.pooled_hidden_states is None:
-        assert got.pooled_hidden_states is None
-        return
-    assert got.pooled_hidden_states is not None
-    for tensor, expected_tensor in zip(got.pooled_hidden_states, expected.pooled_hidden_states, strict=True):
-        assert (tensor.dtype, tensor.shape) == (expected_tensor.dtype, expected_tensor.shape)
-        np.testing.assert_allclose(tensor.to_numpy(), expected_tensor.to_numpy(), atol=1e-2, rtol=1e-2)
+    assert_scored_alike(got, expected, scorer, request)
 
 
 def fake_result(request_id: str, model: str) -> ScoreResult:
@@ -101,9 +95,9 @@ def test_round_trip_matches_the_scorer(live_worker: LiveWorker) -> None:
             return results, single
 
     results, single = asyncio.run(scenario())
-    expected = live_worker.scorer.score([*requests, ScoreRequest("rt-single", ("hello",))])
-    for got, want in zip([*results, single], expected, strict=True):
-        assert_same_outcome(got, want)
+    sent = [*requests, ScoreRequest("rt-single", ("hello",))]
+    for got, want, request in zip([*results, single], live_worker.scorer.score(sent), sent, strict=True):
+        assert_same_outcome(got, want, live_worker.scorer, request)
     assert results[-1].error is not None and results[-1].error.code is ErrorCode.TOKEN_ID_OUT_OF_RANGE
     assert (
         results[2].pooled_hidden_states is not None and results[2].pooled_hidden_states[0].dtype == "float32"
@@ -116,8 +110,8 @@ def test_score_sync_for_scripts(live_worker: LiveWorker) -> None:
     results = score_sync(
         live_worker.bootstrap, requests, 60, requests_topic=names.requests, results_topic=names.results
     )
-    for got, want in zip(results, live_worker.scorer.score(requests), strict=True):
-        assert_same_outcome(got, want)
+    for got, want, request in zip(results, live_worker.scorer.score(requests), requests, strict=True):
+        assert_same_outcome(got, want, live_worker.scorer, request)
 
 
 def test_a_duplicate_result_is_dropped(kafka_bootstrap: str, idle_topics: Names) -> None:
@@ -234,11 +228,13 @@ def test_submit_jsonl_in_jsonl_out(live_worker: LiveWorker, tmp_path: Path) -> N
     assert (hidden["dtype"], hidden["shape"]) == ("bfloat16", [64])
     assert len(base64.b64decode(hidden["data_base64"])) == 64 * 2
     assert rows[2]["pooled_hidden_states"] is None
-    assert sum(rows[2]["scores"][0]) == pytest.approx(1.0)  # softmax over the single label
-    expected = live_worker.scorer.score(
-        [ScoreRequest("cli-a", ("The quick brown fox.",), return_pooled_hidden_states=True)]
+    assert rows[2]["scores"][0] == [1.0]  # softmax over the single label: exp(0) / exp(0), exact
+    request = ScoreRequest("cli-a", ("The quick brown fox.",), return_pooled_hidden_states=True)
+    (expected,) = live_worker.scorer.score([request])
+    got = ScoreResult(request.request_id, ResultStatus.OK, scores=tuple(map(tuple, rows[0]["scores"])))
+    assert_scored_alike(
+        got, dataclasses.replace(expected, pooled_hidden_states=None), live_worker.scorer, request
     )
-    assert rows[0]["scores"][0] == pytest.approx(expected[0].scores[0], abs=1e-4)
 
 
 def test_submit_msgpack_out_through_stdin(live_worker: LiveWorker, tmp_path: Path) -> None:
@@ -350,8 +346,8 @@ def test_the_light_install_sends_and_reads_without_torch(
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [decode_result(base64.b64decode(line)) for line in proc.stdout.split()]
-    for got, expected in zip(results, live_worker.scorer.score(requests), strict=True):
-        assert_same_outcome(got, expected)
+    for got, expected, request in zip(results, live_worker.scorer.score(requests), requests, strict=True):
+        assert_same_outcome(got, expected, live_worker.scorer, request)
     # A worker-only command says which install it needs instead of failing with a traceback.
     command = [
         venv / "bin" / "score-worker",

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aiokafka.structs import ConsumerRecord
-from worker_testkit import Names, fast_settings, finish, produce, request_record
+from worker_testkit import Names, assert_scored_alike, fast_settings, finish, produce, request_record
 
 import worker.intake_processes as intake_processes
 from models import Scorer, ScorerConfig
@@ -259,10 +259,10 @@ def test_a_worker_with_intake_processes_answers_every_record_as_one_without(
     assert len(results) == len(records)
     errors = [r for r in results if not r.ok]
     assert [r.error.code for r in errors if r.error] == [ErrorCode.MALFORMED_MESSAGE]
-    alone = Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).score(requests)
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
     got = _scores(results)
-    for expected in alone:
-        np.testing.assert_allclose(got[expected.request_id].scores, expected.scores, atol=1e-4)
+    for request, expected in zip(requests, scorer.score(requests), strict=True):
+        assert_scored_alike(got[expected.request_id], expected, scorer, request)
     labels = {"model": tiny_llama_dir.name, "worker": settings.worker_id}
     assert metrics.registry.get_sample_value("score_worker_intake_process_requests_total", labels) == 40
     assert metrics.registry.get_sample_value("score_worker_intake_process_restarts_total", labels) == 0

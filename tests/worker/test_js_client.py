@@ -7,13 +7,16 @@ import json
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from worker_testkit import LiveWorker
+import torch
+from tolerances import forward_atol, rounded_pair_tolerances
+from worker_testkit import LiveWorker, assert_scored_alike
 
-from schemas import HiddenDType, ScoreRequest
+from schemas import HiddenDType, ResultStatus, ScoreRequest, ScoreResult
 
 pytestmark = pytest.mark.slow
 
@@ -99,10 +102,17 @@ def test_the_readme_javascript_example_scores_through_a_worker(
             hidden_states_dtype=HiddenDType.BFLOAT16,
         )  # fmt: skip
         (expected,) = live_worker.scorer.score([request])
-        np.testing.assert_allclose(np.array(result["scores"]), np.array(expected.scores), atol=1e-4)
         assert expected.pooled_hidden_states is not None and result["truncated"] is None
+        scores = ScoreResult(result["id"], ResultStatus.OK, scores=tuple(map(tuple, result["scores"])))
+        assert_scored_alike(scores, replace(expected, pooled_hidden_states=None), live_worker.scorer, request)
+        model_dir = Path(live_worker.scorer.hf_model.name_or_path)
+        longest = len(sent["query"]) + max(len(item) for item in sent["items"])
         for state, want in zip(result["states"], expected.pooled_hidden_states, strict=True):
-            # bfloat16 on both sides, widened by the README's tensorToFloat32 and by numpy: bit for bit.
-            np.testing.assert_array_equal(
-                np.array(state, dtype=np.float32), want.to_numpy().astype(np.float32)
-            )
+            widened = np.array(state, dtype=np.float32)
+            # The README's tensorToFloat32 widens bfloat16 exactly: the low 16 bits of each float32 are 0.
+            assert not (widened.view(np.uint32) & 0xFFFF).any()
+            # Another batch than this scorer's: two float32 forwards, each rounded once to bfloat16.
+            wanted = want.to_numpy().astype(np.float64)
+            bound = forward_atol(model_dir, wanted, longest=longest)
+            atol, rtol = rounded_pair_tolerances(torch.bfloat16, bound)
+            np.testing.assert_allclose(widened.astype(np.float64), wanted, atol=atol, rtol=rtol)

@@ -13,6 +13,7 @@ import pytest
 from worker_testkit import (
     Names,
     WrappedScorer,
+    assert_scored_alike,
     committed_offsets,
     fast_settings,
     finish,
@@ -86,7 +87,8 @@ def test_a_poisonous_request_fails_alone_and_its_batch_neighbours_score(
     scorer = MarkedScorer(tiny_llama_dir, ScorerConfig(device="cpu"))
     requests = [ScoreRequest(f"ok-{i:02d}", items=(f"text {i}", "more")) for i in range(24)]
     requests.insert(11, ScoreRequest("poison-1", items=("text 1", "more")))
-    reference = Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).score(requests)
+    plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    reference = plain.score(requests)
 
     async def scenario() -> dict[str, ScoreResult]:
         await ensure_topics(settings)
@@ -100,12 +102,11 @@ def test_a_poisonous_request_fails_alone_and_its_batch_neighbours_score(
     assert len(got) == 25
     assert _code(got["poison-1"]) is ErrorCode.MODEL_ERROR
     assert "on its own" in got["poison-1"].error.message  # type: ignore[union-attr]
-    for expected in reference:
+    for request, expected in zip(requests, reference, strict=True):
         if expected.request_id != "poison-1":
             result = got[expected.request_id]
             assert result.status is ResultStatus.OK
-            for row, want in zip(result.scores, expected.scores, strict=True):
-                assert row == pytest.approx(want, abs=1e-5)
+            assert_scored_alike(result, expected, plain, request)
 
 
 def _limits_requests() -> list[ScoreRequest]:
@@ -373,13 +374,8 @@ def test_small_requests_behind_large_ones_wait_about_one_batch(
         result = got[request.request_id]
         assert result.status is ResultStatus.OK and len(result.scores) == 600
         assert result.prompt_tokens == expected.prompt_tokens
-        for row, want in zip(result.scores, expected.scores, strict=True):
-            assert row == pytest.approx(want, abs=1e-5)
-        assert result.pooled_hidden_states is not None and expected.pooled_hidden_states is not None
-        for tensor, want_tensor in zip(
-            result.pooled_hidden_states, expected.pooled_hidden_states, strict=True
-        ):
-            assert tensor.to_numpy() == pytest.approx(want_tensor.to_numpy(), abs=1e-4)
+        assert result.pooled_hidden_states is not None
+        assert_scored_alike(result, expected, plain, request)
 
 
 def test_the_command_exits_non_zero_when_the_watchdog_fires(

@@ -21,12 +21,11 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from secure_proxy import Pki, ProxyServer, SaslProxy, TlsProxy, make_test_pki
-from worker_testkit import Names, fast_settings, fast_values, settings_env
+from worker_testkit import Names, assert_scored_alike, fast_settings, fast_values, settings_env
 
 from models import Scorer, ScorerConfig
 from schemas import ResultStatus, ScoreRequest, ScoreResult
@@ -112,10 +111,9 @@ def round_trip(settings: WorkerSettings, scorer: Scorer) -> tuple[list[ScoreResu
 
 def assert_scored(results: list[ScoreResult], scorer: Scorer) -> None:
     assert [r.request_id for r in results] == [r.request_id for r in REQUESTS]
-    for got, want in zip(results, scorer.score(REQUESTS), strict=True):
+    for got, want, request in zip(results, scorer.score(REQUESTS), REQUESTS, strict=True):
         assert got.status == ResultStatus.OK, got.error
-        for got_item, want_item in zip(got.scores, want.scores, strict=True):
-            np.testing.assert_allclose(got_item, want_item, rtol=1e-5, atol=1e-5)
+        assert_scored_alike(got, want, scorer, request)
 
 
 def connect_error(bootstrap: str, security: KafkaSecurity) -> str | None:

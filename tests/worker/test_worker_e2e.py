@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import numpy as np
 import pytest
 from worker_testkit import (
     Names,
     Outcome,
     Record,
+    assert_scored_alike,
     fast_settings,
     finish,
     header,
@@ -88,22 +88,12 @@ def malformed_records() -> dict[str, Record]:
     }
 
 
-def _assert_same_result(got: ScoreResult, want: ScoreResult) -> None:
+def _assert_same_result(got: ScoreResult, want: ScoreResult, scorer: Scorer, request: ScoreRequest) -> None:
     assert got.status == want.status == ResultStatus.OK, (got.error, want.error)
     assert got.prompt_tokens == want.prompt_tokens
     assert got.metadata == want.metadata
-    assert len(got.scores) == len(want.scores)
-    for got_item, want_item in zip(got.scores, want.scores, strict=True):
-        np.testing.assert_allclose(got_item, want_item, rtol=1e-5, atol=1e-5)
-    if want.pooled_hidden_states is None:
-        assert got.pooled_hidden_states is None
-        return
-    assert got.pooled_hidden_states is not None
-    for got_t, want_t in zip(got.pooled_hidden_states, want.pooled_hidden_states, strict=True):
-        assert (got_t.dtype, got_t.shape) == (want_t.dtype, want_t.shape)
-        # Packing differs between the worker's batches and the direct run; allow one rounding step.
-        rtol = 1e-5 if got_t.dtype == "float32" else 1e-2
-        np.testing.assert_allclose(got_t.to_numpy(), want_t.to_numpy(), rtol=rtol, atol=rtol)
+    # Packing differs between the worker's batches and the direct run.
+    assert_scored_alike(got, want, scorer, request)
 
 
 def test_mixed_stream_is_scored_once_each_and_committed(kafka_bootstrap: str, tiny_llama_dir: Path) -> None:
@@ -145,8 +135,8 @@ def test_mixed_stream_is_scored_once_each_and_committed(kafka_bootstrap: str, ti
     assert len(decoded) == expected_results
 
     direct = scorer.score(requests)
-    for want in direct:
-        _assert_same_result(decoded[want.request_id], want)
+    for request, want in zip(requests, direct, strict=True):
+        _assert_same_result(decoded[want.request_id], want, scorer, request)
 
     for rid, code in [
         ("bad-bytes-with-id", ErrorCode.MALFORMED_MESSAGE),
