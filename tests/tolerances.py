@@ -425,3 +425,39 @@ def _float64(value: Any) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         return value.detach().to(torch.float64).cpu().numpy()
     return np.asarray(value, dtype=np.float64)
+
+
+_HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def assert_scored_alike(got: Any, want: Any, scorer: Any, requests: Sequence[Any]) -> None:
+    """Two results (schemas.ScoreResult) of one request from two float32 computations (another path,
+    batch, packing or graph of `scorer`'s model): every score and pooled-state element within forward_atol
+    for the model in the directory `scorer` loaded and the longest prompt of `requests` as `scorer`
+    prepares them (a mean pooling adds its sum over the tokens); a softmax over the labels moves by at most
+    softmax_bound of that; states asked in float16 or bfloat16 are rounded once more on each side
+    (rounded_pair_tolerances)."""
+    assert len(got.scores) == len(want.scores)
+    if not want.scores:
+        return
+    model_dir = Path(scorer.hf_model.name_or_path)
+    longest = max(len(p) for request in requests for p in scorer.prepare(request).prompts)
+    mean = scorer.pooling == "mean"
+    scores = np.asarray(want.scores, dtype=np.float64)
+    atol = forward_atol(model_dir, scores, longest=longest, mean_pooled=mean)
+    if any(getattr(request, "apply_softmax", False) for request in requests):
+        atol = softmax_bound(torch.float32, labels=scores.shape[1], logit_error=atol)
+    np.testing.assert_allclose(np.asarray(got.scores, dtype=np.float64), scores, atol=atol, rtol=0)
+    if want.pooled_hidden_states is None:
+        assert got.pooled_hidden_states is None
+        return
+    assert got.pooled_hidden_states is not None
+    for got_state, want_state in zip(got.pooled_hidden_states, want.pooled_hidden_states, strict=True):
+        assert (got_state.dtype, got_state.shape) == (want_state.dtype, want_state.shape)
+        expected = want_state.to_numpy().astype(np.float64)
+        bound = forward_atol(model_dir, expected, longest=longest, mean_pooled=mean)
+        half = _HALF_DTYPES.get(want_state.dtype)
+        state_atol, state_rtol = (bound, 0.0) if half is None else rounded_pair_tolerances(half, bound)
+        np.testing.assert_allclose(
+            got_state.to_numpy().astype(np.float64), expected, atol=state_atol, rtol=state_rtol
+        )

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 from tolerances import assert_forward_close as assert_forward_close
+from tolerances import assert_scored_alike as assert_scored_alike
 from tolerances import cosine_gap, forward_bound
 from tolerances import forward_atol as forward_atol
 from tolerances import forward_length as forward_length
@@ -46,21 +47,6 @@ def self_check_cosine_floor(scorer: Any, model_dir: str | Path) -> float:
     elementwise = forward_bound(torch.float32, length=length, magnitude=max(1.0, float(np.abs(hidden).max())))
     norm = float(np.linalg.norm(hidden, axis=1).min())
     return 1.0 - float(cosine_gap(elementwise, hidden.shape[1], norm))
-
-
-def assert_scored_alike(got: Any, expected: Any, scorer: Any, requests: Sequence[Any]) -> None:
-    """Two results of the same request from two float32 computations (another path, batch or graph): their
-    scores and, where returned, pooled hidden states within forward_atol for `scorer`'s model (the
-    directory it was loaded from) and the longest prompt of `requests` as `scorer` prepares them; a mean
-    pooling adds its sum over the tokens."""
-    model_dir = Path(scorer.hf_model.name_or_path)
-    longest = max(len(p) for request in requests for p in scorer.prepare(request).prompts)
-    mean = scorer.pooling == "mean"
-    assert_forward_close(scores_of(got), scores_of(expected), model_dir, longest=longest, mean_pooled=mean)
-    if expected.pooled_hidden_states is not None:
-        assert_forward_close(
-            hidden_of(got), hidden_of(expected), model_dir, longest=longest, mean_pooled=mean
-        )
 
 
 @dataclass(frozen=True)

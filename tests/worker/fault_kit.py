@@ -29,10 +29,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
+from tolerances import assert_scored_alike
 from worker_testkit import (
     Names,
     Record,
-    assert_scored_alike,
     fast_values,
     header,
     read_topic,
@@ -679,7 +679,7 @@ def spot_check(
             assert got.status == ResultStatus.OK, (request.request_id, got.error)
             difference = _difference(got, reference)
             assert not math.isinf(difference), f"{request.request_id}: a NaN in the worker's result"
-            assert_scored_alike(got, reference, scorer, request)
+            assert_scored_alike(got, reference, scorer, [request])
             largest = max(largest, difference)
     return largest
 

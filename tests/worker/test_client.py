@@ -13,7 +13,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from worker_testkit import LiveWorker, Names, assert_scored_alike, fast_settings, produce, read_topic
+from tolerances import assert_scored_alike
+from worker_testkit import LiveWorker, Names, fast_settings, produce, read_topic
 
 from models import Scorer
 from schemas import (
@@ -63,7 +64,7 @@ def assert_same_outcome(
     assert got.error == expected.error
     assert got.metadata == expected.metadata
     assert got.prompt_tokens == expected.prompt_tokens
-    assert_scored_alike(got, expected, scorer, request)
+    assert_scored_alike(got, expected, scorer, [request])
 
 
 def fake_result(request_id: str, model: str) -> ScoreResult:
@@ -233,7 +234,7 @@ def test_submit_jsonl_in_jsonl_out(live_worker: LiveWorker, tmp_path: Path) -> N
     (expected,) = live_worker.scorer.score([request])
     got = ScoreResult(request.request_id, ResultStatus.OK, scores=tuple(map(tuple, rows[0]["scores"])))
     assert_scored_alike(
-        got, dataclasses.replace(expected, pooled_hidden_states=None), live_worker.scorer, request
+        got, dataclasses.replace(expected, pooled_hidden_states=None), live_worker.scorer, [request]
     )
 
 

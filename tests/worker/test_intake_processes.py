@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 from aiokafka.structs import ConsumerRecord
-from worker_testkit import Names, assert_scored_alike, fast_settings, finish, produce, request_record
+from tolerances import assert_scored_alike
+from worker_testkit import Names, fast_settings, finish, produce, request_record
 
 import worker.intake_processes as intake_processes
 from models import Scorer, ScorerConfig
@@ -262,7 +263,7 @@ def test_a_worker_with_intake_processes_answers_every_record_as_one_without(
     scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
     got = _scores(results)
     for request, expected in zip(requests, scorer.score(requests), strict=True):
-        assert_scored_alike(got[expected.request_id], expected, scorer, request)
+        assert_scored_alike(got[expected.request_id], expected, scorer, [request])
     labels = {"model": tiny_llama_dir.name, "worker": settings.worker_id}
     assert metrics.registry.get_sample_value("score_worker_intake_process_requests_total", labels) == 40
     assert metrics.registry.get_sample_value("score_worker_intake_process_restarts_total", labels) == 0

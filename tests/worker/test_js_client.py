@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tolerances import forward_atol, rounded_pair_tolerances
-from worker_testkit import LiveWorker, assert_scored_alike
+from tolerances import assert_scored_alike, forward_atol, rounded_pair_tolerances
+from worker_testkit import LiveWorker
 
 from schemas import HiddenDType, ResultStatus, ScoreRequest, ScoreResult
 
@@ -104,7 +104,9 @@ def test_the_readme_javascript_example_scores_through_a_worker(
         (expected,) = live_worker.scorer.score([request])
         assert expected.pooled_hidden_states is not None and result["truncated"] is None
         scores = ScoreResult(result["id"], ResultStatus.OK, scores=tuple(map(tuple, result["scores"])))
-        assert_scored_alike(scores, replace(expected, pooled_hidden_states=None), live_worker.scorer, request)
+        assert_scored_alike(
+            scores, replace(expected, pooled_hidden_states=None), live_worker.scorer, [request]
+        )
         model_dir = Path(live_worker.scorer.hf_model.name_or_path)
         longest = len(sent["query"]) + max(len(item) for item in sent["items"])
         for state, want in zip(result["states"], expected.pooled_hidden_states, strict=True):

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tolerances import assert_scored_alike
 from worker_testkit import (
     Names,
     WrappedScorer,
-    assert_scored_alike,
     committed_offsets,
     fast_settings,
     finish,
@@ -106,7 +106,7 @@ def test_a_poisonous_request_fails_alone_and_its_batch_neighbours_score(
         if expected.request_id != "poison-1":
             result = got[expected.request_id]
             assert result.status is ResultStatus.OK
-            assert_scored_alike(result, expected, plain, request)
+            assert_scored_alike(result, expected, plain, [request])
 
 
 def _limits_requests() -> list[ScoreRequest]:
@@ -375,7 +375,7 @@ def test_small_requests_behind_large_ones_wait_about_one_batch(
         assert result.status is ResultStatus.OK and len(result.scores) == 600
         assert result.prompt_tokens == expected.prompt_tokens
         assert result.pooled_hidden_states is not None
-        assert_scored_alike(result, expected, plain, request)
+        assert_scored_alike(result, expected, plain, [request])
 
 
 def test_the_command_exits_non_zero_when_the_watchdog_fires(

@@ -25,7 +25,8 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from secure_proxy import Pki, ProxyServer, SaslProxy, TlsProxy, make_test_pki
-from worker_testkit import Names, assert_scored_alike, fast_settings, fast_values, settings_env
+from tolerances import assert_scored_alike
+from worker_testkit import Names, fast_settings, fast_values, settings_env
 
 from models import Scorer, ScorerConfig
 from schemas import ResultStatus, ScoreRequest, ScoreResult
@@ -113,7 +114,7 @@ def assert_scored(results: list[ScoreResult], scorer: Scorer) -> None:
     assert [r.request_id for r in results] == [r.request_id for r in REQUESTS]
     for got, want, request in zip(results, scorer.score(REQUESTS), REQUESTS, strict=True):
         assert got.status == ResultStatus.OK, got.error
-        assert_scored_alike(got, want, scorer, request)
+        assert_scored_alike(got, want, scorer, [request])
 
 
 def connect_error(bootstrap: str, security: KafkaSecurity) -> str | None:

@@ -8,7 +8,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from worker_testkit import Names, assert_scored_alike, fast_settings, finish, produce, request_record
+from tolerances import assert_scored_alike
+from worker_testkit import Names, fast_settings, finish, produce, request_record
 
 from models import Scorer, ScorerConfig
 from models.packing import packed_length
@@ -38,7 +39,7 @@ def _check_results(
         got = results[request.request_id]
         assert got.ok, got.error
         # The worker computes the shared query once; the engine alone here computes every prompt whole.
-        assert_scored_alike(got, expected, alone, request)
+        assert_scored_alike(got, expected, alone, [request])
     return {"model": alone.model_name, "worker": worker_id}
 
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import msgpack
 import pytest
+from tolerances import assert_scored_alike
 from worker_testkit import (
     Names,
     Outcome,
     Record,
-    assert_scored_alike,
     fast_settings,
     finish,
     header,
@@ -93,7 +93,7 @@ def _assert_same_result(got: ScoreResult, want: ScoreResult, scorer: Scorer, req
     assert got.prompt_tokens == want.prompt_tokens
     assert got.metadata == want.metadata
     # Packing differs between the worker's batches and the direct run.
-    assert_scored_alike(got, want, scorer, request)
+    assert_scored_alike(got, want, scorer, [request])
 
 
 def test_mixed_stream_is_scored_once_each_and_committed(kafka_bootstrap: str, tiny_llama_dir: Path) -> None:

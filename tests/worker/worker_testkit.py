@@ -11,11 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
-from tolerances import forward_atol, rounded_pair_tolerances, softmax_bound
 
 from models import BatchObserver, ModelInfo, PreparedRequest, Scorer
 from schemas import ScoreRequest, ScoreResult, encode_request, request_headers
@@ -220,39 +217,3 @@ class LiveWorker:
     bootstrap: str
     names: Names
     scorer: Scorer
-
-
-_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def assert_scored_alike(got: ScoreResult, want: ScoreResult, scorer: Scorer, request: ScoreRequest) -> None:
-    """`got` is `request` scored in another batch than `want` was by `scorer` (other packing, so other
-    summation orders): every score and pooled-state element within what two float32 forwards of the request
-    may differ by (tolerances.forward_atol, over the model's chain of sums and the request's longest prompt);
-    a softmax over the labels moves by at most twice that plus its own roundings (softmax_bound); states
-    asked in float16 or bfloat16 are rounded once more on each side (rounded_pair_tolerances)."""
-    assert len(got.scores) == len(want.scores)
-    if not want.scores:
-        return
-    model_dir = Path(scorer.hf_model.name_or_path)
-    prepared = scorer.prepare(request)
-    assert isinstance(prepared, PreparedRequest), prepared
-    longest = max(len(prompt) for prompt in prepared.prompts)
-    scores = np.asarray(want.scores, dtype=np.float64)
-    atol = forward_atol(model_dir, scores, longest=longest)
-    if request.apply_softmax:
-        atol = softmax_bound(torch.float32, labels=scores.shape[1], logit_error=atol)
-    np.testing.assert_allclose(np.asarray(got.scores, dtype=np.float64), scores, atol=atol, rtol=0)
-    if want.pooled_hidden_states is None:
-        assert got.pooled_hidden_states is None
-        return
-    assert got.pooled_hidden_states is not None
-    for got_state, want_state in zip(got.pooled_hidden_states, want.pooled_hidden_states, strict=True):
-        assert (got_state.dtype, got_state.shape) == (want_state.dtype, want_state.shape)
-        expected = want_state.to_numpy().astype(np.float64)
-        bound = forward_atol(model_dir, expected, longest=longest)
-        half = _HALF.get(want_state.dtype)
-        state_atol, state_rtol = (bound, 0.0) if half is None else rounded_pair_tolerances(half, bound)
-        np.testing.assert_allclose(
-            got_state.to_numpy().astype(np.float64), expected, atol=state_atol, rtol=state_rtol
-        )
