@@ -13,6 +13,7 @@ projections) multiplies the dequantized operands in float32: the same e4m3 value
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -42,6 +43,20 @@ def fp8_supported(device: torch.device) -> str | None:
     return None
 
 
+@functools.cache
+def cpu_scaled_mm_takes_row_scales() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes a scale per row and per column (2.13 does; 2.11 takes
+    one scale per tensor and raises otherwise)."""
+    ones = torch.ones(16, 16).to(FP8_DTYPE)
+    try:
+        torch._scaled_mm(
+            ones, ones.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16
+        )
+    except RuntimeError:
+        return False
+    return True
+
+
 def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`matrix` [R, C] as e4m3 values and a float32 scale per row [R, 1]: row r is values[r] * scale[r]."""
     wide = matrix.float()
@@ -56,7 +71,9 @@ class Fp8Linear(nn.Module):
 
     A float32 input (a float32 reference model holding the same projections) is multiplied as the
     dequantized operands in float32: the same e4m3 values and scales, with no rounding of the product, which
-    FP8 kernels cannot give in float32 (row-wise scaled FP8 products return bfloat16 on CUDA).
+    FP8 kernels cannot give in float32 (row-wise scaled FP8 products return bfloat16 on CUDA). On a CPU
+    whose torch has no row-wise scaled FP8 product, a half-precision input takes that float32 product too,
+    rounded once to its dtype: what the kernel computes, in another summation order.
     `jitter` (0 normally) moves every input element by that relative amount, up and down alternately,
     before it is rounded: how much that moves a model's results is how sensitive it is to FP8 rounding."""
 
@@ -73,6 +90,8 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())  # [1, out]
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # Decided here, not per call: a plain flag is a constant to torch.compile.
+        self.dequantize_on_cpu = not cpu_scaled_mm_takes_row_scales()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -81,8 +100,9 @@ class Fp8Linear(nn.Module):
             signs[1::2] = -1.0
             rows = rows.float() * (1.0 + self.jitter * signs)
         values, scale = quantize_rows(rows)
-        if x.dtype == torch.float32:
+        if x.dtype == torch.float32 or (self.dequantize_on_cpu and x.device.type == "cpu"):
             out = (values.float() * scale) @ (self.weight.float() * self.weight_scale.t()).t()
+            out = out.to(x.dtype)
         else:
             out = torch._scaled_mm(
                 values, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=x.dtype
