@@ -157,6 +157,7 @@ def test_environment_sets_the_defaults_of_every_variable_it_declares(monkeypatch
         "SCORE_SAMPLES_RATE": ("rate", "12.5", 12.5),
         "SCORE_SAMPLES_HIDDEN_FRACTION": ("hidden_fraction", "0.25", 0.25),
         "SCORE_SAMPLES_INVALID_FRACTION": ("invalid_fraction", "0.125", 0.125),
+        "SCORE_SAMPLES_COMPRESSION": ("compression", "lz4", "lz4"),
     }
     # The security variables are read by every Kafka command alike (tests/worker/test_security.py).
     assert set(values) | set(SECURITY_ENV_VARS) == set(sample_producer.ENV_VARS)
