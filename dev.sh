@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: builds .venv on first use, then runs the demo or the test suite.
 #   ./dev.sh demo   - embedded broker + tiny local model + one worker + sample requests, results printed
-#   ./dev.sh test   - the whole suite: ruff, mypy and pytest against a real (embedded) broker and a real
-#                     Prometheus (installed with apt-get when missing and run as root)
+#   ./dev.sh test   - the whole suite: ruff, mypy and pytest against Apache Kafka (run from its jars; Java
+#                     and Maven, Prometheus and docker-compose installed with apt-get when missing, as root)
+#   ./dev.sh kafka  - Apache Kafka in the foreground (--nodes 3 for a cluster), for trials and own runs
 #   ./dev.sh lock   - resolve the dev install afresh and write the pins to constraints.txt
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -10,18 +11,43 @@ cd "$(dirname "$0")"
 VENV="${SCORE_WORKER_VENV:-.venv}"
 PY="${PYTHON:-python3}"
 
-# The test suite runs a real Prometheus (and promtool) and checks docker-compose.yml with a real compose
-# implementation; on Debian/Ubuntu both come from apt. Elsewhere the tests that need them say how to get them.
+# The test suite runs Apache Kafka from its jars (Java 17+, and Maven the first time, to resolve them), on
+# network namespaces (iproute2) for the broker-failure tests, kcat as a client, a real Prometheus (and
+# promtool), and checks docker-compose.yml with a real compose implementation; on Debian/Ubuntu all come
+# from apt. Elsewhere the tests that need them say how to get them.
 system_tools() {
-    if command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v docker-compose >/dev/null; then
+    local missing=()
+    command -v prometheus >/dev/null && command -v promtool >/dev/null || missing+=(prometheus)
+    command -v docker-compose >/dev/null || missing+=(docker-compose)
+    java_ok || missing+=(default-jre-headless)
+    command -v mvn >/dev/null || missing+=(maven)
+    command -v kcat >/dev/null || missing+=(kcat)           # a peer of the worker in the client tests
+    command -v ip >/dev/null || missing+=(iproute2)         # a network namespace per Kafka node
+    if [ ${#missing[@]} = 0 ]; then
         return
     fi
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        echo "dev.sh: installing prometheus and docker-compose with apt-get" >&2
+        echo "dev.sh: installing ${missing[*]} with apt-get" >&2
         apt-get update -qq >/dev/null
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus docker-compose >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     else
-        echo "dev.sh: prometheus/promtool or docker-compose missing; install them (apt-get install prometheus docker-compose) or their tests will not run" >&2
+        echo "dev.sh: ${missing[*]} missing; install them (apt-get install ${missing[*]}) or their tests will not run" >&2
+    fi
+}
+
+# Java 17 or newer, as $JAVA_HOME's or on PATH (what Kafka 4 needs).
+java_ok() {
+    local java="${JAVA_HOME:+$JAVA_HOME/bin/}java"
+    command -v "$java" >/dev/null || return 1
+    local major
+    major=$("$java" -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1)
+    [ -n "$major" ] && [ "$major" -ge 17 ]
+}
+
+# Kafka's jars for every version the suite runs (deploy/kafka/pom.xml), resolved once into the cache.
+kafka_jars() {
+    if java_ok; then
+        "$VENV/bin/score-worker" kafka --resolve-only >&2 || echo "dev.sh: Kafka's jars could not be resolved" >&2
     fi
 }
 
@@ -73,7 +99,12 @@ case "$cmd" in
     test)
         setup
         system_tools
+        kafka_jars
         exec "$VENV/bin/python" -m pytest "$@"
+        ;;
+    kafka)
+        setup
+        exec "$VENV/bin/score-worker" kafka "$@"
         ;;
     setup)
         setup
@@ -82,7 +113,7 @@ case "$cmd" in
         lock
         ;;
     *)
-        echo "usage: ./dev.sh demo|test|setup|lock [args...]" >&2
+        echo "usage: ./dev.sh demo|test|kafka|setup|lock [args...]" >&2
         exit 2
         ;;
 esac

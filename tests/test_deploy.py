@@ -353,6 +353,18 @@ def test_kafka_clients_use_a_listener_the_broker_advertises(stack: Stack) -> Non
     assert (host_port, int(listeners["HOST"].rsplit(":", 1)[1])) in _port_mappings(kafka)
 
 
+def test_the_suite_runs_the_kafka_version_compose_runs(stack: Stack) -> None:
+    """The suite's Apache Kafka tiers (deploy/kafka/pom.xml) include the broker image the stack starts."""
+    from worker.apache_kafka import pom_versions
+
+    images = {
+        service["image"]
+        for service in stack.config["services"].values()
+        if "kafka" in service.get("image", "")
+    }
+    assert images == {f"apache/kafka:{pom_versions(ROOT / 'deploy/kafka/pom.xml')['compose']}"}
+
+
 def test_producer_and_workers_share_the_requests_topic(stack: Stack) -> None:
     _, producer = stack.by_command("produce-samples")
     topic = _parse_command(producer).topic

@@ -47,29 +47,33 @@ def free_port() -> int:
 
 
 def metadata_brokers(host: str, port: int, timeout_s: float = 1.0) -> list[tuple[str, int]]:
-    """Send a Kafka Metadata v0 request and return the (host, port) of the brokers it lists.
+    """Send a Kafka Metadata v4 request for no topics and return the (host, port) of the brokers it lists.
 
     Hand-written over a socket rather than through aiokafka so that it works whether or not the caller
-    runs an event loop.
+    runs an event loop. Version 4 is the oldest that Kafka 4 still answers (KIP-896 removed 0-3) and the
+    newest without flexible encoding; every broker since Kafka 1.0 (and Tansu) speaks it.
     """
     client_id = b"score-worker-probe"
-    # Header v1: api_key, api_version, correlation_id, client_id; body v0: topics array (0 = all topics).
-    body = struct.pack(">hhih", _METADATA_API_KEY, 0, 1, len(client_id)) + client_id + struct.pack(">i", 0)
+    # Header v1: api_key, api_version, correlation_id, client_id; body v4: topics (an empty array: none,
+    # only the brokers), allow_auto_topic_creation.
+    header = struct.pack(">hhih", _METADATA_API_KEY, 4, 1, len(client_id)) + client_id
+    body = header + struct.pack(">ib", 0, 0)
     with socket.create_connection((host, port), timeout=timeout_s) as sock:
         sock.sendall(struct.pack(">i", len(body)) + body)
         size = struct.unpack(">i", _recv_exact(sock, 4))[0]
         payload = _recv_exact(sock, size)
-    correlation_id, count = struct.unpack_from(">ii", payload, 0)
+    # Response v4: correlation_id, throttle_time_ms, brokers [node_id, host, port, rack (nullable)], ...
+    correlation_id, _throttle_ms, count = struct.unpack_from(">iii", payload, 0)
     if correlation_id != 1:
         raise BrokerError(f"metadata answer has correlation id {correlation_id}, expected 1")
-    pos, brokers = 8, []
+    pos, brokers = 12, []
     for _ in range(count):
         _node_id, host_len = struct.unpack_from(">ih", payload, pos)
         pos += 6
         broker_host = payload[pos : pos + host_len].decode()
         pos += host_len
-        (broker_port,) = struct.unpack_from(">i", payload, pos)
-        pos += 4
+        broker_port, rack_len = struct.unpack_from(">ih", payload, pos)
+        pos += 6 + max(rack_len, 0)
         brokers.append((broker_host, broker_port))
     return brokers
 

@@ -42,6 +42,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
         "consumer-group lag for Prometheus, read from the brokers",
     ),
     "broker": ("worker.broker", "run the embedded Kafka-protocol broker (Tansu) for local trials"),
+    "kafka": ("worker.apache_kafka", "run Apache Kafka from its jars (Java, no Docker): one node or several"),
     "produce-samples": ("worker.sample_producer", "send a steady trickle of mixed sample requests"),
 }
 
