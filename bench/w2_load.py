@@ -21,6 +21,7 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import ResultStatus, SchemaError, ScoreRequest, decode_result, encode_request, request_headers
+from worker.topics import topic_partitions
 
 
 @dataclass(frozen=True)
@@ -136,13 +137,12 @@ class Loader:
 
     async def start(self) -> None:
         await self._consumer.start()
-        partitions = self._consumer.partitions_for_topic(self._config.results_topic)
+        partitions = await topic_partitions(self._consumer, self._config.results_topic)
         for _ in range(50):
             if partitions:
                 break
             await asyncio.sleep(0.1)
-            await self._consumer.topics()
-            partitions = self._consumer.partitions_for_topic(self._config.results_topic)
+            partitions = await topic_partitions(self._consumer, self._config.results_topic)
         if not partitions:
             raise RuntimeError(f"results topic {self._config.results_topic} does not exist")
         tps = [TopicPartition(self._config.results_topic, p) for p in sorted(partitions)]

@@ -26,7 +26,7 @@ from schemas import (
 )
 from worker.codecs import DEFAULT_COMPRESSION, Compression, producer_compression
 from worker.errors import WorkerError
-from worker.topics import create_missing_topics
+from worker.topics import create_missing_topics, topic_partitions
 from worker.undecodable import FetchGuard, Unreadable, classify, describe, read_raw_batch
 
 log = logging.getLogger(__name__)
@@ -315,8 +315,7 @@ class ScoreClient:
 
     async def _results_partitions(self, consumer: AIOKafkaConsumer) -> set[int]:
         for _ in range(20):
-            await consumer.topics()  # refreshes cluster metadata
-            partitions: set[int] | None = consumer.partitions_for_topic(self.read_topic)
+            partitions = await topic_partitions(consumer, self.read_topic)
             if partitions:
                 return partitions
             await asyncio.sleep(0.1)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from typing import Any
 
+from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 
@@ -13,6 +14,18 @@ from worker.config import WorkerSettings
 from worker.errors import WorkerError
 
 log = logging.getLogger(__name__)
+
+
+async def topic_partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int] | None:
+    """The partition ids of `topic` in fresh cluster metadata; None where the topic does not exist.
+
+    `consumer.partitions_for_topic()` answers only for topics its client already tracks (subscribed or
+    assigned), and a consumer that is about to assign itself a topic tracks none: Kafka answers a metadata
+    request for no topics with none. This asks the brokers for every topic instead.
+    """
+    cluster = await consumer._client.fetch_all_metadata()
+    partitions: set[int] | None = cluster.partitions_for_topic(topic)
+    return partitions
 
 
 async def ensure_topics(settings: WorkerSettings) -> list[str]:
