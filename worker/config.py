@@ -337,6 +337,12 @@ class WorkerSettings(KafkaSecurity):
         description="compression codec of the result and dead-letter batches the worker writes (readers "
         "need nothing to choose: every Kafka client reads every codec)",
     )
+    idempotence: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="idempotent producer for results and dead letters (no duplicate from a producer's own "
+        "retry after a lost acknowledgement, order kept across a leader change); auto: on where the broker "
+        "grants producer ids (Apache Kafka), off where it does not (the embedded broker), said in the log",
+    )
     undecodable_skip_after_ms: int = Field(
         0,
         ge=0,

@@ -8,10 +8,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
+from aiokafka.client import AIOKafkaClient
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError, for_code
+from aiokafka.protocol.transaction import InitProducerIdRequest
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
@@ -248,31 +250,82 @@ def _first_within(
     return smallest
 
 
+async def broker_grants_producer_ids(client_kwargs: dict[str, Any], timeout_s: float = 30.0) -> bool:
+    """Whether the brokers give out producer ids (InitProducerId), which an idempotent producer needs.
+
+    Apache Kafka does (since 0.11); the embedded broker (Tansu) answers UnknownError. Asked once, with a
+    client of its own, before the producer is built (aiokafka fixes idempotence at construction).
+    """
+    client = AIOKafkaClient(**client_kwargs)
+    request = InitProducerIdRequest(transactional_id=None, transaction_timeout_ms=60_000)
+    deadline = time.monotonic() + timeout_s
+    try:
+        await client.bootstrap()
+        while True:
+            response = await client.send(client.get_random_node(), request)
+            code = int(response.error_code)
+            if code == 0:
+                return True
+            # A fresh cluster answers "coordinator loading / not available" while it creates and loads
+            # its transaction log: ask again. Anything else (UnknownError from the embedded broker) is no.
+            if not for_code(code).retriable or time.monotonic() > deadline:
+                log.info("the broker grants no producer id (%s)", for_code(code).__name__)
+                return False
+            await asyncio.sleep(0.2)
+    except KafkaError as error:
+        log.info("the broker grants no producer id (%r)", error)
+        return False
+    finally:
+        await client.close()
+
+
 class Publisher:
-    """The worker's producer: acks="all", no idempotence (Tansu lacks InitProducerId), batches raised,
-    compressed with `results_compression`."""
+    """The worker's producer: acks="all", idempotent where the broker allows (setting `idempotence`),
+    batches raised, compressed with `results_compression`."""
 
     def __init__(self, settings: WorkerSettings) -> None:
+        self._settings = settings
         self._retry_s = settings.publish_timeout_ms / 1000
+        self._producer: AIOKafkaProducer | None = None
+        self.idempotent: bool | None = None  # decided at start
+        self._topics: dict[str, tuple[bool, float]] = {}  # reply topic -> (exists, until when that holds)
+
+    def _build(self, idempotent: bool) -> AIOKafkaProducer:
+        settings = self._settings
         # max_batch_size follows the record limit so results share produce requests instead of each result
         # above the 16 KiB default travelling alone.
-        self._producer = AIOKafkaProducer(
+        return AIOKafkaProducer(
             **settings.kafka_client_kwargs(),
             acks="all",
             linger_ms=settings.publish_linger_ms,
             max_batch_size=settings.max_record_bytes,
             max_request_size=settings.max_record_bytes,
-            enable_idempotence=False,
+            enable_idempotence=idempotent,
             compression_type=producer_compression(settings.results_compression),
         )
-        self._topics: dict[str, tuple[bool, float]] = {}  # reply topic -> (exists, until when that holds)
+
+    def _started(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            raise RuntimeError("the publisher is not started")
+        return self._producer
 
     async def start(self) -> None:
+        mode = self._settings.idempotence
+        idempotent = mode == "on"
+        if mode == "auto":
+            idempotent = await broker_grants_producer_ids(self._settings.kafka_client_kwargs())
+            log.info(
+                "results producer: %s",
+                "idempotent" if idempotent else "not idempotent (the broker grants no producer ids)",
+            )
+        self.idempotent = idempotent
+        self._producer = self._build(idempotent)
         await self._producer.start()
 
     async def stop(self) -> None:
         """Flush what is buffered, then close."""
-        await self._producer.stop()
+        if self._producer is not None:
+            await self._producer.stop()
 
     async def deliver(self, records: Sequence[OutRecord]) -> list[tuple[OutRecord, OutRecord]]:
         """Send and wait for the broker's acknowledgement of every record, retrying the failed ones.
@@ -333,7 +386,7 @@ class Publisher:
             return known[0]
         try:
             cluster = await asyncio.wait_for(
-                self._producer.client.fetch_all_metadata(), _TOPIC_CHECK_TIMEOUT_S
+                self._started().client.fetch_all_metadata(), _TOPIC_CHECK_TIMEOUT_S
             )
         except (KafkaError, TimeoutError) as error:
             log.warning("could not read the brokers' topics to check reply topic %r: %r", topic, error)
@@ -350,7 +403,7 @@ class Publisher:
         for record in records:
             try:
                 acks.append(
-                    await self._producer.send(record.topic, record.value, record.key, headers=record.headers)
+                    await self._started().send(record.topic, record.value, record.key, headers=record.headers)
                 )
             except Exception as exc:  # the client refusing one record must not stop the others
                 failed: asyncio.Future[object] = asyncio.get_running_loop().create_future()
