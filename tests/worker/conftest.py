@@ -1,56 +1,105 @@
-"""The broker fixture of the worker tests: an external broker, a Kafka container, or the embedded Tansu."""
+"""Fixtures of the worker tests: the brokers (tests/worker/brokers.py), live workers, worker processes."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from brokers import BrokerPool, OwnBroker, own_broker_of
 from fault_kit import Spawn, WorkerProcess
 from worker_testkit import LiveWorker, Names, fast_settings
 
 from models import Scorer, ScorerConfig
 from worker.app import ScoreWorker
-from worker.broker import EmbeddedBroker
 from worker.topics import ensure_topics
 
 log = logging.getLogger(__name__)
 
 
-def _docker_answers() -> bool:
-    try:
-        import docker
-
-        docker.from_env(timeout=2).ping()
-    except Exception:  # no client library, no socket, no daemon: all mean "no Docker here"
-        return False
-    return True
+_POOL: BrokerPool | None = None
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap() -> Iterator[str]:
-    """Bootstrap servers of a real broker for the whole session.
+def broker_pool() -> Iterator[BrokerPool]:
+    """Every broker the session's worker tests use, started on first use (tests/worker/brokers.py)."""
+    global _POOL
+    _POOL = BrokerPool()
+    try:
+        yield _POOL
+    finally:
+        _POOL.close()
 
-    SCORE_WORKER_TEST_BOOTSTRAP names an existing broker; otherwise a Kafka container when a Docker engine
-    answers; otherwise the embedded Tansu broker (the usual case on the development and CI machines).
-    """
-    external = os.environ.get("SCORE_WORKER_TEST_BOOTSTRAP")
-    if external:
-        yield external
-        return
-    if _docker_answers():
-        from testcontainers.kafka import KafkaContainer
 
-        with KafkaContainer() as kafka:
-            yield kafka.get_bootstrap_server()
+@pytest.fixture(scope="session")
+def kafka_bootstrap(broker_pool: BrokerPool) -> str:
+    """Bootstrap servers of the session's default broker: Apache Kafka where Java is present (see
+    tests/worker/brokers.py for the order). A module runs on several with `broker_tiers`."""
+    return broker_pool.broker("default").bootstrap
+
+
+@pytest.fixture
+def own_broker(broker_pool: BrokerPool) -> Iterator[Callable[..., OwnBroker]]:
+    """Starts brokers of the default's kind that belong to one test (it stops them, or fronts them with a
+    proxy): `own_broker(port=None, advertised=None)`. Whatever is still running at the end is stopped."""
+    started: list[OwnBroker] = []
+
+    def start(port: int | None = None, advertised: tuple[str, int] | None = None) -> OwnBroker:
+        started.append(own_broker_of(broker_pool, port, advertised))
+        return started[-1]
+
+    yield start
+    for broker in started:
+        broker.stop()
+
+
+def _tier(item: pytest.Item) -> str | None:
+    """The broker tier a test ran on: its `kafka_bootstrap`'s, or its "tier" parameter with the pool."""
+    names = getattr(item, "fixturenames", ())
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec else {}
+    if "kafka_bootstrap" in names:
+        return str(params.get("kafka_bootstrap", "default"))
+    if "broker_pool" in names and "tier" in params:
+        return str(params["tier"])
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Counts each test against the broker it ran on; a failed one carries that broker's log tail."""
+    report = yield
+    tier = _tier(item)
+    broker = _POOL.peek(tier) if (_POOL is not None and tier) else None
+    if broker is not None:
+        if report.when == "call":
+            broker.uses[getattr(getattr(item, "module", None), "__name__", "?")] += 1
+        if report.failed:
+            broker.failures += 1
+            report.sections.append((f"broker: {broker.description} at {broker.bootstrap}", broker.log_tail()))
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _POOL is None:
         return
-    with EmbeddedBroker() as broker:
-        log.info("tests use the embedded broker at %s (log %s)", broker.bootstrap_servers, broker.log_path)
-        yield broker.bootstrap_servers
+    for broker in _POOL.started():
+        modules = len(broker.uses)
+        line = (
+            f"worker tests on {broker.description} at {broker.bootstrap}: {sum(broker.uses.values())} tests"
+        )
+        line += f" in {modules} modules"
+        if broker.failures and broker.files:
+            line += f"; {broker.failures} failed, its files and logs kept in {broker.files}"
+        terminalreporter.write_line(line)
+    if _POOL.fallback_reason:
+        terminalreporter.write_line(f"not on Apache Kafka: {_POOL.fallback_reason}")
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from tolerances import assert_scored_alike
 from worker_testkit import (
     Names,
     Record,
+    client_kwargs,
     fast_values,
     header,
     read_topic,
@@ -51,6 +52,7 @@ from schemas import (
     encode_request,
     request_headers,
 )
+from worker.topics import topic_partitions as partitions_in_metadata
 
 WORKER_BIN = Path(sys.executable).with_name("score-worker")
 PARTITIONS = 4
@@ -85,12 +87,14 @@ def make_requests(tag: str, count: int, seed: int = 0) -> list[ScoreRequest]:
     return requests
 
 
-async def create_topics(bootstrap: str, names: Names, partitions: int = PARTITIONS) -> None:
+async def create_topics(
+    bootstrap: str, names: Names, partitions: int = PARTITIONS, replication: int = 1
+) -> None:
     """The requests, results and dead-letter topics, before any worker starts."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(**client_kwargs(bootstrap))
     await admin.start()
     try:
-        topics = [NewTopic(n, partitions, 1) for n in (names.requests, names.results, names.dlq)]
+        topics = [NewTopic(n, partitions, replication) for n in (names.requests, names.results, names.dlq)]
         response = await admin.create_topics(topics)
         errors = [e for e in response.topic_errors if e[1] != 0]
         assert not errors, errors
@@ -109,7 +113,7 @@ class SteadyProducer:
         self.finished_at: float | None = None
         # Large enough for the oversized poison records; the broker decides what it accepts.
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=bootstrap, acks="all", linger_ms=2, max_request_size=4 << 20
+            **client_kwargs(bootstrap), acks="all", linger_ms=2, max_request_size=4 << 20
         )
         self._task: asyncio.Task[None] | None = None
         self._started = False
@@ -162,10 +166,9 @@ class SteadyProducer:
 
 async def topic_partitions(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
     for _ in range(200):
-        found = consumer.partitions_for_topic(topic)
+        found = await partitions_in_metadata(consumer, topic)
         if found:
             return [TopicPartition(topic, p) for p in sorted(found)]
-        await consumer.topics()
         await asyncio.sleep(0.05)
     raise AssertionError(f"topic {topic} has no partitions")
 
@@ -186,7 +189,7 @@ class ResultWatcher:
         self.topic = topic
         self.seen: list[Seen] = []
         self.first: dict[str, float] = {}
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        self._consumer = AIOKafkaConsumer(**client_kwargs(bootstrap), enable_auto_commit=False)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> ResultWatcher:
@@ -300,11 +303,13 @@ class Stream:
         count: int,
         rate: float,
         mix: Callable[[list[ScoreRequest]], list[Record]] | None = None,
+        replication: int = 1,
     ) -> Stream:
-        """Topics created, the watcher reading; the producer waits for `produce()`. `mix` turns the requests
-        into the records to send (other records mixed in); by default each request is one record."""
+        """Topics created (`replication` copies of each partition), the watcher reading; the producer waits
+        for `produce()`. `mix` turns the requests into the records to send (other records mixed in); by
+        default each request is one record."""
         names = Names.unique(prefix)
-        await create_topics(bootstrap, names)
+        await create_topics(bootstrap, names, replication=replication)
         requests = make_requests(names.group, count)
         records = mix(requests) if mix is not None else [request_record(r) for r in requests]
         producer = SteadyProducer(bootstrap, names.requests, records, rate)

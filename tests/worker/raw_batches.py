@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from aiokafka.client import AIOKafkaClient
+from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.protocol.produce import ProduceRequest
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.record.util import calc_crc32c
 from aiokafka.structs import TopicPartition
-from worker_testkit import Record
+from worker_testkit import Record, client_kwargs
+
+from worker.codecs import CODECS
+from worker.undecodable import parse_batch
 
 GZIP, LZ4 = 1, 3
 # Offsets in a v2 batch header (see worker/undecodable.py): length, CRC, attributes, record count, and
@@ -118,18 +124,55 @@ def rewrite_batches(data: bytes, change: Callable[[int, bytes], bytes]) -> bytes
 
 async def produce_raw(bootstrap: str, tp: TopicPartition, batch: bytes) -> int:
     """Write one batch to the partition's leader exactly as given; returns the base offset it got."""
-    client = AIOKafkaClient(bootstrap_servers=bootstrap)
+    error_code, base_offset = await produce_raw_answer(bootstrap, tp, batch)
+    assert error_code == 0, f"the broker refused the batch: error {error_code}"
+    return base_offset
+
+
+async def produce_raw_answer(bootstrap: str, tp: TopicPartition, batch: bytes) -> tuple[int, int]:
+    """Write one batch as given; the broker's answer: (error code, base offset)."""
+    client = AIOKafkaClient(**client_kwargs(bootstrap))
     await client.bootstrap()
     try:
-        await client.force_metadata_update()
-        leader = client.cluster.leader_for_partition(tp)
+        cluster = await client.fetch_all_metadata()
+        leader = cluster.leader_for_partition(tp)
         assert leader is not None and leader >= 0, f"no leader for {tp}"
         response = await client.send(
             leader, ProduceRequest(None, -1, 10_000, [(tp.topic, [(tp.partition, batch)])])
         )
         ((_, partitions),) = response.topics
         ((_, error_code, base_offset, *_),) = partitions
-        assert error_code == 0, f"the broker refused the batch: error {error_code}"
-        return int(base_offset)
+        return int(error_code), int(base_offset)
     finally:
         await client.close()
+
+
+def stored_codecs(bootstrap: str, topic: str, partitions: int) -> Counter[str]:
+    """The codec of every batch the broker stores on a topic, read raw (fetched, never decompressed)."""
+
+    async def read() -> Counter[str]:
+        client = AIOKafkaClient(**client_kwargs(bootstrap))
+        await client.bootstrap()
+        seen: Counter[str] = Counter()
+        try:
+            cluster = await client.fetch_all_metadata()
+            for partition in range(partitions):
+                node = cluster.leader_for_partition(TopicPartition(topic, partition))
+                offset = 0
+                while True:
+                    request = FetchRequest(100, 1, 8 << 20, 0, [(topic, [(partition, offset, 8 << 20)])])
+                    response = await client.send(node, request)
+                    data = bytes(response.topics[0][1][0][-1])
+                    batch = parse_batch(data, offset)
+                    if batch is None:
+                        break
+                    while batch is not None and batch.complete:
+                        seen[CODECS[batch.codec]] += 1
+                        offset = batch.last_offset + 1
+                        data = data[len(batch.data) :]
+                        batch = parse_batch(data, offset)
+        finally:
+            await client.close()
+        return seen
+
+    return asyncio.run(read())

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from worker_testkit import Names, WrappedScorer, fast_settings, finish, request_record
+from worker_testkit import Names, WrappedScorer, client_kwargs, fast_settings, finish, request_record
 
 from models import BatchObserver, Scorer, ScorerConfig
 from schemas import ScoreRequest, ScoreResult
@@ -55,7 +55,7 @@ def test_requests_arriving_during_a_forward_join_one_batch(
         await ensure_topics(settings)
         worker = ScoreWorker(settings, scorer)
         task = asyncio.create_task(worker.run())
-        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+        producer = AIOKafkaProducer(**client_kwargs(kafka_bootstrap), acks="all")
         await producer.start()
         try:
             await asyncio.sleep(2 * settings.session_timeout_ms / 1000)  # let the worker join the group

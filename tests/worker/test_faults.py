@@ -6,11 +6,13 @@ import asyncio
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from brokers import OwnBroker
 from fault_kit import (
     Accounting,
     ClientCutProxy,
@@ -29,7 +31,7 @@ from fault_kit import (
 from worker_testkit import read_topic, request_record
 
 from models import Scorer
-from worker.broker import EmbeddedBroker, free_port
+from worker.broker import free_port
 from worker.config import WorkerSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -235,16 +237,16 @@ def test_second_worker_joins_under_load_then_the_first_is_killed(
 
 
 def test_cut_broker_connection_for_10_s_loses_nothing_and_the_worker_keeps_running(
-    tiny_llama_dir: Path, spawn: Spawn, reference: Scorer
+    tiny_llama_dir: Path, spawn: Spawn, reference: Scorer, own_broker: Callable[..., OwnBroker]
 ) -> None:
     outage_s, rate = 10.0, 120.0
     # The broker advertises the proxy, so every client goes through it; only the worker's connections, told
     # apart by their client id, are cut, while the test's producer and readers keep going.
     proxy = ClientCutProxy(cut_prefix="faulty-worker").start()
     try:
-        with EmbeddedBroker(advertised=("127.0.0.1", proxy.port)) as broker:
-            proxy.upstream_port = broker.listen_port
-            outcome = asyncio.run(_cut_scenario(proxy, broker, tiny_llama_dir, spawn, outage_s, rate))
+        broker = own_broker(advertised=("127.0.0.1", proxy.port))
+        proxy.upstream_port = broker.listen_port
+        outcome = asyncio.run(_cut_scenario(proxy, broker, tiny_llama_dir, spawn, outage_s, rate))
     finally:
         proxy.stop()
     acc, worker, cut_at, restore_at, stream = outcome
@@ -269,7 +271,7 @@ def test_cut_broker_connection_for_10_s_loses_nothing_and_the_worker_keeps_runni
 
 
 async def _cut_scenario(
-    proxy: ClientCutProxy, broker: EmbeddedBroker, model_dir: Path, spawn: Spawn, outage_s: float, rate: float
+    proxy: ClientCutProxy, broker: OwnBroker, model_dir: Path, spawn: Spawn, outage_s: float, rate: float
 ) -> tuple[Accounting, WorkerProcess, float, float, Stream]:
     direct = f"127.0.0.1:{broker.listen_port}"
     stream = await Stream.open(direct, "cut", 2400, rate)  # 20 s of traffic

@@ -13,12 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from brokers import OwnBroker
 from prometheus_client.parser import text_string_to_metric_families
 from worker_testkit import Names, fast_settings
 
 from models import BatchStats, ModelInfo, Scorer, ScorerConfig
 from schemas import ScoreResult
-from worker.broker import EmbeddedBroker, free_port
+from worker.broker import free_port
 from worker.metrics import BOUNDED_LABELS, LATENCY_BUCKETS, ResultTally, WorkerMetrics
 from worker.publisher import OutRecord
 from worker.service import WorkerService
@@ -58,7 +59,9 @@ async def _until(check: Callable[[], bool], timeout_s: float, what: str) -> None
         await asyncio.sleep(0.1)
 
 
-def test_readiness_follows_model_group_and_broker(tiny_llama_dir: Path) -> None:
+def test_readiness_follows_model_group_and_broker(
+    tiny_llama_dir: Path, own_broker: Callable[..., OwnBroker]
+) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     gate = threading.Event()
@@ -76,7 +79,7 @@ def test_readiness_follows_model_group_and_broker(tiny_llama_dir: Path) -> None:
                 return float(family.samples[0].value)
         raise AssertionError("no score_worker_ready")
 
-    async def scenario(broker: EmbeddedBroker) -> None:
+    async def scenario(broker: OwnBroker) -> None:
         settings = fast_settings(
             broker.bootstrap_servers, tiny_llama_dir, Names.unique("health"), metrics_port=port,
             metrics_host="127.0.0.1", broker_probe_interval_ms=300, worker_id="health-worker",
@@ -104,8 +107,7 @@ def test_readiness_follows_model_group_and_broker(tiny_llama_dir: Path) -> None:
             await asyncio.wait_for(task, 60)
         assert await asyncio.to_thread(status, "/healthz") == 0  # the port is closed after a stop
 
-    with EmbeddedBroker() as broker:
-        asyncio.run(scenario(broker))
+    asyncio.run(scenario(own_broker()))
 
 
 def test_health_server_answers_only_its_paths(kafka_bootstrap: str, tiny_llama_dir: Path) -> None:

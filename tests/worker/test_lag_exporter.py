@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import TopicPartition
+from brokers import OwnBroker
 from prometheus_client.parser import text_string_to_metric_families
-from worker_testkit import Names, produce
+from worker_testkit import Names, client_kwargs, produce
 
 from worker.lag_exporter import LagExporter
 
@@ -30,7 +32,7 @@ def _samples(exporter: LagExporter, name: str) -> dict[tuple[str, str, str], flo
 
 
 async def _commit(bootstrap: str, group: str, offsets: dict[TopicPartition, int]) -> None:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**client_kwargs(bootstrap), group_id=group, enable_auto_commit=False)
     await consumer.start()
     try:
         consumer.assign(list(offsets))
@@ -44,7 +46,7 @@ def test_lag_is_read_from_the_brokers_without_any_worker(kafka_bootstrap: str) -
     missing = f"{names.requests}.never-created"
 
     async def scenario() -> None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        admin = AIOKafkaAdminClient(**client_kwargs(kafka_bootstrap))
         await admin.start()
         await admin.create_topics([NewTopic(names.requests, 2, 1)])
         await admin.close()
@@ -73,7 +75,7 @@ def test_lag_is_read_from_the_brokers_without_any_worker(kafka_bootstrap: str) -
         finally:
             await exporter.stop()
         # Asking about a topic that does not exist must not create it.
-        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        admin = AIOKafkaAdminClient(**client_kwargs(kafka_bootstrap))
         await admin.start()
         try:
             assert missing not in await admin.list_topics()
@@ -83,9 +85,11 @@ def test_lag_is_read_from_the_brokers_without_any_worker(kafka_bootstrap: str) -
     asyncio.run(scenario())
 
 
-def test_a_broker_that_is_not_up_yet_means_failed_polls_until_it_is() -> None:
+def test_a_broker_that_is_not_up_yet_means_failed_polls_until_it_is(
+    own_broker: Callable[..., OwnBroker],
+) -> None:
     """The exporter may start before Kafka (compose starts them together): it keeps trying, then reports."""
-    from worker.broker import EmbeddedBroker, free_port
+    from worker.broker import free_port
 
     port = free_port()
     names = Names.unique("late")
@@ -111,8 +115,8 @@ def test_a_broker_that_is_not_up_yet_means_failed_polls_until_it_is() -> None:
         started = asyncio.Event()
         run = asyncio.create_task(scenario(started))
         await started.wait()
-        with EmbeddedBroker(port=port):
-            return await run
+        await asyncio.to_thread(own_broker, port)
+        return await run
 
     exporter = asyncio.run(with_late_broker())
     assert exporter.healthy

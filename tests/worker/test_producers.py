@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import raw_batches
 from aiokafka import AIOKafkaProducer
-from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.structs import TopicPartition
+from brokers import BrokerPool, broker_tiers
 from confluent_kafka import Consumer, Producer
 from fault_kit import (
     Accounting,
@@ -32,17 +32,19 @@ from fault_kit import (
     spot_check,
     worker_env,
 )
-from worker_testkit import Names, fast_settings, request_record
+from worker_testkit import Names, client_kwargs, fast_settings, request_record
 
 from models import Scorer, ScorerConfig
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, decode_result, encode_result
 from worker.app import ScoreWorker
 from worker.client import ScoreClient
-from worker.codecs import CODEC_NAMES, CODECS
+from worker.codecs import CODEC_NAMES
 from worker.lag_exporter import LagExporter
-from worker.undecodable import parse_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+# Real producers' batches as both Kafka versions store and serve them.
+kafka_bootstrap = broker_tiers("default", "kafka-compose")
 
 PARTITIONS = 4
 # librdkafka's partitioners for keyed records: CRC32 of the key (its default), and the Java client's murmur2.
@@ -53,40 +55,6 @@ PER_PRODUCER = 12
 UNKNOWN_HEADERS = [("x-trace-state", b"\x00\xff\x10"), ("x-empty", None), ("X-Origin", b"librdkafka")]
 # Small enough to compress together and stay quick; the large poison records have their own test.
 SMALL_POISON_BYTES = 8192
-
-
-def stored_codecs(bootstrap: str, topic: str, partitions: int) -> Counter[str]:
-    """The codecs of every batch the broker stores on a topic, read raw."""
-
-    async def read() -> Counter[str]:
-        from aiokafka import AIOKafkaConsumer
-
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
-        await consumer.start()
-        seen: Counter[str] = Counter()
-        try:
-            await consumer.topics()
-            for partition in range(partitions):
-                tp = TopicPartition(topic, partition)
-                node = consumer._client.cluster.leader_for_partition(tp)
-                offset = 0
-                while True:
-                    request = FetchRequest(100, 1, 8 << 20, 0, [(topic, [(partition, offset, 8 << 20)])])
-                    response = await consumer._client.send(node, request)
-                    data = bytes(response.topics[0][1][0][-1])
-                    batch = parse_batch(data, offset)
-                    if batch is None:
-                        break
-                    while batch is not None and batch.complete:
-                        seen[CODECS[batch.codec]] += 1
-                        offset = batch.last_offset + 1
-                        data = data[len(batch.data) :]
-                        batch = parse_batch(data, offset)
-        finally:
-            await consumer.stop()
-        return seen
-
-    return asyncio.run(read())
 
 
 def read_with_a_group(
@@ -172,7 +140,7 @@ def test_confluent_kafka_producers_under_every_codec_are_answered_once_each(
     assert len(placed) == len(poisons)
     # Every codec really reached the broker as such (a producer may leave a batch uncompressed when that
     # is smaller, so each codec must be among what is stored, not alone).
-    assert set(stored_codecs(kafka_bootstrap, names.requests, PARTITIONS)) == set(CODEC_NAMES)
+    assert set(raw_batches.stored_codecs(kafka_bootstrap, names.requests, PARTITIONS)) == set(CODEC_NAMES)
 
     answered = [p.result_id for p in poisons if p.result_id is not None]
     letters = sum(p.dead_letter for p in poisons)
@@ -195,7 +163,7 @@ def test_confluent_kafka_producers_under_every_codec_are_answered_once_each(
     check_poison(acc, dead, placed)
     assert worker.running() and worker.pid == pid, worker.tail()
     # The worker's own batches are zstd (results_compression's default), and the peer read them.
-    assert set(stored_codecs(kafka_bootstrap, names.results, PARTITIONS)) == {"zstd"}
+    assert set(raw_batches.stored_codecs(kafka_bootstrap, names.results, PARTITIONS)) == {"zstd"}
 
 
 @pytest.mark.parametrize("codec", CODEC_NAMES)
@@ -231,13 +199,15 @@ def test_the_projects_writers_write_every_codec(
 
     names = asyncio.run(scenario())
     for topic in (names.requests, names.results):
-        assert set(stored_codecs(kafka_bootstrap, topic, 2)) == {codec}, topic
+        assert set(raw_batches.stored_codecs(kafka_bootstrap, topic, 2)) == {codec}, topic
 
 
-def test_readers_get_past_a_results_batch_they_cannot_read(kafka_bootstrap: str, tmp_path: Path) -> None:
+def test_readers_get_past_a_results_batch_they_cannot_read(broker_pool: BrokerPool, tmp_path: Path) -> None:
     """A damaged batch on the results topic: ScoreClient resolves the results around it and counts the ones
     in it (their requests stay unanswered); the lag exporter still reports the end of a partition whose last
-    batch is damaged."""
+    batch is damaged. On the embedded broker, which stores the damaged batch as given (Apache Kafka refuses
+    it at produce time)."""
+    kafka_bootstrap = broker_pool.embedded().bootstrap
 
     def result_records(ids: list[str]) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
         return [
@@ -256,7 +226,7 @@ def test_readers_get_past_a_results_batch_they_cannot_read(kafka_bootstrap: str,
         ) as client:
             futures = {r.request_id: await client.submit(r) for r in requests}
             # No worker: the test writes the results itself, the middle two in a damaged batch.
-            producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap)
+            producer = AIOKafkaProducer(**client_kwargs(kafka_bootstrap))
             await producer.start()
             try:
                 for key, value, headers in result_records([r.request_id for r in before]):

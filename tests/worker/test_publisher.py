@@ -7,8 +7,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from aiokafka.errors import UnknownTopicOrPartitionError
 from aiokafka.structs import ConsumerRecord, TopicPartition
+from brokers import BrokerPool
 from worker_testkit import Names, fast_settings, read_topic
 
 from schemas import ErrorCode, ResultStatus, ScoreResult, decode_result
@@ -118,7 +120,7 @@ def test_a_result_for_a_reply_topic_the_brokers_lack_becomes_an_error_on_the_res
     producer = StandInProducer({settings.results_topic, "score.results.a"})
 
     async def scenario() -> Any:
-        publisher = Publisher(settings)  # aiokafka's producer is built inside a running loop
+        publisher = Publisher(settings)  # not started: the stand-in is its producer
         publisher._producer = producer  # type: ignore[assignment]
         first = await publisher.deliver(
             [_reply(settings, "r1", "score.results.a"), _reply(settings, "r2", "score.results.b")]
@@ -159,9 +161,10 @@ def test_a_batch_of_results_shares_one_produce_request_without_lingering(
     async def scenario() -> int:
         await ensure_topics(settings)
         publisher = Publisher(settings)
-        assert publisher._producer._message_accumulator._linger_time == 0  # the setting reaches aiokafka
         await publisher.start()
-        client = publisher._producer.client
+        producer = publisher._started()
+        assert producer._message_accumulator._linger_time == 0  # the setting reaches aiokafka
+        client = producer.client
         produce_requests = 0
         send = client.send
 
@@ -201,3 +204,29 @@ def test_a_skipped_range_keeps_its_batch_within_the_limit_and_its_range_and_reas
     assert headers["x-source-last-offset"] == b"21" and headers["x-undecodable-cause"] == b"crc_mismatch"
     unknown = unreadable_record(settings, tp, 17, 17, "crc_mismatch", "no batch", None)
     assert unknown.value == b"" and dict(unknown.headers)["x-source-last-offset"] == b"17"
+
+
+@pytest.mark.parametrize("tier", ["default", "embedded"])
+def test_the_producer_is_idempotent_where_the_broker_grants_producer_ids(
+    tier: str, broker_pool: BrokerPool, tmp_path: Path
+) -> None:
+    """auto: Apache Kafka gives out producer ids, so results are sent idempotently; the embedded broker
+    does not, so they are sent without (and still delivered)."""
+    broker = broker_pool.broker(tier)
+    names = Names.unique("idempotent")
+    settings = fast_settings(broker.bootstrap, tmp_path, names, topic_partitions=1)
+    assert settings.idempotence == "auto"
+
+    async def scenario() -> bool | None:
+        await ensure_topics(settings)
+        publisher = Publisher(settings)
+        await publisher.start()
+        try:
+            assert await publisher.deliver([_reply(settings, "only", settings.results_topic)]) == []
+            assert publisher._started()._txn_manager is not None or not publisher.idempotent
+        finally:
+            await publisher.stop()
+        return publisher.idempotent
+
+    assert asyncio.run(scenario()) is (broker.name != "embedded")
+    assert len(asyncio.run(read_topic(broker.bootstrap, settings.results_topic, 1, settle_s=0.2))) == 1

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from brokers import broker_tiers
 from worker_testkit import (
     Names,
     Outcome,
@@ -29,6 +30,9 @@ from worker.app import ScoreWorker
 from worker.topics import ensure_topics
 
 pytestmark = pytest.mark.slow
+
+# Group coordination is the broker's: both Kafka versions (3.9's coordinator and 4.x's rewrite).
+kafka_bootstrap = broker_tiers("default", "kafka-compose")
 
 TOTAL = 160
 GATE = "gate"

@@ -14,6 +14,7 @@ from tolerances import assert_scored_alike
 from worker_testkit import (
     Names,
     WrappedScorer,
+    client_kwargs,
     committed_offsets,
     fast_settings,
     finish,
@@ -178,7 +179,7 @@ async def _produce_at(bootstrap: str, topic: str, request: ScoreRequest, timesta
     from aiokafka import AIOKafkaProducer
 
     key, value, headers = request_record(request)
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    producer = AIOKafkaProducer(**client_kwargs(bootstrap), acks="all")
     await producer.start()
     try:
         await producer.send_and_wait(topic, value, key, timestamp_ms=timestamp_ms, headers=headers)
@@ -206,7 +207,10 @@ def test_a_request_that_expires_while_queued_costs_no_model_time(
     kafka_bootstrap: str, tiny_llama_dir: Path
 ) -> None:
     names = Names.unique("expire")
-    settings = fast_settings(kafka_bootstrap, tiny_llama_dir, names, max_batch_requests=1, max_wait_ms=0)
+    # One partition: the last request is fetched behind the eight (Kafka serves partitions in turn).
+    settings = fast_settings(
+        kafka_bootstrap, tiny_llama_dir, names, max_batch_requests=1, max_wait_ms=0, topic_partitions=1
+    )
     scorer = PacedScorer(Scorer(tiny_llama_dir, ScorerConfig(device="cpu")), delay_s=0.4)
     # Eight batches of 0.4 s before the last: its 1 s time-to-live runs out in the queue.
     requests = [ScoreRequest(f"slow-{i}", items=("x",)) for i in range(8)]

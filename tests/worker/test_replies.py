@@ -9,7 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from worker_testkit import Names, fast_settings, finish, header, produce, read_topic, request_record
+from worker_testkit import (
+    Names,
+    client_kwargs,
+    fast_settings,
+    finish,
+    header,
+    produce,
+    read_topic,
+    request_record,
+)
 
 from models import Scorer, ScorerConfig
 from schemas import HEADER_CORRELATION_ID, HEADER_REPLY_TOPIC, ErrorCode, ScoreRequest, decode_result
@@ -63,7 +72,7 @@ def _request(rid: str, reply: str | None = None, correlation: bytes | None = Non
 
 
 async def _topics(bootstrap: str) -> set[str]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(**client_kwargs(bootstrap))
     await admin.start()
     try:
         return set(await admin.list_topics())
@@ -85,7 +94,7 @@ def test_each_client_reads_exactly_its_own_results(kafka_bootstrap: str, tiny_ll
 
     async def scenario() -> Any:
         await ensure_topics(settings)
-        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        admin = AIOKafkaAdminClient(**client_kwargs(kafka_bootstrap))
         await admin.start()
         try:
             await admin.create_topics([NewTopic(t, 2, 1) for t in (mine_a, mine_b)])

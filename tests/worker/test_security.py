@@ -18,12 +18,13 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
+from brokers import OwnBroker
 from secure_proxy import Pki, ProxyServer, SaslProxy, TlsProxy, make_test_pki
 from tolerances import assert_scored_alike
 from worker_testkit import Names, fast_settings, fast_values, settings_env
@@ -31,11 +32,10 @@ from worker_testkit import Names, fast_settings, fast_values, settings_env
 from models import Scorer, ScorerConfig
 from schemas import ResultStatus, ScoreRequest, ScoreResult
 from worker.app import ScoreWorker
-from worker.broker import EmbeddedBroker, free_port
+from worker.broker import free_port
 from worker.cli import main as cli_main
 from worker.client import ScoreClient
 from worker.config import ENV_PREFIX, KafkaSecurity, WorkerSettings
-from worker.errors import BrokerBinaryNotFound
 from worker.lag_exporter import LagExporter
 from worker.topics import ensure_topics
 
@@ -65,8 +65,9 @@ def scorer(tiny_llama_dir: Path) -> Scorer:
 
 
 @contextlib.contextmanager
-def secured_broker(*proxies: ProxyServer) -> Iterator[str]:
-    """Proxies in a chain (the first faces the clients) before an embedded broker that advertises the first.
+def secured_broker(start: Callable[..., OwnBroker], *proxies: ProxyServer) -> Iterator[str]:
+    """Proxies in a chain (the first faces the clients) before a broker of the test's own (`own_broker`) that
+    advertises the first.
 
     Yields the bootstrap address; on leaving, checks that no proxy hit an error of its own.
     """
@@ -75,10 +76,8 @@ def secured_broker(*proxies: ProxyServer) -> Iterator[str]:
             stack.enter_context(proxy)
         for outer, inner in itertools.pairwise(proxies):
             outer.upstream = ("127.0.0.1", inner.port)
-        try:
-            broker = stack.enter_context(EmbeddedBroker(advertised=("127.0.0.1", proxies[0].port)))
-        except BrokerBinaryNotFound as exc:
-            pytest.skip(str(exc))
+        broker = start(advertised=("127.0.0.1", proxies[0].port))
+        stack.callback(broker.stop)
         proxies[-1].upstream = ("127.0.0.1", broker.listen_port)
         yield f"127.0.0.1:{proxies[0].port}"
     assert not [error for proxy in proxies for error in proxy.errors]
@@ -148,11 +147,15 @@ def connect_error(bootstrap: str, security: KafkaSecurity) -> str | None:
 
 
 def test_mutual_tls_carries_the_worker_and_its_client(
-    pki: Pki, scorer: Scorer, tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+    own_broker: Callable[..., OwnBroker],
+    pki: Pki,
+    scorer: Scorer,
+    tiny_llama_dir: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
     tls = TlsProxy(pki.server_cert, pki.server_key, client_ca=pki.ca)
-    with secured_broker(tls) as bootstrap:
+    with secured_broker(own_broker, tls) as bootstrap:
         settings = fast_settings(bootstrap, tiny_llama_dir, Names.unique("mtls"), **pki.mtls())
         results, exposition = round_trip(settings, scorer)
     assert_scored(results, scorer)
@@ -162,27 +165,31 @@ def test_mutual_tls_carries_the_worker_and_its_client(
     assert pki.client_key_password not in caplog.text + exposition
 
 
-def test_tls_refuses_a_client_without_a_certificate(pki: Pki) -> None:
+def test_tls_refuses_a_client_without_a_certificate(own_broker: Callable[..., OwnBroker], pki: Pki) -> None:
     tls = TlsProxy(pki.server_cert, pki.server_key, client_ca=pki.ca)
-    with secured_broker(tls) as bootstrap:
+    with secured_broker(own_broker, tls) as bootstrap:
         error = connect_error(bootstrap, KafkaSecurity(security_protocol="SSL", ssl_cafile=pki.ca))
     assert error is not None
     assert not tls.client_subjects
     assert tls.refused and all("CERTIFICATE" in reason.upper() for reason in tls.refused), tls.refused
 
 
-def test_a_broker_certificate_from_an_untrusted_ca_fails_with_the_reason(pki: Pki) -> None:
+def test_a_broker_certificate_from_an_untrusted_ca_fails_with_the_reason(
+    own_broker: Callable[..., OwnBroker], pki: Pki
+) -> None:
     tls = TlsProxy(pki.server_cert, pki.server_key, client_ca=pki.ca)
-    with secured_broker(tls) as bootstrap:
+    with secured_broker(own_broker, tls) as bootstrap:
         error = connect_error(bootstrap, KafkaSecurity(**pki.mtls(ssl_cafile=pki.other_ca)))  # type: ignore[arg-type]
     # The exception only says "Unable to bootstrap"; the reason is in the Kafka client's error line.
     assert error is not None and "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed" in error, error
     assert not tls.client_subjects
 
 
-def test_the_broker_host_name_is_checked_unless_turned_off(pki: Pki) -> None:
+def test_the_broker_host_name_is_checked_unless_turned_off(
+    own_broker: Callable[..., OwnBroker], pki: Pki
+) -> None:
     tls = TlsProxy(pki.wrong_host_cert, pki.wrong_host_key, client_ca=pki.ca)
-    with secured_broker(tls) as bootstrap:
+    with secured_broker(own_broker, tls) as bootstrap:
         checked = connect_error(bootstrap, KafkaSecurity(**pki.mtls()))  # type: ignore[arg-type]
         assert not tls.client_subjects
         unchecked = connect_error(bootstrap, KafkaSecurity(**pki.mtls(ssl_check_hostname=False)))  # type: ignore[arg-type]
@@ -205,14 +212,18 @@ def sasl(mechanism: str, password: str = PASSWORD, protocol: str = "SASL_PLAINTE
 
 @pytest.mark.parametrize("mechanism", SaslProxy.MECHANISMS)
 def test_sasl_carries_the_worker_and_its_client(
-    mechanism: str, scorer: Scorer, tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+    own_broker: Callable[..., OwnBroker],
+    mechanism: str,
+    scorer: Scorer,
+    tiny_llama_dir: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Everything at DEBUG but the Kafka client, which the command line holds at WARNING: at DEBUG it logs
     # every request, PLAIN's password included. INFO still shows its "Authenticated as" lines.
     caplog.set_level(logging.DEBUG)
     caplog.set_level(logging.INFO, logger="aiokafka")
     proxy = SaslProxy({USER: PASSWORD})
-    with secured_broker(proxy) as bootstrap:
+    with secured_broker(own_broker, proxy) as bootstrap:
         settings = fast_settings(bootstrap, tiny_llama_dir, Names.unique("sasl"), **sasl(mechanism))
         results, exposition = round_trip(settings, scorer)
     assert_scored(results, scorer)
@@ -225,11 +236,13 @@ def test_sasl_carries_the_worker_and_its_client(
 
 
 @pytest.mark.parametrize("mechanism", SaslProxy.MECHANISMS)
-def test_sasl_refuses_a_wrong_password(mechanism: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_sasl_refuses_a_wrong_password(
+    own_broker: Callable[..., OwnBroker], mechanism: str, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     caplog.set_level(logging.INFO, logger="aiokafka")
     proxy = SaslProxy({USER: PASSWORD})
-    with secured_broker(proxy) as bootstrap:
+    with secured_broker(own_broker, proxy) as bootstrap:
         error = connect_error(bootstrap, KafkaSecurity(**sasl(mechanism, WRONG_PASSWORD)))  # type: ignore[arg-type]
     assert error is not None and "[Error 58] SaslAuthenticationFailed" in error, error
     assert not proxy.authenticated
@@ -237,9 +250,11 @@ def test_sasl_refuses_a_wrong_password(mechanism: str, caplog: pytest.LogCapture
     assert WRONG_PASSWORD not in error + caplog.text and PASSWORD not in error + caplog.text
 
 
-def test_the_sasl_proxy_refuses_a_client_that_skips_authentication() -> None:
+def test_the_sasl_proxy_refuses_a_client_that_skips_authentication(
+    own_broker: Callable[..., OwnBroker],
+) -> None:
     proxy = SaslProxy({USER: PASSWORD})
-    with secured_broker(proxy) as bootstrap:
+    with secured_broker(own_broker, proxy) as bootstrap:
         error = connect_error(bootstrap, KafkaSecurity())
     assert error is not None
     assert not proxy.authenticated
@@ -250,6 +265,7 @@ def test_the_sasl_proxy_refuses_a_client_that_skips_authentication() -> None:
 
 
 def test_sasl_ssl_worker_and_every_command_keep_their_secrets(
+    own_broker: Callable[..., OwnBroker],
     pki: Pki,
     tiny_llama_dir: Path,
     tmp_path: Path,
@@ -263,7 +279,7 @@ def test_sasl_ssl_worker_and_every_command_keep_their_secrets(
     proxy = SaslProxy({USER: PASSWORD})
     names = Names.unique("sasl-ssl")
     metrics_port = free_port()
-    with secured_broker(tls, proxy) as bootstrap:
+    with secured_broker(own_broker, tls, proxy) as bootstrap:
         security = {**pki.mtls(), **sasl("PLAIN", protocol="SASL_SSL")}
         env = _environment(bootstrap, tiny_llama_dir, names, metrics_port, security)
         for name, value in env.items():

@@ -26,6 +26,7 @@ from aiokafka.consumer.fetcher import Fetcher
 from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.record.memory_records import MemoryRecords
 from aiokafka.structs import ConsumerRecord, TopicPartition
+from brokers import BrokerPool
 from fault_kit import (
     Accounting,
     ResultWatcher,
@@ -38,7 +39,15 @@ from fault_kit import (
     wait_until,
     worker_env,
 )
-from worker_testkit import Names, committed_offsets, fast_settings, header, read_topic, request_record
+from worker_testkit import (
+    Names,
+    client_kwargs,
+    committed_offsets,
+    fast_settings,
+    header,
+    read_topic,
+    request_record,
+)
 
 from models import Scorer, ScorerConfig
 from schemas import ErrorCode, ScoreRequest, ScoreResult, decode_request
@@ -64,7 +73,7 @@ async def produce_to(
 ) -> list[int]:
     """The requests as one batch on one partition (one linger, sent together); their offsets."""
     producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, acks="all", linger_ms=50, max_batch_size=1 << 20,
+        **client_kwargs(bootstrap), acks="all", linger_ms=50, max_batch_size=1 << 20,
         compression_type=compression,
     )  # fmt: skip
     await producer.start()
@@ -235,11 +244,15 @@ def test_a_codec_library_the_worker_lacks_holds_that_partition_alone_until_skipp
 
 
 def test_batches_damaged_on_the_wire_hold_their_partitions_at_the_first_unreadable_offset(
-    kafka_bootstrap: str, tiny_llama_dir: Path, spawn: Spawn, reference: Scorer
+    broker_pool: BrokerPool, tiny_llama_dir: Path, spawn: Spawn, reference: Scorer
 ) -> None:
     """A CRC mismatch, a gzip payload cut short and a record that overruns its batch, each written with a
     raw produce request between readable requests: each partition holds where reading fails (the damaged
-    record's own offset inside a batch), the fourth flows; a successor that skips answers the rest."""
+    record's own offset inside a batch), the fourth flows; a successor that skips answers the rest.
+
+    On the embedded broker, which stores batches as given: Apache Kafka refuses these at produce time
+    (tests/worker/test_apache_kafka.py), so on Kafka they come only from damage at rest."""
+    kafka_bootstrap = broker_pool.embedded().bootstrap
 
     damage = {0: raw_batches.crc_damaged, 1: raw_batches.payload_cut, 2: raw_batches.record_damaged}
     causes = {0: "crc_mismatch", 1: "unparseable", 2: "unparseable"}

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from brokers import broker_tiers
 from tolerances import assert_scored_alike
 from worker_testkit import (
     Names,
@@ -37,6 +38,10 @@ from worker.app import ScoreWorker
 from worker.topics import ensure_topics
 
 pytestmark = pytest.mark.slow
+
+# The wire contract on every broker the project meets: Apache Kafka (the newest 4.x and the version
+# docker-compose.yml runs) and the embedded broker the demo uses.
+kafka_bootstrap = broker_tiers("default", "embedded", "kafka-compose")
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards"]
 DTYPES = [HiddenDType.FLOAT32, HiddenDType.FLOAT16, HiddenDType.BFLOAT16]

@@ -17,7 +17,8 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from models import BatchObserver, ModelInfo, PreparedRequest, Scorer
 from schemas import ScoreRequest, ScoreResult, encode_request, request_headers
 from worker.app import ScoreWorker
-from worker.config import ENV_PREFIX, WorkerSettings
+from worker.config import ENV_PREFIX, KafkaSecurity, WorkerSettings
+from worker.topics import topic_partitions
 
 Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, value, headers
 
@@ -68,6 +69,27 @@ class Names:
         return cls(f"{tag}.requests", f"{tag}.results", f"{tag}.dlq", f"{tag}-group")
 
 
+TEST_PREFIX = "SCORE_WORKER_TEST_"
+
+
+def own_cluster_security(bootstrap: str) -> dict[str, Any]:
+    """The security settings of a broker of one's own (the one $SCORE_WORKER_TEST_BOOTSTRAP names), from
+    SCORE_WORKER_TEST_<SETTING> variables: SCORE_WORKER_TEST_SECURITY_PROTOCOL, ..._SASL_MECHANISM,
+    ..._SASL_USERNAME, ..._SASL_PASSWORD, ..._SSL_CAFILE, ..._SSL_CERTFILE, ..._SSL_KEYFILE,
+    ..._SSL_KEY_PASSWORD, ..._SSL_CHECK_HOSTNAME. Empty for every broker the tests start themselves."""
+    if not bootstrap or bootstrap != os.environ.get(f"{TEST_PREFIX}BOOTSTRAP"):
+        return {}
+    found = {name: os.environ.get(f"{TEST_PREFIX}{name.upper()}") for name in KafkaSecurity.model_fields}
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def client_kwargs(bootstrap: str) -> dict[str, Any]:
+    """Connection arguments of a test's own aiokafka clients: the address, and the security of one's own
+    cluster where the tests run against one."""
+    security = KafkaSecurity(**own_cluster_security(bootstrap)).kafka_security_kwargs()
+    return {"bootstrap_servers": bootstrap, **security}
+
+
 def fast_settings(bootstrap: str, model_dir: Path, names: Names, **overrides: Any) -> WorkerSettings:
     """Settings with short group timeouts: Tansu makes a joining member wait half the session timeout."""
     return WorkerSettings(**fast_values(bootstrap, model_dir, names, **overrides))
@@ -99,6 +121,7 @@ def fast_values(bootstrap: str, model_dir: Path, names: Names, **overrides: Any)
         "commit_interval_ms": 200,
         "topic_partitions": 3,
     }
+    values.update(own_cluster_security(bootstrap))
     values.update(overrides)
     return values
 
@@ -111,7 +134,7 @@ def request_record(request: ScoreRequest, key: bytes | None = None) -> Record:
 
 async def produce(bootstrap: str, topic: str, records: Sequence[Record]) -> None:
     """Send records and wait until the broker acknowledged all of them."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    producer = AIOKafkaProducer(**client_kwargs(bootstrap), acks="all", linger_ms=5)
     await producer.start()
     try:
         futures = [await producer.send(topic, value=v, key=k, headers=h) for k, v, h in records]
@@ -124,7 +147,7 @@ async def read_topic(
     bootstrap: str, topic: str, expected: int, timeout_s: float = 60.0, settle_s: float = 1.0
 ) -> list[ConsumerRecord[bytes, bytes]]:
     """All records of a topic: waits until `expected` arrived, then `settle_s` more to catch extras."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**client_kwargs(bootstrap), enable_auto_commit=False)
     await consumer.start()
     try:
         partitions = await _partitions(consumer, topic)
@@ -145,10 +168,9 @@ async def read_topic(
 
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
     for _ in range(100):
-        found = consumer.partitions_for_topic(topic)
+        found = await topic_partitions(consumer, topic)
         if found:
             return [TopicPartition(topic, p) for p in sorted(found)]
-        await consumer.topics()  # refreshes metadata
         await asyncio.sleep(0.05)
     raise AssertionError(f"topic {topic} has no partitions")
 
@@ -166,7 +188,7 @@ def log_ends(records: Sequence[ConsumerRecord[bytes, bytes]]) -> dict[int, int]:
 
 async def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
     """The group's committed offset per partition (partitions without a commit are left out)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**client_kwargs(bootstrap), group_id=group, enable_auto_commit=False)
     await consumer.start()
     try:
         partitions = await _partitions(consumer, topic)
