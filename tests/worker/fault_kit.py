@@ -105,7 +105,16 @@ async def create_topics(
 class SteadyProducer:
     """Sends records at a steady rate from a background task, remembering when and where each one landed."""
 
-    def __init__(self, bootstrap: str, topic: str, records: Sequence[Record], rate_per_s: float) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        records: Sequence[Record],
+        rate_per_s: float,
+        idempotent: bool = False,
+    ) -> None:
+        """`idempotent`: no second copy of a record from the producer's own retry (a broker failure makes
+        it retry; without it a request can land twice, and is then rightly answered twice)."""
         self.topic, self.records, self.rate = topic, list(records), rate_per_s
         self.acked_at: list[float | None] = [None] * len(records)
         self.placed: list[tuple[int, int] | None] = [None] * len(records)  # (partition, offset)
@@ -113,8 +122,9 @@ class SteadyProducer:
         self.finished_at: float | None = None
         # Large enough for the oversized poison records; the broker decides what it accepts.
         self._producer = AIOKafkaProducer(
-            **client_kwargs(bootstrap), acks="all", linger_ms=2, max_request_size=4 << 20
-        )
+            **client_kwargs(bootstrap), acks="all", linger_ms=2, max_request_size=4 << 20,
+            enable_idempotence=idempotent,
+        )  # fmt: skip
         self._task: asyncio.Task[None] | None = None
         self._started = False
 
@@ -304,6 +314,7 @@ class Stream:
         rate: float,
         mix: Callable[[list[ScoreRequest]], list[Record]] | None = None,
         replication: int = 1,
+        idempotent: bool = False,
     ) -> Stream:
         """Topics created (`replication` copies of each partition), the watcher reading; the producer waits
         for `produce()`. `mix` turns the requests into the records to send (other records mixed in); by
@@ -312,7 +323,7 @@ class Stream:
         await create_topics(bootstrap, names, replication=replication)
         requests = make_requests(names.group, count)
         records = mix(requests) if mix is not None else [request_record(r) for r in requests]
-        producer = SteadyProducer(bootstrap, names.requests, records, rate)
+        producer = SteadyProducer(bootstrap, names.requests, records, rate, idempotent)
         watcher = await ResultWatcher(bootstrap, names.results).start()
         return cls(bootstrap, names, requests, producer, watcher)
 
