@@ -26,7 +26,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 import weakref
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from worker.broker import EmbeddedBroker, free_port, metadata_brokers
+from worker.broker import EmbeddedBroker, free_port, metadata_brokers, until_signalled
 from worker.errors import BrokerError
 
 log = logging.getLogger(__name__)
@@ -590,25 +589,19 @@ def run(args: argparse.Namespace) -> int:
                 print(f"Kafka {each}: {resolve_jars(each)}", flush=True)
             return 0
         version: str | None = versions.get(args.version, args.version) if args.version else None
-        stop = threading.Event()
-        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            with ApacheKafka(nodes=args.nodes, version=version, work_dir=args.dir) as cluster:
-                print(f"{cluster.describe()} on {cluster.bootstrap_servers}", flush=True)
-                print(f"  files and logs in {cluster.directory}", flush=True)
-                print(
-                    f"  score-worker run --model DIR --bootstrap-servers {cluster.bootstrap_servers}",
-                    flush=True,
-                )
-                print("stop with Ctrl-C", flush=True)
-                while not stop.wait(0.5):
-                    dead = [node for node in cluster.nodes.values() if not node.running()]
-                    if dead:
-                        print(f"score-worker kafka: {dead[0].log_tail()}", file=sys.stderr)
-                        return 1
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        cluster = ApacheKafka(nodes=args.nodes, version=version, work_dir=args.dir)
+        with until_signalled() as stop, cluster:
+            print(f"{cluster.describe()} on {cluster.bootstrap_servers}", flush=True)
+            print(f"  files and logs in {cluster.directory}", flush=True)
+            print(
+                f"  score-worker run --model DIR --bootstrap-servers {cluster.bootstrap_servers}", flush=True
+            )
+            print("stop with Ctrl-C", flush=True)
+            while not stop.wait(0.5):
+                dead = [node for node in cluster.nodes.values() if not node.running()]
+                if dead:
+                    print(f"score-worker kafka: {dead[0].log_tail()}", file=sys.stderr)
+                    return 1
     except BrokerError as error:
         print(f"score-worker kafka: {error}", file=sys.stderr)
         return 1

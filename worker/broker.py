@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shutil
 import signal
@@ -14,6 +15,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -246,13 +248,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", type=Path, default=None, help="where the broker's log goes")
 
 
-def run(args: argparse.Namespace) -> int:
-    """`score-worker broker`: the embedded broker in the foreground until SIGINT/SIGTERM, for local trials
-    of `run` and `submit` without Docker. Memory only: everything is gone when it stops."""
+@contextlib.contextmanager
+def until_signalled() -> Iterator[threading.Event]:
+    """An event that SIGINT or SIGTERM sets while inside (a broker run in the foreground waits on it); the
+    previous handlers come back on leaving."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with EmbeddedBroker(port=args.port or None, log_dir=args.log_dir) as broker:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`score-worker broker`: the embedded broker in the foreground until SIGINT/SIGTERM, for local trials
+    of `run` and `submit` without Docker. Memory only: everything is gone when it stops."""
+    try:
+        with (
+            until_signalled() as stop,
+            EmbeddedBroker(port=args.port or None, log_dir=args.log_dir) as broker,
+        ):
             print(f"embedded broker (tansu, in memory) on {broker.bootstrap_servers}", flush=True)
             print(
                 f"  score-worker run --model DIR --bootstrap-servers {broker.bootstrap_servers}", flush=True
@@ -265,7 +281,4 @@ def run(args: argparse.Namespace) -> int:
     except BrokerError as error:
         print(f"score-worker broker: {error}", file=sys.stderr)
         return 1
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     return 0
