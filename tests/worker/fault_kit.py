@@ -27,7 +27,7 @@ import msgpack
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.structs import ConsumerRecord, TopicPartition
+from aiokafka.structs import ConsumerRecord
 from prometheus_client.parser import text_string_to_metric_families
 from tolerances import assert_scored_alike
 from worker_testkit import (
@@ -36,6 +36,7 @@ from worker_testkit import (
     client_kwargs,
     fast_values,
     header,
+    partitions_of,
     read_topic,
     request_record,
     settings_env,
@@ -52,7 +53,6 @@ from schemas import (
     encode_request,
     request_headers,
 )
-from worker.topics import topic_partitions as partitions_in_metadata
 
 WORKER_BIN = Path(sys.executable).with_name("score-worker")
 PARTITIONS = 4
@@ -61,6 +61,15 @@ _WORD_TEXT = (
     "number good answers are helpful honest harmless streaming workers batch tokens publish results"
 )
 WORDS = _WORD_TEXT.split()
+
+
+def figures(name: str, **values: Any) -> None:
+    """One line of measured figures, for `pytest -s` readers."""
+    shown = ", ".join(
+        f"{key} {value:.2f}" if isinstance(value, float) else f"{key} {value}"
+        for key, value in values.items()
+    )
+    print(f"\nFIGURES {name}: {shown}")
 
 
 # ---------------------------------------------------------------------------------------------- traffic
@@ -174,15 +183,6 @@ class SteadyProducer:
             await self._producer.stop()
 
 
-async def topic_partitions(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
-    for _ in range(200):
-        found = await partitions_in_metadata(consumer, topic)
-        if found:
-            return [TopicPartition(topic, p) for p in sorted(found)]
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"topic {topic} has no partitions")
-
-
 @dataclass(frozen=True)
 class Seen:
     """One result record as the watcher saw it."""
@@ -204,7 +204,7 @@ class ResultWatcher:
 
     async def start(self) -> ResultWatcher:
         await self._consumer.start()
-        partitions = await topic_partitions(self._consumer, self.topic)
+        partitions = await partitions_of(self._consumer, self.topic, attempts=200)
         self._consumer.assign(partitions)
         await self._consumer.seek_to_beginning(*partitions)
         self._task = asyncio.create_task(self._run())
@@ -677,6 +677,15 @@ def account(records: Sequence[ConsumerRecord[bytes, bytes]], expected: Counter[s
         by_id.setdefault(result.request_id, []).append(result)
     counts = Counter({rid: len(results) for rid, results in by_id.items()})
     return Accounting(counts, expected, by_id)
+
+
+def check_complete(acc: Accounting, stream: Stream, reference: Scorer) -> float:
+    """Every request answered OK, nothing else answered; a sample scored as the reference scores it."""
+    assert not acc.missing, f"{len(acc.missing)} requests lost, e.g. {sorted(acc.missing)[:5]}"
+    assert not acc.unexpected, f"results for unknown ids: {sorted(acc.unexpected)[:5]}"
+    failed = acc.not_ok(set(stream.expected()))
+    assert not failed, f"{len(failed)} good requests failed, e.g. {list(failed.items())[:3]}"
+    return spot_check(reference, stream.requests, acc)
 
 
 def spot_check(

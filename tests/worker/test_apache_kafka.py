@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import stat
 from pathlib import Path
 
 import pytest
 import raw_batches
 from aiokafka.structs import TopicPartition
-from brokers import BrokerPool
-from worker_testkit import produce, read_topic
+from brokers import BrokerPool, java_or_not_here
+from worker_testkit import Record, produce, read_topic
 
 from worker.apache_kafka import (
     ApacheKafka,
@@ -30,12 +29,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module", autouse=True)
 def java() -> str:
     """Java for the broker; without it these tests skip, unless the run insists on Apache Kafka (CI)."""
-    try:
-        return find_java()
-    except KafkaUnavailable as error:
-        if os.environ.get("SCORE_WORKER_TEST_BROKER") == "kafka":
-            raise
-        pytest.skip(str(error))
+    return java_or_not_here()
 
 
 def _fake_java(directory: Path, banner: str) -> Path:
@@ -84,7 +78,7 @@ def test_a_node_keeps_acknowledged_records_through_a_kill_and_a_restart(which: s
     with ApacheKafka(nodes=1, version=version, work_dir=tmp_path / "cluster") as cluster:
         host, port = cluster.bootstrap_servers.split(":")
         assert metadata_brokers(host, int(port)) == [(host, int(port))]
-        records = [(f"k{i}".encode(), f"v{i}".encode(), []) for i in range(20)]
+        records: list[Record] = [(f"k{i}".encode(), f"v{i}".encode(), []) for i in range(20)]
         asyncio.run(produce(cluster.bootstrap_servers, "kept", records))
         cluster.kill(1)  # SIGKILL: no controlled shutdown, no flush beyond what acks=all implied
         assert not cluster.nodes[1].running()
@@ -117,7 +111,7 @@ def test_kafka_refuses_a_damaged_batch_at_produce_time(damage: str, broker_pool:
         pytest.skip(f"the default broker is {broker.description}")
     topic = f"damaged-{damage}"
     asyncio.run(create_missing_topics({"bootstrap_servers": broker.bootstrap}, [topic], 1, 1))
-    records = [(f"k{i}".encode(), f"value {i}".encode() * 20, []) for i in range(3)]
+    records: list[Record] = [(f"k{i}".encode(), f"value {i}".encode() * 20, []) for i in range(3)]
     batch = getattr(raw_batches, damage)(records)
     code, _ = asyncio.run(raw_batches.produce_raw_answer(broker.bootstrap, TopicPartition(topic, 0), batch))
     assert code in (2, 87, -1), code

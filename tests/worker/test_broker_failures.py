@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,13 +22,22 @@ from pathlib import Path
 import netns
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
-from brokers import described_offsets
-from fault_kit import Accounting, Spawn, Stream, WorkerProcess, spot_check, wait_until, worker_env
+from brokers import described_offsets, insisted, java_or_not_here
+from fault_kit import (
+    Accounting,
+    Spawn,
+    Stream,
+    WorkerProcess,
+    check_complete,
+    figures,
+    wait_until,
+    worker_env,
+)
 from netns import Hosts
 from worker_testkit import client_kwargs
 
 from models import Scorer
-from worker.apache_kafka import ApacheKafka, KafkaUnavailable, find_java, pom_versions
+from worker.apache_kafka import ApacheKafka, pom_versions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -38,17 +46,13 @@ COUNT = 2100  # 35 s of traffic: every failure below lands, and is recovered fro
 REPLICATION = 3
 
 
-def _insisted() -> bool:
-    return os.environ.get("SCORE_WORKER_TEST_BROKER") == "kafka"
-
-
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts | None]:
     """A network namespace per node where this machine allows (root, iproute2): the cut-off test needs
     one; the other failures run on loopback without."""
     reason = netns.available()
     if reason is not None:
-        if _insisted():
+        if insisted():
             pytest.fail(f"the broker-failure tests run in CI as root with iproute2: {reason}")
         yield None
         return
@@ -60,12 +64,7 @@ def hosts() -> Iterator[Hosts | None]:
 def cluster(tmp_path_factory: pytest.TempPathFactory, hosts: Hosts | None) -> Iterator[ApacheKafka]:
     """Three combined-mode nodes of the newest Kafka, each on a host of its own where namespaces can be
     made; its files stay in pytest's temp dir for a failure to be read."""
-    try:
-        find_java()
-    except KafkaUnavailable as error:
-        if _insisted():
-            raise
-        pytest.skip(str(error))
+    java_or_not_here()
     with ApacheKafka(
         nodes=3,
         version=pom_versions()["newest"],
@@ -74,11 +73,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, hosts: Hosts | None) -> It
         wrappers=hosts.wrappers if hosts else None,
     ) as made:
         yield made
-
-
-def figures(name: str, **values: object) -> None:
-    shown = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
-    print(f"\nFIGURES {name}: {shown}")
 
 
 @dataclass
@@ -224,6 +218,17 @@ class Run:
         ]
         return max(waits, default=0.0)
 
+    def report(self, name: str, **values: object) -> None:
+        """A FIGURES line: the failure's own `values`, then how the answers and the commits fared."""
+        figures(
+            name,
+            **values,
+            worst_wait_s=self.worst_wait_s(),
+            longest_pause_s=self.longest_pause_s(),
+            commit_samples=len(self.commits.samples),
+            unanswered_commit_samples=self.commits.unanswered,
+        )
+
     def longest_pause_s(self) -> float:
         """The longest time without a new answer while requests kept coming, from the fault on."""
         times = sorted(t for t in self.stream.watcher.first.values() if t >= self.fault_at)
@@ -278,17 +283,31 @@ async def run_with_fault(
 
 
 def check_run(run: Run, reference: Scorer) -> None:
-    acc = run.accounting
-    assert not acc.missing, f"{len(acc.missing)} requests lost, e.g. {sorted(acc.missing)[:5]}"
-    assert not acc.unexpected, f"results for unknown ids: {sorted(acc.unexpected)[:5]}"
-    assert acc.duplicates == 0, f"{acc.duplicates} requests answered twice without a worker crash"
-    failed = acc.not_ok(set(run.stream.expected()))
-    assert not failed, f"{len(failed)} good requests failed, e.g. {list(failed.items())[:3]}"
-    spot_check(reference, run.stream.requests, acc)
+    check_complete(run.accounting, run.stream, reference)
+    duplicates = run.accounting.duplicates
+    assert duplicates == 0, f"{duplicates} requests answered twice without a worker crash"
     check_commits_behind_answers(run.commits.samples, run.stream)
     for at, rows in run.tool_samples:
         check_commits_behind_answers([(at, {p: current for p, (current, _) in rows.items()})], run.stream)
         assert all(current == end for current, end in rows.values()), f"kafka-consumer-groups: {rows}"
+
+
+def survive(
+    cluster: ApacheKafka,
+    model_dir: Path,
+    spawn: Spawn,
+    reference: Scorer,
+    name: str,
+    fault: Callable[[Stream], Awaitable[None]],
+    count: int = COUNT,
+) -> Run:
+    """run_with_fault, then the cluster made whole again for the next test, then the run checked."""
+    try:
+        run = asyncio.run(run_with_fault(cluster, model_dir, spawn, name, fault, count))
+    finally:
+        _all_nodes_up(cluster)
+    check_run(run, reference)
+    return run
 
 
 def test_the_leader_of_a_partition_killed_mid_stream_then_restarted(
@@ -304,20 +323,8 @@ def test_the_leader_of_a_partition_killed_mid_stream_then_restarted(
         await asyncio.sleep(8)
         await asyncio.to_thread(cluster.restart, node)
 
-    try:
-        run = asyncio.run(run_with_fault(cluster, tiny_llama_dir, spawn, "leader", fault))
-    finally:
-        _all_nodes_up(cluster)
-    check_run(run, reference)
-    figures(
-        "leader kill -9",
-        node=killed[0],
-        worst_wait_s=run.worst_wait_s(),
-        longest_pause_s=run.longest_pause_s(),
-        restart_s=run.fault_done_at - run.fault_at - 8,
-        commit_samples=len(run.commits.samples),
-        duplicates=run.accounting.duplicates,
-    )
+    run = survive(cluster, tiny_llama_dir, spawn, reference, "leader", fault)
+    run.report("leader kill -9", node=killed[0], restart_s=run.fault_done_at - run.fault_at - 8)
 
 
 def test_the_node_coordinating_the_group_killed_mid_stream(
@@ -337,20 +344,8 @@ def test_the_node_coordinating_the_group_killed_mid_stream(
         await asyncio.sleep(5)  # running on the new coordinator a while, then the old node comes back
         await asyncio.to_thread(cluster.restart, node)
 
-    try:
-        run = asyncio.run(run_with_fault(cluster, tiny_llama_dir, spawn, "coordinator", fault))
-    finally:
-        _all_nodes_up(cluster)
-    check_run(run, reference)
-    figures(
-        "coordinator kill -9",
-        node=killed[0],
-        coordinator_moved_s=moved_after[0],
-        worst_wait_s=run.worst_wait_s(),
-        longest_pause_s=run.longest_pause_s(),
-        commit_samples=len(run.commits.samples),
-        unanswered_commit_samples=run.commits.unanswered,
-    )
+    run = survive(cluster, tiny_llama_dir, spawn, reference, "coordinator", fault)
+    run.report("coordinator kill -9", node=killed[0], coordinator_moved_s=moved_after[0])
 
 
 def test_a_rolling_restart_of_all_three_nodes(
@@ -367,21 +362,9 @@ def test_a_rolling_restart_of_all_three_nodes(
             await fully_replicated(cluster, topics)
             per_node.append(time.monotonic() - started)
 
-    try:
-        # Three restarts, each waiting for every replica to catch up (10-14 s each here): 75 s of traffic.
-        run = asyncio.run(
-            run_with_fault(cluster, tiny_llama_dir, spawn, "rolling", fault, count=int(RATE * 75))
-        )
-    finally:
-        _all_nodes_up(cluster)
-    check_run(run, reference)
-    figures(
-        "rolling restart",
-        per_node_s=" ".join(f"{s:.1f}" for s in per_node),
-        worst_wait_s=run.worst_wait_s(),
-        longest_pause_s=run.longest_pause_s(),
-        commit_samples=len(run.commits.samples),
-    )
+    # Three restarts, each waiting for every replica to catch up (10-14 s each here): 75 s of traffic.
+    run = survive(cluster, tiny_llama_dir, spawn, reference, "rolling", fault, count=int(RATE * 75))
+    run.report("rolling restart", per_node_s=" ".join(f"{s:.1f}" for s in per_node))
 
 
 async def _wait_for(ask: Callable[[], Awaitable[int]], not_value: int, timeout_s: float = 60.0) -> float:
@@ -423,17 +406,5 @@ def test_one_node_cut_off_from_the_network_then_back(
             hosts.heal(node - 1)
         await fully_replicated(cluster, [stream.names.requests, stream.names.results, stream.names.dlq])
 
-    try:
-        run = asyncio.run(run_with_fault(cluster, tiny_llama_dir, spawn, "cutoff", fault))
-    finally:
-        _all_nodes_up(cluster)
-    check_run(run, reference)
-    figures(
-        "node cut off 20 s",
-        node=cut[0],
-        worst_wait_s=run.worst_wait_s(),
-        longest_pause_s=run.longest_pause_s(),
-        rejoined_s=run.fault_done_at - run.fault_at,
-        commit_samples=len(run.commits.samples),
-        unanswered_commit_samples=run.commits.unanswered,
-    )
+    run = survive(cluster, tiny_llama_dir, spawn, reference, "cutoff", fault)
+    run.report("node cut off 20 s", node=cut[0], rejoined_s=run.fault_done_at - run.fault_at)

@@ -21,9 +21,10 @@ from fault_kit import (
     Spawn,
     Stream,
     WorkerProcess,
+    check_complete,
     check_poison,
+    figures,
     poison_corpus,
-    spot_check,
     wait_holding,
     wait_until,
     worker_env,
@@ -43,29 +44,11 @@ START_BOUND_S = 60.0
 ALL_FOUR = r"assigned partitions: \[.*\[0\].*\[1\].*\[2\].*\[3\]"
 
 
-def figures(name: str, **values: Any) -> None:
-    """One line of measured figures, for `pytest -s` readers."""
-    shown = ", ".join(
-        f"{key} {value:.2f}" if isinstance(value, float) else f"{key} {value}"
-        for key, value in values.items()
-    )
-    print(f"\nFIGURES {name}: {shown}")
-
-
 def duplicate_bound(kills: int, rate: float) -> int:
     """Results one kill -9 can duplicate: requests whose results were (partly) published but not yet marked
     done, at most max_inflight_requests, plus the done ones since the last commit: one commit interval and
     one fetch-loop wait at the stream's rate, with 0.1 s for the commit's round trip."""
     return kills * (MAX_INFLIGHT + math.ceil(rate * (COMMIT_INTERVAL_S + POLL_S + 0.1)))
-
-
-def check_complete(acc: Accounting, stream: Stream, reference: Scorer) -> float:
-    """Every request answered OK, nothing else answered; a sample scored as the reference scores it."""
-    assert not acc.missing, f"{len(acc.missing)} requests lost, e.g. {sorted(acc.missing)[:5]}"
-    assert not acc.unexpected, f"results for unknown ids: {sorted(acc.unexpected)[:5]}"
-    failed = acc.not_ok(set(stream.expected()))
-    assert not failed, f"{len(failed)} good requests failed, e.g. {list(failed.items())[:3]}"
-    return spot_check(reference, stream.requests, acc)
 
 
 @dataclass(frozen=True)

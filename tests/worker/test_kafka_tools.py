@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import subprocess
 from collections import Counter
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 import raw_batches
 from aiokafka.structs import ConsumerRecord
-from brokers import BrokerPool, described_offsets
+from brokers import BrokerPool, described_offsets, not_here
 from fault_kit import wait_until
 from tolerances import assert_scored_alike
 from worker_testkit import LiveWorker, produce, read_topic, request_record
@@ -38,21 +37,13 @@ CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
 PER_CODEC = 4
 
 
-def _needed(what: str) -> None:
-    """Skip without it, unless the run insists on Apache Kafka (CI), where every peer must run."""
-    if os.environ.get("SCORE_WORKER_TEST_BROKER") == "kafka":
-        pytest.fail(f"{what}: CI runs every peer")
-    pytest.skip(what)
-
-
 @pytest.fixture(scope="module")
 def kafka(broker_pool: BrokerPool) -> ApacheKafka:
     broker = broker_pool.broker("default")
     if broker.cluster is None:
-        _needed(
+        not_here(
             f"Kafka's tools run from the jars of an Apache Kafka the tests started, not {broker.description}"
         )
-    assert broker.cluster is not None
     return broker.cluster
 
 
@@ -60,8 +51,7 @@ def kafka(broker_pool: BrokerPool) -> ApacheKafka:
 def kcat() -> str:
     found = shutil.which("kcat") or shutil.which("kafkacat")
     if found is None:
-        _needed("kcat is not installed (apt-get install kcat)")
-    assert found is not None
+        not_here("kcat is not installed (apt-get install kcat)")
     return found
 
 

@@ -150,7 +150,7 @@ async def read_topic(
     consumer = AIOKafkaConsumer(**client_kwargs(bootstrap), enable_auto_commit=False)
     await consumer.start()
     try:
-        partitions = await _partitions(consumer, topic)
+        partitions = await partitions_of(consumer, topic)
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
         records: list[ConsumerRecord[bytes, bytes]] = []
@@ -166,8 +166,9 @@ async def read_topic(
         await consumer.stop()
 
 
-async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
-    for _ in range(100):
+async def partitions_of(consumer: AIOKafkaConsumer, topic: str, attempts: int = 100) -> list[TopicPartition]:
+    """The partitions of `topic`, asked for every 50 ms until the topic exists (`attempts` times)."""
+    for _ in range(attempts):
         found = await topic_partitions(consumer, topic)
         if found:
             return [TopicPartition(topic, p) for p in sorted(found)]
@@ -191,7 +192,7 @@ async def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int,
     consumer = AIOKafkaConsumer(**client_kwargs(bootstrap), group_id=group, enable_auto_commit=False)
     await consumer.start()
     try:
-        partitions = await _partitions(consumer, topic)
+        partitions = await partitions_of(consumer, topic)
         result = {}
         for tp in partitions:
             offset = await consumer.committed(tp)
