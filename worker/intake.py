@@ -72,12 +72,24 @@ class Rejected:
     tally: ResultTally
 
 
+Source = tuple[TopicPartition, int]
+
+
 @dataclass(frozen=True)
 class Outgoing:
     """Records to publish for a group of requests, and what they carry (counted once the broker acks)."""
 
     records: list[OutRecord]
     tally: ResultTally
+    sources: list[Source]  # the request each record answers (partition and offset), one per record
+
+    def __post_init__(self) -> None:
+        if len(self.sources) != len(self.records):
+            raise ValueError(f"{len(self.records)} records but {len(self.sources)} sources")
+
+    def answered(self) -> list[Source]:
+        """The requests these records answer, each once, in order."""
+        return list(dict.fromkeys(self.sources))
 
 
 @dataclass(eq=False)
@@ -304,10 +316,12 @@ class Intake:
         started = time.perf_counter()
         tally = ResultTally()
         records = []
+        sources = []
         for item, result in answers:
             record = result_record(self._settings, item.key, result, item.route)
             tally.add(record, item.timestamp_ms)
             tally.request_bytes += item.size
             records.append(record)
+            sources.append((item.tp, item.offset))
         self._metrics.encoded(time.perf_counter() - started)
-        return Outgoing(records, tally)
+        return Outgoing(records, tally, sources)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka.structs import ConsumerRecord, TopicPartition
+from aiokafka.structs import ConsumerRecord
 
 from models.chunks import join_results, split_request
 from schemas import ResultStatus, ScoreResult
@@ -28,9 +28,8 @@ from worker.metrics import ResultTally, WorkerMetrics
 
 log = logging.getLogger(__name__)
 
-Done = list[tuple[TopicPartition, int]]
 Answers = list[tuple[Accepted, ScoreResult]]
-Deliver = Callable[[Outgoing, Done], Awaitable[None]]
+Deliver = Callable[[Outgoing], Awaitable[None]]
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 # Fetched records that go to the intake processes even while the model idles.
 _BURST_RECORDS = 16
@@ -134,7 +133,7 @@ class Pipeline:
         self._large_turn = False
         self._depth = settings.model_queue_depth
         self._submitted = 0  # batches handed to the model thread and not yet finished (running or queued)
-        self._last_call: asyncio.Future[list[tuple[Outgoing, Done]]] | None = None  # the next queues behind
+        self._last_call: asyncio.Future[list[Outgoing]] | None = None  # the next queues behind
         # Calls handed to the model thread that it has not begun (changed by both threads, under the lock):
         # a call that sees one behind it leaves its batch launched for that one to finish.
         self._not_started = 0
@@ -273,8 +272,8 @@ class Pipeline:
     async def _run(
         self,
         units: list[Unit],
-        future: asyncio.Future[list[tuple[Outgoing, Done]]],
-        before: asyncio.Future[list[tuple[Outgoing, Done]]] | None,
+        future: asyncio.Future[list[Outgoing]],
+        before: asyncio.Future[list[Outgoing]] | None,
     ) -> None:
         if before is not None and not before.done():
             # Queued behind it: this call's clock (watchdog, wait metrics) starts when that one ends. Its own
@@ -298,12 +297,12 @@ class Pipeline:
             raise
         self.watchdog.observe(tokens, time.monotonic() - started)
         self._model_done()
-        for outgoing, done in finished:
+        for outgoing in finished:
             if outgoing.records:
-                await self._deliver(outgoing, done)
+                await self._deliver(outgoing)
         self.progress.set()
 
-    def _score(self, units: list[Unit]) -> list[tuple[Outgoing, Done]]:
+    def _score(self, units: list[Unit]) -> list[Outgoing]:
         """Runs on the model thread: expired requests answered unscored, the rest scored, parts joined,
         the answers encoded (a fraction of a millisecond a batch: no thread of its own, which would only
         contend for the interpreter lock with this one).
@@ -333,13 +332,13 @@ class Pipeline:
         finally:
             self._running -= 1
 
-    def _deliver_finished(self, finished: tuple[Outgoing, Done]) -> None:
+    def _deliver_finished(self, finished: Outgoing) -> None:
         """On the event loop: publish a batch that a later model call finished."""
-        self._spawn(self._publish(*finished))
+        self._spawn(self._publish(finished))
 
-    async def _publish(self, outgoing: Outgoing, done: Done) -> None:
+    async def _publish(self, outgoing: Outgoing) -> None:
         if outgoing.records:
-            await self._deliver(outgoing, done)
+            await self._deliver(outgoing)
         self.progress.set()
 
     def _launch_units(self, units: list[Unit]) -> _LaunchedUnits:
@@ -357,13 +356,13 @@ class Pipeline:
         launch = self._intake.launch([u.prepared for u in live]) if live else None
         return _LaunchedUnits(units, live, answers, launch)
 
-    def _finish_units(self, launched: _LaunchedUnits) -> tuple[Outgoing, Done]:
+    def _finish_units(self, launched: _LaunchedUnits) -> Outgoing:
         answers = launched.answers
         if launched.launch is not None:
             results = self._intake.finish(launched.launch)
             for unit, result in zip(launched.live, results, strict=True):
                 self._complete(unit, result, answers)
-        return self._encode(answers, launched.units), [(a.tp, a.offset) for a, _ in answers]
+        return self._encode(answers, launched.units)
 
     def _encode(self, answers: Answers, units: list[Unit]) -> Outgoing:
         """The answers as records to publish, and now and then the heap trimmed."""
@@ -394,8 +393,9 @@ class Pipeline:
         tally = ResultTally()
         for item in rejected:
             tally.merge(item.tally)
-        outgoing = Outgoing([message for item in rejected for message in item.messages], tally)
-        await self._deliver(outgoing, [(item.tp, item.offset) for item in rejected])
+        records = [message for item in rejected for message in item.messages]
+        sources = [(item.tp, item.offset) for item in rejected for _ in item.messages]
+        await self._deliver(Outgoing(records, tally, sources))
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:

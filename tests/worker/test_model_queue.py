@@ -63,7 +63,7 @@ class _ModelThreadScorer:
 
     def encode(self, answers: Sequence[tuple[Accepted, ScoreResult]]) -> Outgoing:
         self.answered.extend(accepted.offset for accepted, _ in answers)
-        return Outgoing([], ResultTally())
+        return Outgoing([], ResultTally(), [])
 
 
 def _results(prepared: Sequence[Any]) -> list[ScoreResult]:
@@ -96,7 +96,7 @@ class _Harness:
         return [error for task in self.tasks if (error := task.exception()) is not None]
 
 
-async def _deliver(outgoing: Outgoing, done: list[tuple[TopicPartition, int]]) -> None:
+async def _deliver(outgoing: Outgoing) -> None:
     """Publishing is not what these tests look at: the scorer records what was answered."""
 
 
