@@ -104,11 +104,14 @@ class ScoreWorker:
         """Consume until stop(); raises PublishError, ModelStuckError or DeviceLostError on a fatal error."""
         self._loop = asyncio.get_running_loop()
         settings = self._settings = await self._effective_settings()
-        self._sink = Sink(settings, self.metrics)
+        self._sink = Sink(settings, self.metrics, self._on_fenced)
         intake = Intake(settings, self._scorer, self.metrics)
         processes = self._intake_processes(settings)
         self._pipeline = Pipeline(settings, intake, self.metrics, self._sink.deliver, self._spawn, processes)
-        self._source = Source(settings, self.metrics, self.readiness, self._on_revoked, self._skip_unreadable)
+        self._source = Source(
+            settings, self.metrics, self.readiness, self._on_revoked, self._skip_unreadable,
+            self._on_assigned if settings.exactly_once else None,
+        )  # fmt: skip
         if settings.gc_freeze:
             frozen = freeze_startup_heap()
             log.info("%d objects alive at start (model, libraries) frozen out of garbage collection", frozen)
@@ -187,9 +190,8 @@ class ScoreWorker:
                 await self._wait_progress(timeout_ms / 1000)
             else:
                 records = await source.fetch(timeout_ms, room)
-            if records:
-                self._track(records)
-                await pipeline.accept(records)
+            if records and (taken := self._track(records)):
+                await pipeline.accept(taken)
             pipeline.dispatch_due()
             if time.monotonic() >= next_commit:
                 sink.commit_soon()
@@ -205,14 +207,19 @@ class ScoreWorker:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._pipeline.progress.wait(), timeout=timeout_s)
 
-    def _track(self, records: list[Any]) -> None:
+    def _track(self, records: list[Any]) -> list[Any]:
+        """Track fetched records; returns those to answer (exactly once, not those of a partition that is
+        not open yet or was fenced: they are read again from the commit)."""
         assert self._sink is not None
         size = 0
+        taken = []
         for record in records:
-            self._sink.track(TopicPartition(record.topic, record.partition), record.offset)
+            if self._sink.track(TopicPartition(record.topic, record.partition), record.offset):
+                taken.append(record)
             size += record_size(record)
         self.metrics.fetched(len(records), size)
         log.debug("fetched %d records, %d in flight", len(records), self._sink.pending())
+        return taken
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
@@ -251,7 +258,7 @@ class ScoreWorker:
         self._sink.track_range(hold.tp, first, last)
         tally = ResultTally()
         tally.add(record, 0)
-        self._spawn(self._sink.deliver(Outgoing([record], tally), [(hold.tp, first)]))
+        self._spawn(self._sink.deliver(Outgoing([record], tally, [(hold.tp, first)])))
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Before losing partitions, let their in-flight requests finish (bounded), commit, forget them."""
@@ -260,7 +267,49 @@ class ScoreWorker:
         if not await self._finish_in_flight(revoked, timeout_s=limit_s, keep_polling=False):
             log.warning("%d requests still in flight at revocation", self._sink.pending(revoked))
         await self._sink.commit(revoked)
-        self._sink.drop(revoked)
+        await self._sink.drop(revoked)
+
+    async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        """Exactly once: the partitions' transactional producers start (fencing their previous owners),
+        then they are read from the group's commit; records of them fetched before that are not taken.
+        Failing that, the worker stops: it must not read them."""
+        assert self._sink is not None and self._source is not None
+        try:
+            await self._sink.open(assigned)
+            await self._source.read_from_commit(assigned)
+            self._sink.activate(assigned)  # no wait since the seek: nothing was handed out in between
+        except Exception as error:
+            self._source.consumer.pause(*assigned)
+            log.error("stopping: %s", error)
+            self._fatal = self._fatal or error
+            raise
+
+    def _on_fenced(self, tp: TopicPartition) -> None:
+        """Exactly once, a partition's producer was fenced: stop reading it. A worker the group has moved
+        on from learns so at its next heartbeat and rejoins; if the partition is still this worker's after
+        that could have happened (the fence came from a transaction that outlived its timeout), it is
+        opened again from the committed offset."""
+        assert self._source is not None
+        self._source.fence(tp)
+        generation = self._source.generation
+        wait_s = 2 * self._settings.session_timeout_ms / 1000
+        self._spawn(self._reopen_later(tp, generation, wait_s))
+
+    async def _reopen_later(self, tp: TopicPartition, generation: int, wait_s: float) -> None:
+        assert self._source is not None and self._sink is not None
+        await asyncio.sleep(wait_s)
+        source = self._source
+        if source.generation != generation or tp not in source.consumer.assignment() or self._stop_requested:
+            return  # the group has reassigned it since: the assignment opened it
+        log.warning(
+            "%s is still this worker's %.0f s after its producer was fenced: opening it again",
+            tp,
+            wait_s,
+        )
+        await self._sink.open([tp])
+        await source.read_from_commit({tp})
+        self._sink.activate([tp])
+        source.unfence(tp)
 
     async def _finish_in_flight(
         self, partitions: set[TopicPartition] | None, timeout_s: float, keep_polling: bool

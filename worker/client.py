@@ -105,9 +105,14 @@ class ScoreClient:
         reply_topic: str | None = None,
         reply_topic_partitions: int = 1,
         compression: Compression = DEFAULT_COMPRESSION,
+        read_committed: bool = True,
     ) -> None:
         """`kafka_options` go to every aiokafka client (e.g. security_protocol, ssl_context, sasl_*);
-        `compression` is the codec of the request batches it sends (results of any codec are read)."""
+        `compression` is the codec of the request batches it sends (results of any codec are read).
+
+        Results are read with isolation.level=read_committed: against workers delivering exactly once
+        it sees only results whose transactions committed (each once); against at-least-once workers,
+        which write no transactions, it sees the same as read_uncommitted at no cost."""
         self.requests_topic = requests_topic
         self.results_topic = results_topic
         self.reply_topic = reply_topic
@@ -120,6 +125,7 @@ class ScoreClient:
         self._remembered_ids = remembered_ids
         self._kafka_options = dict(kafka_options or {})
         self._compression = compression
+        self._isolation = "read_committed" if read_committed else "read_uncommitted"
         self._pending: dict[str, asyncio.Future[ScoreResult]] = {}
         # Answered ids, bounded: tells a redelivered duplicate from a stranger's result.
         self._answered: OrderedDict[str, None] = OrderedDict()
@@ -152,6 +158,7 @@ class ScoreClient:
             # Short fetch waits: an idle long poll would otherwise add its full wait to result latency.
             fetch_max_wait_ms=50,
             max_partition_fetch_bytes=self._max_message_bytes,
+            isolation_level=self._isolation,
             **self._kafka_options,
         )
         self._producer = AIOKafkaProducer(

@@ -343,6 +343,25 @@ class WorkerSettings(KafkaSecurity):
         "retry after a lost acknowledgement, order kept across a leader change); auto: on where the broker "
         "grants producer ids (Apache Kafka), off where it does not (the embedded broker), said in the log",
     )
+    delivery: Literal["at-least-once", "exactly-once"] = Field(
+        "at-least-once",
+        description="at-least-once: results published, then offsets committed (a worker's crash can answer "
+        "a request twice); exactly-once: results, dead letters and the consumed offsets written in one "
+        "Kafka transaction per requests partition, so readers with isolation.level=read_committed see each "
+        "answer once (needs a broker with transactions: Apache Kafka, not the embedded broker)",
+    )
+    transactional_id_prefix: str | None = Field(
+        None,
+        description="exactly-once: transactional ids are <prefix>.<topic>.<partition>, one per requests "
+        "partition (a new owner of a partition fences the old one); default score-worker.<group_id>. "
+        "Groups reading the same topic need different prefixes",
+    )
+    transaction_timeout_ms: int = Field(
+        60_000,
+        ge=1000,
+        description="exactly-once: the broker aborts a transaction left open this long (a worker that died "
+        "mid-transaction); a new owner of the partition aborts it at once",
+    )
     undecodable_skip_after_ms: int = Field(
         0,
         ge=0,
@@ -457,7 +476,20 @@ class WorkerSettings(KafkaSecurity):
         topics = [self.requests_topic, self.results_topic, self.dlq_topic]
         if len(set(topics)) != len(topics):
             raise ValueError(f"requests, results and DLQ topics must differ, got {topics}")
+        if self.delivery == "exactly-once" and self.idempotence == "off":
+            raise ValueError(
+                "exactly-once delivery needs an idempotent producer; leave idempotence on or auto"
+            )
         return self
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.delivery == "exactly-once"
+
+    def transactional_id(self, tp_topic: str, partition: int) -> str:
+        """The transactional id of the producer that answers one requests partition."""
+        prefix = self.transactional_id_prefix or f"score-worker.{self.group_id}"
+        return f"{prefix}.{tp_topic}.{partition}"
 
     def kafka_client_kwargs(self) -> dict[str, Any]:
         """Connection arguments shared by aiokafka's consumer, producer and admin client."""

@@ -89,6 +89,11 @@ class OffsetTracker(Generic[P]):
             return sum(len(o) for o in self._partitions.values())
         return sum(len(self._partitions[p]) for p in partitions if p in self._partitions)
 
+    def committable(self, partition: P) -> int | None:
+        """One partition's committable offset; None when nothing of it is tracked."""
+        offsets = self._partitions.get(partition)
+        return offsets.committable() if offsets is not None else None
+
     def to_commit(self, partitions: Iterable[P] | None = None) -> dict[P, int]:
         """Committable offsets that moved since the last `mark_committed`, optionally for some partitions."""
         chosen = self._partitions.keys() if partitions is None else set(partitions) & self._partitions.keys()

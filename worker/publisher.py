@@ -12,7 +12,13 @@ from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.client import AIOKafkaClient
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError, for_code
+from aiokafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    ProducerFenced,
+    RecordTooLargeError,
+    for_code,
+)
 from aiokafka.protocol.transaction import InitProducerIdRequest
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.structs import ConsumerRecord, TopicPartition
@@ -281,14 +287,26 @@ async def broker_grants_producer_ids(client_kwargs: dict[str, Any], timeout_s: f
 
 class Publisher:
     """The worker's producer: acks="all", idempotent where the broker allows (setting `idempotence`),
-    batches raised, compressed with `results_compression`."""
+    batches raised, compressed with `results_compression`.
 
-    def __init__(self, settings: WorkerSettings) -> None:
+    With a `transactional_id` it is one requests partition's transactional producer (exactly-once
+    delivery): `deliver_in_transaction` writes records and the partition's consumed offset together, and
+    starting it fences any earlier producer of the same id (the partition's previous owner).
+    """
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        transactional_id: str | None = None,
+        topics: dict[str, tuple[bool, float]] | None = None,
+    ) -> None:
         self._settings = settings
         self._retry_s = settings.publish_timeout_ms / 1000
         self._producer: AIOKafkaProducer | None = None
+        self.transactional_id = transactional_id
         self.idempotent: bool | None = None  # decided at start
-        self._topics: dict[str, tuple[bool, float]] = {}  # reply topic -> (exists, until when that holds)
+        # reply topic -> (exists, until when that holds); shared by the producers of one worker
+        self._topics: dict[str, tuple[bool, float]] = {} if topics is None else topics
 
     def _build(self, idempotent: bool) -> AIOKafkaProducer:
         settings = self._settings
@@ -302,6 +320,8 @@ class Publisher:
             max_request_size=settings.max_record_bytes,
             enable_idempotence=idempotent,
             compression_type=producer_compression(settings.results_compression),
+            transactional_id=self.transactional_id,
+            transaction_timeout_ms=settings.transaction_timeout_ms,
         )
 
     def _started(self) -> AIOKafkaProducer:
@@ -309,10 +329,16 @@ class Publisher:
             raise RuntimeError("the publisher is not started")
         return self._producer
 
-    async def start(self) -> None:
+    async def start(self, idempotent: bool | None = None) -> None:
+        """Build and start the producer; `idempotent` as decided already, or None to decide by the
+        `idempotence` setting (asking the brokers on auto). A transactional producer is idempotent, and
+        its start registers the transactional id (aborting what an earlier producer of it left open)."""
         mode = self._settings.idempotence
-        idempotent = mode == "on"
-        if mode == "auto":
+        if self.transactional_id is not None:
+            idempotent = True
+        elif idempotent is None and mode != "auto":
+            idempotent = mode == "on"
+        if idempotent is None:
             idempotent = await broker_grants_producer_ids(self._settings.kafka_client_kwargs())
             log.info(
                 "results producer: %s",
@@ -321,10 +347,17 @@ class Publisher:
         self.idempotent = idempotent
         self._producer = self._build(idempotent)
         await self._producer.start()
+        if self.transactional_id is not None:
+            # An empty transaction waits for the producer id, which the broker grants only once it has
+            # fenced the earlier producer of this id and aborted what that one left open: the caller may
+            # read the partition's committed offset after this and find it final.
+            await self._producer.begin_transaction()
+            await self._producer.abort_transaction()
 
     async def stop(self) -> None:
         """Flush what is buffered, then close."""
         if self._producer is not None:
+            _read_fatal_error(self._producer)
             await self._producer.stop()
 
     async def deliver(self, records: Sequence[OutRecord]) -> list[tuple[OutRecord, OutRecord]]:
@@ -334,48 +367,121 @@ class Publisher:
         instead; those swaps are returned (as sent, instead of), for the caller's counts.
         Raises PublishError after the last attempt: the caller must not mark those records done.
         """
-        pending: list[OutRecord] = []
         swapped: list[tuple[OutRecord, OutRecord]] = []
+        pending = await self._routed(records, swapped)
+        give_up_at = time.monotonic() + self._retry_s
+        attempt = 0
+        while True:
+            attempt += 1
+            outcomes = await self._send_all(pending)
+            failed = _failures(pending, outcomes)
+            if not failed:
+                return swapped
+            # The acknowledged are not sent again; the failed are, or their smaller forms.
+            retry = await self._after_failures(failed, swapped)
+            pending = [record for record in retry if record is not None]
+            if not pending:
+                return swapped
+            error = next((o for _, o in failed if _retriable(o)), None)
+            if error is not None:  # else only smaller forms to send: no reason to wait
+                what = f"{len(failed)} of {len(outcomes)} sends"
+                await self._back_off(attempt, give_up_at, error, pending, what)
+
+    async def deliver_in_transaction(
+        self, records: Sequence[OutRecord], offsets: dict[TopicPartition, int], group_id: str
+    ) -> list[tuple[OutRecord, OutRecord]]:
+        """Write `records` and commit the group's `offsets` in one transaction: readers with
+        read_committed see all of them once the offsets are committed, or none.
+
+        A failed send or commit aborts the transaction, and the whole transaction is tried again (refused
+        records in their smaller form) until publish_timeout_ms, then PublishError. ProducerFenced is
+        raised as is: another producer of this id (the partition's new owner) has taken over, and nothing
+        of this transaction is visible. Returns the reply-topic swaps as `deliver` does.
+        """
+        producer = self._started()
+        swapped: list[tuple[OutRecord, OutRecord]] = []
+        pending = await self._routed(records, swapped)
+        give_up_at = time.monotonic() + self._retry_s
+        attempt = 0
+        while True:
+            attempt += 1
+            await producer.begin_transaction()
+            outcomes = await self._send_all(pending)
+            failed = _failures(pending, outcomes)
+            error: BaseException | None = None
+            if not failed:
+                try:
+                    await producer.send_offsets_to_transaction(offsets, group_id)
+                    await producer.commit_transaction()
+                    return swapped
+                except ProducerFenced:
+                    raise
+                except KafkaError as exc:
+                    error = exc
+            else:
+                # Within a transaction nothing is kept of an attempt that failed: all is sent again.
+                retry = await self._after_failures(failed, swapped)
+                fixed = {id(r): new for (r, _), new in zip(failed, retry, strict=True)}
+                pending = [r for r in (fixed.get(id(r), r) for r in pending) if r is not None]
+                error = next((o for _, o in failed if _retriable(o)), None)
+                if isinstance(error, ProducerFenced):
+                    raise error
+            await self._abort(producer)
+            if error is not None:
+                await self._back_off(attempt, give_up_at, error, pending, "a transaction")
+
+    @staticmethod
+    async def _abort(producer: AIOKafkaProducer) -> None:
+        """Abort the open transaction; fenced meanwhile: ProducerFenced."""
+        txn = producer._txn_manager  # aiokafka keeps the fatal state there only
+        if txn is not None and txn.is_fatal_error():
+            raise ProducerFenced()
+        await producer.abort_transaction()
+
+    async def _routed(
+        self, records: Sequence[OutRecord], swapped: list[tuple[OutRecord, OutRecord]]
+    ) -> list[OutRecord]:
+        """The records to send: a result bound for a reply topic that does not exist replaced by its error
+        result on the results topic (the swap noted in `swapped`)."""
+        pending: list[OutRecord] = []
         for record in records:
             instead = record.make_if_topic_missing
             if instead is not None and not await self._topic_exists(record.topic):
                 swapped.append((instead(), record))
                 record = instead()
             pending.append(record)
-        give_up_at = time.monotonic() + self._retry_s
-        attempt = 0
-        while True:
-            attempt += 1
-            outcomes = await self._send_all(pending)
-            failed = [(r, o) for r, o in zip(pending, outcomes, strict=True) if isinstance(o, BaseException)]
-            retry: list[OutRecord | None] = []
-            for record, outcome in failed:
-                # A reply topic deleted since it was checked: its results go to the results topic, instead
-                # of being retried until publish_timeout_ms stops the worker.
-                instead = record.make_if_topic_missing
-                if instead is not None and _retriable(outcome):
-                    self._topics.pop(record.topic, None)
-                    if not await self._topic_exists(record.topic):
-                        swapped.append((instead(), record))
-                        retry.append(instead())
-                        continue
-                retry.append(_smaller(record, outcome))
-            pending = [record for record in retry if record is not None]
-            if not pending:
-                return swapped
-            error = next((o for _, o in failed if _retriable(o)), None)
-            if error is None:  # only smaller forms to send: no reason to wait
-                continue
-            if attempt == 1 or attempt % 10 == 0:  # a long outage: one line now and then, not one per try
-                log.warning(
-                    "%d of %d sends failed (attempt %d): %r", len(failed), len(outcomes), attempt, error
-                )
-            if time.monotonic() >= give_up_at:
-                raise PublishError(
-                    f"could not deliver {len(pending)} records to {pending[0].topic} within "
-                    f"{self._retry_s:.0f} s (publish_timeout_ms): {error!r}"
-                )
-            await asyncio.sleep(min(_MAX_BACKOFF_S, 0.2 * 2**attempt))
+        return pending
+
+    async def _after_failures(
+        self, failed: list[tuple[OutRecord, BaseException]], swapped: list[tuple[OutRecord, OutRecord]]
+    ) -> list[OutRecord | None]:
+        """What to send instead of each failed record (None: nothing, it is dropped)."""
+        retry: list[OutRecord | None] = []
+        for record, outcome in failed:
+            # A reply topic deleted since it was checked: its results go to the results topic, instead
+            # of being retried until publish_timeout_ms stops the worker.
+            instead = record.make_if_topic_missing
+            if instead is not None and _retriable(outcome):
+                self._topics.pop(record.topic, None)
+                if not await self._topic_exists(record.topic):
+                    swapped.append((instead(), record))
+                    retry.append(instead())
+                    continue
+            retry.append(_smaller(record, outcome))
+        return retry
+
+    async def _back_off(
+        self, attempt: int, give_up_at: float, error: BaseException, pending: list[OutRecord], what: str
+    ) -> None:
+        """Wait before the next attempt, or raise PublishError once publish_timeout_ms is spent."""
+        if attempt == 1 or attempt % 10 == 0:  # a long outage: one line now and then, not one per try
+            log.warning("%s failed (attempt %d): %r", what, attempt, error)
+        if time.monotonic() >= give_up_at:
+            raise PublishError(
+                f"could not deliver {len(pending)} records to {pending[0].topic} within "
+                f"{self._retry_s:.0f} s (publish_timeout_ms): {error!r}"
+            )
+        await asyncio.sleep(min(_MAX_BACKOFF_S, 0.2 * 2**attempt))
 
     async def _topic_exists(self, topic: str) -> bool:
         """Whether the brokers know `topic` (cached). Metadata that cannot be read (the brokers away) counts
@@ -410,6 +516,28 @@ class Publisher:
                 failed.set_exception(exc)
                 acks.append(failed)
         return list(await asyncio.gather(*acks, return_exceptions=True))
+
+
+def _failures(records: list[OutRecord], outcomes: list[object]) -> list[tuple[OutRecord, BaseException]]:
+    """The records whose send failed, with why."""
+    return [(r, o) for r, o in zip(records, outcomes, strict=True) if isinstance(o, BaseException)]
+
+
+def _read_fatal_error(producer: AIOKafkaProducer) -> None:
+    """A producer whose sender stopped on an error (a fenced transactional producer) leaves that error on
+    futures nobody awaits: aiokafka's transaction waiter and each failed batch's drain waiter. Read them,
+    so that none is reported as lost when collected: the error was handled and logged where it surfaced.
+    (Collected inside another thread's or a nested `ast.parse`, such a report has broken CPython 3.11's
+    AST recursion bookkeeping.)"""
+    txn = producer._txn_manager
+    futures = [getattr(txn, "_transaction_waiter", None)]
+    accumulator = getattr(producer, "_message_accumulator", None)
+    queued = getattr(accumulator, "_batches", {}).values()
+    batches = [*(batch for queue in queued for batch in queue), *getattr(accumulator, "_pending_batches", ())]
+    futures += [getattr(batch, name, None) for batch in batches for name in ("future", "_drain_waiter")]
+    for future in futures:
+        if isinstance(future, asyncio.Future) and future.done() and not future.cancelled():
+            future.exception()
 
 
 def _retriable(error: BaseException) -> bool:

@@ -24,6 +24,7 @@ from worker.undecodable import FetchGuard
 log = logging.getLogger(__name__)
 
 OnRevoked = Callable[[set[TopicPartition]], Awaitable[None]]
+OnAssigned = Callable[[set[TopicPartition]], Awaitable[None]]
 # A fetch that raised is tried again after this long, doubling up to the second figure.
 _FETCH_RETRY_S, _FETCH_RETRY_MAX_S = 0.1, 1.0
 # While fetches keep failing, one log line this often.
@@ -39,6 +40,7 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self._source.assigned(assigned)
+        await self._source.opened(assigned)
 
 
 class Source:
@@ -55,8 +57,10 @@ class Source:
         readiness: Readiness,
         on_revoked: OnRevoked,
         on_skip: Skip,
+        on_assigned: OnAssigned | None = None,
     ) -> None:
         self._settings = settings
+        self._on_assigned = on_assigned
         self._metrics = metrics
         self._readiness = readiness
         self._on_revoked = on_revoked
@@ -70,6 +74,8 @@ class Source:
             heartbeat_interval_ms=settings.heartbeat_interval_ms,
             max_poll_interval_ms=settings.max_poll_interval_ms,
             fetch_max_wait_ms=settings.fetch_max_wait_ms,
+            # Exactly-once answers only requests whose producers committed them, as its readers see.
+            isolation_level="read_committed" if settings.exactly_once else "read_uncommitted",
             # How long the group waits for members to rejoin: a revocation finishing in-flight work needs
             # up to its bound (aiokafka's default, the session timeout, would evict this worker mid-wait).
             rebalance_timeout_ms=max(settings.max_poll_interval_ms, 2 * settings.revocation_timeout_ms),
@@ -85,6 +91,8 @@ class Source:
         self._handed_out: dict[TopicPartition, int] = {}
         self._fetch_failures = 0
         self._fetch_failure_logged = 0.0
+        self._fenced: set[TopicPartition] = set()  # paused until given again (exactly-once)
+        self.generation = 0  # assignments seen: tells whether the group has moved on since
 
     async def start(self) -> None:
         missing = missing_codecs()
@@ -182,7 +190,7 @@ class Source:
         elif self._load_paused and in_flight <= limit // 2 and not self._stopping:
             log.info(RESUMING, in_flight)
             self._load_paused = False
-            paused = self.consumer.paused() - self._holds.blocked
+            paused = self.consumer.paused() - self._holds.blocked - self._fenced
             if paused:
                 self.consumer.resume(*paused)
 
@@ -223,6 +231,42 @@ class Source:
         self._metrics.assigned_partitions(len(assigned))
         # A member without partitions (more workers than partitions) has joined all the same.
         self._readiness.update(group_joined=True)
+
+    async def opened(self, assigned: set[TopicPartition]) -> None:
+        """After an assignment, the owner's preparations (exactly once: fence the previous owners, then
+        read from the commit)."""
+        self.generation += 1
+        self._fenced -= assigned
+        if self._on_assigned is not None and assigned:
+            await self._on_assigned(assigned)
+
+    async def read_from_commit(self, partitions: set[TopicPartition]) -> None:
+        """Position partitions at the group's committed offset, asked of the coordinator now (the library
+        may have read it before a previous owner's last transaction ended, and may have fetched from it
+        meanwhile); without a commit, where auto_offset_reset says. All are positioned together after
+        the last question, with no wait in between: the caller may start taking their records at once."""
+        offsets: dict[TopicPartition, int | None] = {}
+        for tp in partitions:
+            offsets[tp] = await self.consumer.committed(tp)
+        missing = [tp for tp, offset in offsets.items() if offset is None]
+        if missing:
+            earliest = self._settings.auto_offset_reset == "earliest"
+            ask = self.consumer.beginning_offsets if earliest else self.consumer.end_offsets
+            offsets.update(await ask(missing))
+        for tp, offset in offsets.items():
+            assert offset is not None
+            self._seek(tp, offset)
+
+    def fence(self, tp: TopicPartition) -> None:
+        """Stop reading a partition whose answers another worker now writes, until it is given again."""
+        self._fenced.add(tp)
+        if tp in self.consumer.assignment():
+            self.consumer.pause(tp)
+
+    def unfence(self, tp: TopicPartition) -> None:
+        self._fenced.discard(tp)
+        if tp in self.consumer.assignment() and not self._load_paused and not self._stopping:
+            self.consumer.resume(tp)
 
     async def revoked(self, revoked: set[TopicPartition]) -> None:
         self._metrics.forget_partitions((tp.topic, tp.partition) for tp in revoked)
