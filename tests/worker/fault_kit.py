@@ -195,11 +195,13 @@ class Seen:
 class ResultWatcher:
     """Reads the results topic from its start in the background, for live progress and timings."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, isolation_level: str = "read_uncommitted") -> None:
         self.topic = topic
         self.seen: list[Seen] = []
         self.first: dict[str, float] = {}
-        self._consumer = AIOKafkaConsumer(**client_kwargs(bootstrap), enable_auto_commit=False)
+        self._consumer = AIOKafkaConsumer(
+            **client_kwargs(bootstrap), enable_auto_commit=False, isolation_level=isolation_level
+        )
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> ResultWatcher:
@@ -304,6 +306,7 @@ class Stream:
     requests: list[ScoreRequest]
     producer: SteadyProducer
     watcher: ResultWatcher
+    isolation_level: str = "read_uncommitted"  # how the watcher and the final read see results
 
     @classmethod
     async def open(
@@ -315,6 +318,7 @@ class Stream:
         mix: Callable[[list[ScoreRequest]], list[Record]] | None = None,
         replication: int = 1,
         idempotent: bool = False,
+        isolation_level: str = "read_uncommitted",
     ) -> Stream:
         """Topics created (`replication` copies of each partition), the watcher reading; the producer waits
         for `produce()`. `mix` turns the requests into the records to send (other records mixed in); by
@@ -324,8 +328,8 @@ class Stream:
         requests = make_requests(names.group, count)
         records = mix(requests) if mix is not None else [request_record(r) for r in requests]
         producer = SteadyProducer(bootstrap, names.requests, records, rate, idempotent)
-        watcher = await ResultWatcher(bootstrap, names.results).start()
-        return cls(bootstrap, names, requests, producer, watcher)
+        watcher = await ResultWatcher(bootstrap, names.results, isolation_level).start()
+        return cls(bootstrap, names, requests, producer, watcher, isolation_level)
 
     async def produce(self) -> None:
         await self.producer.start()
@@ -355,7 +359,12 @@ class Stream:
         with contextlib.suppress(TimeoutError):
             await wait_until(done, timeout_s, "every answer")  # the accounting below names what is missing
         records = await read_topic(
-            self.bootstrap, self.names.results, sum(expected.values()), timeout_s=10, settle_s=1.0
+            self.bootstrap,
+            self.names.results,
+            sum(expected.values()),
+            timeout_s=10,
+            settle_s=1.0,
+            isolation_level=self.isolation_level,
         )
         return account(records, expected)
 

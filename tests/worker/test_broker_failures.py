@@ -243,14 +243,18 @@ async def run_with_fault(
     name: str,
     fault: Callable[[Stream], Awaitable[None]],
     count: int = COUNT,
+    delivery: str = "at-least-once",
 ) -> Run:
     """One worker, a steady stream of `count` requests; `fault` runs once 300 requests are answered; then
-    the stream finishes."""
+    the stream finishes. Exactly once, results are read with read_committed."""
     bootstrap = cluster.bootstrap_servers
     # The requests' producer is idempotent too: its retries through a failure must not write a request
     # twice (the worker would rightly answer both copies).
-    stream = await Stream.open(bootstrap, name, count, RATE, replication=REPLICATION, idempotent=True)
-    env = worker_env(bootstrap, model_dir, stream.names)
+    isolation = "read_committed" if delivery == "exactly-once" else "read_uncommitted"
+    stream = await Stream.open(
+        bootstrap, name, count, RATE, replication=REPLICATION, idempotent=True, isolation_level=isolation
+    )
+    env = worker_env(bootstrap, model_dir, stream.names, delivery=delivery)
     commits = await CommitWatch(bootstrap, stream.names.group, stream.names.requests).start()
     try:
         worker: WorkerProcess = spawn("worker", env)
@@ -300,10 +304,11 @@ def survive(
     name: str,
     fault: Callable[[Stream], Awaitable[None]],
     count: int = COUNT,
+    delivery: str = "at-least-once",
 ) -> Run:
     """run_with_fault, then the cluster made whole again for the next test, then the run checked."""
     try:
-        run = asyncio.run(run_with_fault(cluster, model_dir, spawn, name, fault, count))
+        run = asyncio.run(run_with_fault(cluster, model_dir, spawn, name, fault, count, delivery))
     finally:
         _all_nodes_up(cluster)
     check_run(run, reference)
@@ -325,6 +330,36 @@ def test_the_leader_of_a_partition_killed_mid_stream_then_restarted(
 
     run = survive(cluster, tiny_llama_dir, spawn, reference, "leader", fault)
     run.report("leader kill -9", node=killed[0], restart_s=run.fault_done_at - run.fault_at - 8)
+
+
+def test_exactly_once_through_a_kill_of_the_node_coordinating_its_transactions(
+    cluster: ApacheKafka, tiny_llama_dir: Path, spawn: Spawn, reference: Scorer
+) -> None:
+    """Exactly once (read back with read_committed): the node coordinating the transactions of requests
+    partition 0 (and leading partitions of the topics) killed mid-stream, then restarted. The worker's
+    transactions on it are aborted or time out and are written again through the new coordinator: each
+    request answered once, the commits never past an answer."""
+    killed: list[int] = []
+
+    async def fault(stream: Stream) -> None:
+        transactional_id = f"score-worker.{stream.names.group}.{stream.names.requests}.0"
+        node = await transaction_coordinator_of(cluster.bootstrap_servers, transactional_id)
+        killed.append(node)
+        cluster.kill(node)
+        await asyncio.sleep(8)
+        await asyncio.to_thread(cluster.restart, node)
+
+    run = survive(cluster, tiny_llama_dir, spawn, reference, "eos-txn", fault, delivery="exactly-once")
+    run.report("exactly-once, transaction coordinator kill -9", node=killed[0])
+
+
+async def transaction_coordinator_of(bootstrap: str, transactional_id: str) -> int:
+    admin = AIOKafkaAdminClient(**client_kwargs(bootstrap))
+    await admin.start()
+    try:
+        return int(await admin.find_coordinator(transactional_id, coordinator_type=1))
+    finally:
+        await admin.close()
 
 
 def test_the_node_coordinating_the_group_killed_mid_stream(

@@ -144,10 +144,17 @@ async def produce(bootstrap: str, topic: str, records: Sequence[Record]) -> None
 
 
 async def read_topic(
-    bootstrap: str, topic: str, expected: int, timeout_s: float = 60.0, settle_s: float = 1.0
+    bootstrap: str,
+    topic: str,
+    expected: int,
+    timeout_s: float = 60.0,
+    settle_s: float = 1.0,
+    isolation_level: str = "read_uncommitted",
 ) -> list[ConsumerRecord[bytes, bytes]]:
     """All records of a topic: waits until `expected` arrived, then `settle_s` more to catch extras."""
-    consumer = AIOKafkaConsumer(**client_kwargs(bootstrap), enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        **client_kwargs(bootstrap), enable_auto_commit=False, isolation_level=isolation_level
+    )
     await consumer.start()
     try:
         partitions = await partitions_of(consumer, topic)
