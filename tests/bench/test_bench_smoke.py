@@ -223,3 +223,26 @@ def test_compression_benchmark_publishes_every_codec_and_checks_what_it_read_bac
         assert report[f"correctness_{dtype}"]["ok"] and report[f"correctness_{dtype}"]["hidden_items"] > 0
         # The stored bytes are the raw batches: zstd's are fewer than the uncompressed ones.
         assert runs[(dtype, "zstd")]["stored_bytes"] < runs[(dtype, "none")]["stored_bytes"]
+
+
+def test_delivery_benchmark_runs_both_settings_and_checks_every_answer(tmp_path: Path) -> None:
+    """bench/delivery.py on Apache Kafka: at-least-once and exactly-once each through saturation and a
+    paced phase, every request answered once (a lost or doubled one would fail the run), a sample against
+    HF float32, and the ratios reported."""
+    if shutil.which("java") is None and os.environ.get("SCORE_WORKER_TEST_BROKER") != "kafka":
+        pytest.skip("exactly-once needs Apache Kafka, which needs Java")
+    target = tmp_path / "delivery.json"
+    args = ["bench/delivery.py", "--requests", "48", "--latency-requests", "24", "--rounds", "1"]
+    proc = _run_script([*args, "--reference-sample", "8", "--json", str(target)], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(target.read_text())
+    assert report["verdict"] == "ok" and report["correctness"]["ok"]
+    assert report["correctness"]["requests"] == 16  # 8 of each setting
+    assert [run["delivery"] for run in report["runs"]] == ["at-least-once", "exactly-once"]
+    for run in report["runs"]:
+        assert run["saturation_items_per_s"] > 0 and 0 < run["latency_p50_ms"] <= run["latency_p99_ms"]
+    assert set(report["ratios_exactly_once_to_at_least_once"]) == {
+        "saturation_items_per_s",
+        "latency_p50_ms",
+        "latency_p99_ms",
+    }
