@@ -28,7 +28,8 @@ import torch
 
 from bench.common import environment, gpu_ms, graph_ms, make_lognormal_workload, out_dir, token_budget_chunks
 from models import fa4_attention, triton_attention
-from models.attention import WANT_LSE, attend_causal, flash_varlen_gqa
+from models.attention import attend_causal, flash_varlen_gqa
+from models.varlen import WANT_LSE
 
 # The module's configuration: block lanes, block keys, warps, stages, query heads per program at most.
 DEFAULT = (

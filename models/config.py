@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Literal, cast
 
 import torch
 
 from models.graphs import Recorder
 from models.packing import POOLINGS, Pooling
+from models.varlen import VarlenKernel
 
 AttentionChoice = Literal["auto", "varlen", "reference"]
 CompileChoice = Literal["auto", "on", "off"]
@@ -25,10 +25,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-# A varlen kernel with the signature of torch.nn.attention.varlen.varlen_attn:
-# (q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, ...)
-VarlenKernel = Callable[..., Any]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from models.attention import checked_call, varlen_outputs
+from models.varlen import checked_call, varlen_outputs
 
 OP_NAME = "score_worker::fa4_varlen_forward"
 

@@ -161,7 +161,7 @@ def graph_key(
 
 def length_switch() -> int:
     """The longest sequence the Triton attention kernel leaves to flash, read at each call."""
-    from models import triton_attention  # imports models.config, which imports this module
+    from models import triton_attention  # here, not at the top: the kernel's module loads Triton
 
     return triton_attention.MIN_LENGTH
 

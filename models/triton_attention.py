@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from models.attention import checked_call, varlen_outputs
+from models.varlen import checked_call, varlen_outputs
 
 try:
     import triton

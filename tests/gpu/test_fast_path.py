@@ -347,9 +347,10 @@ def test_kernel_matches_flash_in_bfloat16(window: tuple[int, int], head_dim: int
     """The compiled Triton kernel (or FlashAttention-4) against torch's flash kernel on the same bf16 packed
     batch: grouped heads, sequences of 1 to 700 tokens, an empty one; outputs within bf16 rounding,
     log-sum-exps within 1e-3."""
-    from models.attention import WANT_LSE, flash_varlen_gqa
+    from models.attention import flash_varlen_gqa
     from models.fa4_attention import fa4_varlen_attn
     from models.triton_attention import triton_varlen_attn
+    from models.varlen import WANT_LSE
 
     _skip_without(kernel)
     run = triton_varlen_attn if kernel == "triton" else fa4_varlen_attn
@@ -430,8 +431,9 @@ def test_two_flash_passes_merge_into_one_pass_over_gathered_keys(kernel_name: st
     512-token prefix with 16 suffixes of 64 tokens each, then a prompt of its own) through the two passes
     (cross sequences starting past row 0, log-sum-exps as [H, T]) against one flash pass over each
     sequence's gathered keys, and against float32 on a few suffixes."""
-    from models.attention import WANT_LSE, attend_causal, flash_varlen_gqa, merge_passes
+    from models.attention import attend_causal, flash_varlen_gqa, merge_passes
     from models.packing import find_shared_prefixes, pack
+    from models.varlen import WANT_LSE
 
     kernel = flash_varlen_gqa
     if kernel_name == "varlen_attn":

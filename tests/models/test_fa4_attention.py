@@ -10,7 +10,8 @@ import torch
 from scoring_testkit import CpuVarlenKernelGqa
 
 from models import ScorerConfig, fa4_attention
-from models.attention import WANT_LSE, fa4_or_flash
+from models.attention import fa4_or_flash
+from models.varlen import WANT_LSE
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:

@@ -24,13 +24,8 @@ from tolerances import assert_within, attention_bound, lse_bound
 pytest.importorskip("triton")
 
 from models import Scorer, ScorerConfig, triton_attention
-from models.attention import (
-    CAUSAL_OR_FULL,
-    WANT_LSE,
-    LseRequest,
-    triton_or_flash,
-    varlen_outputs,
-)
+from models.attention import triton_or_flash
+from models.varlen import CAUSAL_OR_FULL, WANT_LSE, LseRequest, varlen_outputs
 from schemas import ScoreRequest
 
 pytestmark = pytest.mark.skipif(
