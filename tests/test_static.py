@@ -1,4 +1,6 @@
-"""Static checks run as part of the test command: ruff (lint and format) everywhere, mypy on the packages."""
+"""Static checks run as part of the test command: ruff (lint and format) everywhere, mypy on the packages,
+and the layering contract of pyproject.toml's [tool.importlinter] (schemas <- models <- worker, no import
+circle inside a package)."""
 
 from __future__ import annotations
 
@@ -33,4 +35,12 @@ def test_ruff(args: tuple[str, ...]) -> None:
 def test_mypy() -> None:
     # The file list and strictness (strict on schemas/) live in pyproject.toml, so editors and CI agree.
     proc = _run("mypy", "--no-error-summary")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_import_layers_and_no_circles() -> None:
+    lint_imports = Path(sys.executable).with_name("lint-imports")
+    proc = subprocess.run(
+        [str(lint_imports), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
