@@ -136,7 +136,10 @@ class Sink:
 
     def commit_soon(self) -> None:
         """Commit in the background: the fetch loop never waits on a commit (a broker away for a while
-        would block it for the commit timeout each time)."""
+        would block it for the commit timeout each time). Exactly once, nothing to do: every transaction
+        commits its offset."""
+        if self._transactions is not None:
+            return
         if self._background is None or self._background.done():
             self._background = asyncio.get_running_loop().create_task(self.commit(), name="commit")
 
