@@ -28,9 +28,11 @@ from schemas.headers import (
 from schemas.request import ChatMessage, ScoreRequest, Truncation
 from schemas.result import ErrorInfo, ResultStatus, ScoreResult
 from schemas.tensor import HiddenDType, Tensor
+from schemas.topics import DLQ_TOPIC, REQUESTS_TOPIC, RESULTS_TOPIC
 from schemas.version import SCHEMA_VERSION
 
 __all__ = [
+    "DLQ_TOPIC",
     "HEADER_CONTENT_TYPE",
     "HEADER_CORRELATION_ID",
     "HEADER_ERROR_CODE",
@@ -43,7 +45,9 @@ __all__ = [
     "HEADER_SOURCE_PARTITION",
     "HEADER_SOURCE_TOPIC",
     "HEADER_UNDECODABLE_CAUSE",
+    "REQUESTS_TOPIC",
     "REQUEST_CONTENT_TYPE",
+    "RESULTS_TOPIC",
     "RESULT_CONTENT_TYPE",
     "SCHEMA_VERSION",
     "ChatMessage",

@@ -16,6 +16,8 @@ from aiokafka.structs import ConsumerRecord
 
 from schemas import (
     HEADER_REPLY_TOPIC,
+    REQUESTS_TOPIC,
+    RESULTS_TOPIC,
     SchemaError,
     ScoreRequest,
     ScoreResult,
@@ -31,8 +33,8 @@ from worker.undecodable import FetchGuard, Unreadable, classify, describe, read_
 
 log = logging.getLogger(__name__)
 
-DEFAULT_REQUESTS_TOPIC = "score.requests"
-DEFAULT_RESULTS_TOPIC = "score.results"
+DEFAULT_REQUESTS_TOPIC = REQUESTS_TOPIC
+DEFAULT_RESULTS_TOPIC = RESULTS_TOPIC
 # The broker's default message.max.bytes; producer, topic and broker limits must agree.
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
 

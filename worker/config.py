@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from schemas import DLQ_TOPIC, REQUESTS_TOPIC, RESULTS_TOPIC
 from worker.codecs import DEFAULT_COMPRESSION, Compression, missing_codecs
 
 ENV_PREFIX = "SCORE_WORKER_"
@@ -163,11 +164,11 @@ class WorkerSettings(KafkaSecurity):
 
     bootstrap_servers: str = Field(description="Kafka bootstrap servers, HOST:PORT[,HOST:PORT...]")
     model_dir: Path = Field(description="local HuggingFace model directory")
-    requests_topic: str = Field("score.requests", description="topic the requests are read from")
-    results_topic: str = Field("score.results", description="topic the results are written to")
-    dlq_topic: str = Field("score.requests.dlq", description="dead-letter topic for undecodable requests")
+    requests_topic: str = Field(REQUESTS_TOPIC, description="topic the requests are read from")
+    results_topic: str = Field(RESULTS_TOPIC, description="topic the results are written to")
+    dlq_topic: str = Field(DLQ_TOPIC, description="dead-letter topic for undecodable requests")
     reply_topic_pattern: str = Field(
-        r"score\.results\..+",
+        re.escape(RESULTS_TOPIC) + r"\..+",
         description="reply topics a request may name in its kafka_replyTopic header (a regular expression "
         "the whole name must match); others get REPLY_TOPIC_NOT_ALLOWED on the results topic; '' allows none",
     )

@@ -25,6 +25,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from schemas import REQUESTS_TOPIC
 from worker.config import SECURITY_ENV_VARS, security_from_environment
 from worker.health import HealthServer
 from worker.metrics import PREFIX
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.bootstrap_servers:
         print("lag-exporter: pass --bootstrap-servers or set SCORE_WORKER_BOOTSTRAP_SERVERS", file=sys.stderr)
         return 2
-    topics = args.topic or [os.environ.get("SCORE_WORKER_REQUESTS_TOPIC", "score.requests")]
+    topics = args.topic or [os.environ.get("SCORE_WORKER_REQUESTS_TOPIC", REQUESTS_TOPIC)]
     try:
         security = security_from_environment().kafka_security_kwargs()
     except ValueError as error:

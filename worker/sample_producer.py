@@ -26,7 +26,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from schemas import HiddenDType, Input, ScoreRequest, encode_request, request_headers
+from schemas import REQUESTS_TOPIC, HiddenDType, Input, ScoreRequest, encode_request, request_headers
 from worker.codecs import CODEC_NAMES, DEFAULT_COMPRESSION, producer_compression
 from worker.config import SECURITY_ENV_VARS, security_from_environment
 
@@ -45,7 +45,7 @@ ENV_VARS: tuple[str, ...] = (
     *SECURITY_ENV_VARS,
 )
 DEFAULT_HEARTBEAT_FILE = "/tmp/score-samples.alive"
-DEFAULT_TOPIC = "score.requests"
+DEFAULT_TOPIC = REQUESTS_TOPIC
 
 HIDDEN_DTYPES = (HiddenDType.FLOAT32, HiddenDType.FLOAT16, HiddenDType.BFLOAT16)
 # The largest id the wire format admits (below 2**31): valid on the wire, outside every model's vocabulary.
