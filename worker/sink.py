@@ -124,7 +124,8 @@ class Sink:
                 for record, (tp, offset) in zip(outgoing.records, outgoing.sources, strict=True)
                 if (tp, offset) in answering
             ]
-            if await self._transactions.hold(held):
+            # Nothing held (every answer a stale one): nothing is written, so nothing is counted published.
+            if held and await self._transactions.hold(held):
                 self._metrics.published(outgoing.tally, time.monotonic() - started)
             return
         swapped = await self._publisher.deliver(outgoing.records)
