@@ -151,8 +151,8 @@ def accuracy(
 
 def with_fp8(model: torch.nn.Module, copy_first: bool = True) -> torch.nn.Module:
     """`model` (or a copy) with its layers' projections replaced by the engine's FP8 ones."""
-    from models.engine import transformer_layers
     from models.fp8 import quantize_layers
+    from models.layers import transformer_layers
 
     quantized = copy.deepcopy(model) if copy_first else model
     layers = transformer_layers(quantized.base_model)  # type: ignore[arg-type]

@@ -324,7 +324,7 @@ def check_one(
         return outcome
     # Every pack here is under graph_max_tokens; a shape is recorded at its second batch and replayed from
     # its third, which must give the batch's own results again.
-    graphs = scorer.graphs
+    graphs = scorer.executor.graphs
     if case.device == "cuda":
         first = flatten(scorer.score(requests[:3]), prepared[:3])
         for _ in range(2):

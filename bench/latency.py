@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{floor['ms_all_layers']:.2f} ms ({floor['tflops']:.0f} TFLOP/s); the step {step_ms:.2f} ms, "
         f"{step_ms - floor['ms_all_layers']:.2f} ms above them"
     )
-    counted = graphed.graphs
+    counted = graphed.executor.graphs
     graph_counts = {"recorded": counted.recorded, "replays": counted.replays}
     del scorers, graphed, model
     torch.cuda.empty_cache()

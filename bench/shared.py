@@ -110,7 +110,7 @@ def chunks(requests: Sequence[ScoreRequest], budget: int, scorer: Scorer | None 
     prepared = [
         PreparedRequest(r, tuple(group), tokenize_s=0.0) for r, group in zip(requests, prompts, strict=True)
     ]
-    return [list(run) for run in scorer.batch_runs(prepared, budget)]
+    return [list(run) for run in scorer.plan.runs(prepared, budget)]
 
 
 def time_path(

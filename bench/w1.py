@@ -203,7 +203,7 @@ def packed_run(
         batches=len(chunks),
         save_seconds=save_s,
         load_seconds=load_s,
-        compiled=scorer.compiled,
+        compiled=scorer.executor.compiled,
         attention_kernel=scorer.info.attention_kernel,
         fused_mlp=scorer.info.fused_mlp,
     )

@@ -183,7 +183,7 @@ class WorkerRun:
         settings, not the seconds the processes take to start."""
         if self._worker is None:
             return
-        if process_count(self._current.intake_processes, str(self._scorer.device)) == 0:
+        if process_count(self._current.intake_processes, self._scorer.info.device) == 0:
             return
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:

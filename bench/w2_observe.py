@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from models import BatchObserver, Scorer
+from models import BatchObserver, EngineWrapper, PendingScores, PreparedRequest, Scorer
+from schemas import ScoreRequest, ScoreResult
 from worker.app import ScoreWorker
 from worker.gc_pauses import GcPauses
 
@@ -43,37 +44,29 @@ class BatchRecord:
     reserved_grew_mib: float = 0.0  # how much the CUDA caching allocator reserved during this call
 
 
-class RecordingScorer:
+class RecordingScorer(EngineWrapper):
     """The worker's scorer, recording each batch it runs and the native ids of the threads that call it."""
 
     def __init__(self, scorer: Scorer) -> None:
+        super().__init__(scorer)
         self.scorer = scorer
         self.batches: list[BatchRecord] = []
         self._kernel_dir = _triton_cache_dir()
         self.thread_ids: dict[str, int] = {"loop": threading.get_native_id()}
         self._launched: dict[int, _Launch] = {}
 
-    def __getattr__(self, name: str) -> Any:
-        # What the worker reads of its scorer besides these (device, prompt builder, sizes): the scorer's.
-        return getattr(self.scorer, name)
-
-    @property
-    def model_name(self) -> str:
-        return self.scorer.model_name
-
-    def prepare(self, request: Any) -> Any:
+    def prepare(self, request: ScoreRequest) -> PreparedRequest | ScoreResult:
         self.thread_ids["prepare"] = threading.get_native_id()
         return self.scorer.prepare(request)
 
-    def score_prepared(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> list[Any]:
-        return self.finish(self.launch(prepared, on_batch))
-
-    def launch(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> Any:
+    def launch(
+        self, prepared: Sequence[PreparedRequest | ScoreResult], on_batch: BatchObserver | None = None
+    ) -> PendingScores:
         """The scorer's launch, noting what the batch's record needs (the worker launches a batch before
         it finishes the one ahead)."""
         self.thread_ids["model"] = threading.get_native_id()
         kernels_before = _entries(self._kernel_dir)
-        graphs = self.scorer.graphs
+        graphs = self.scorer.executor.graphs
         recorded, replays = (graphs.recorded, graphs.replays) if graphs is not None else (0, 0)
         frames, reserved = _dynamo_frames(), _reserved_bytes()
         cpu_start, start = time.thread_time(), time.monotonic()
@@ -92,7 +85,7 @@ class RecordingScorer:
         )
         return pending
 
-    def finish(self, pending: Any) -> list[Any]:
+    def finish(self, pending: PendingScores) -> list[ScoreResult]:
         launch = self._launched.pop(id(pending))
         results = self.scorer.finish(pending)
         end, cpu_end = time.monotonic(), time.thread_time()

@@ -151,6 +151,15 @@ class ScorerConfig:
             return attention == "varlen" and device.type == "cuda"
         return self.compile == "on"
 
+    def varlen_kernel_name(self, attention: str, device: torch.device) -> str:
+        """The kernel the varlen path runs, by name: "none" off that path, "injected" for `varlen_kernel`,
+        else the chosen one (resolve_attention_kernel)."""
+        if attention != "varlen":
+            return "none"
+        if self.varlen_kernel is not None:
+            return "injected"
+        return self.resolve_attention_kernel(device)
+
     def resolve_attention_kernel(
         self, device: torch.device | None = None
     ) -> Literal["flash", "triton", "fa4"]:

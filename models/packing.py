@@ -1,24 +1,14 @@
-"""Padding-free packing of prompts into one sequence, and the single device-to-host copy of selected rows."""
+"""Padding-free packing of prompts into one sequence: shared prefixes, pooled positions, the pooling."""
 
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
-
-from schemas import HiddenDType, Tensor
-
-_TORCH_DTYPES: dict[HiddenDType, torch.dtype] = {
-    HiddenDType.FLOAT32: torch.float32,
-    HiddenDType.FLOAT16: torch.float16,
-    HiddenDType.BFLOAT16: torch.bfloat16,
-}
-
 
 # How an item's tokens become one pooled hidden state (see Pooling in docs/models.md):
 # - "last": HF's rule for decoder classifiers, the last token that is not the pad id (the first token when
@@ -405,97 +395,3 @@ def _to_device(array: np.ndarray, device: torch.device, non_blocking: bool) -> t
     if non_blocking:
         host = host.pin_memory()
     return host.to(device, non_blocking=non_blocking)
-
-
-@dataclass(frozen=True)
-class RowRequest:
-    """Rows of the pooled matrix that one request asked for, and in which dtype."""
-
-    rows: tuple[int, ...]
-    dtype: HiddenDType
-
-
-def hidden_row_bytes(hidden_size: int, dtype: HiddenDType) -> int:
-    """Bytes of one pooled hidden state of `hidden_size` values in `dtype`."""
-    return hidden_size * _TORCH_DTYPES[dtype].itemsize
-
-
-@dataclass(frozen=True)
-class HostRows:
-    """Rows of pooled hidden states on their way to the host (see `start_rows_copy`): `read` them once the
-    stream has passed the copy."""
-
-    buffer: torch.Tensor | None  # raw bytes on the host (pinned on CUDA); None when nothing was asked
-    wanted: tuple[RowRequest, ...]
-    offsets: tuple[int, ...]  # where each entry of `wanted` starts in the buffer
-    hidden: int
-
-    def read(self) -> list[tuple[Tensor, ...]]:
-        """One tuple of schemas.Tensor per entry of `wanted`."""
-        if self.buffer is None:
-            return []
-        shape = (self.hidden,)
-        if sys.byteorder == "little":
-            # The host's order is the wire's: each row is a slice of the buffer's bytes, one copy.
-            raw = self.buffer.numpy().tobytes()
-
-            def row(dtype: HiddenDType, begin: int, end: int) -> Tensor:
-                return Tensor(dtype.value, shape, raw[begin:end])
-
-        else:  # rows in the host's order: the schema's constructors convert them
-            buffer = self.buffer.numpy()
-
-            def row(dtype: HiddenDType, begin: int, end: int) -> Tensor:
-                return _to_tensor(buffer[begin:end], dtype)
-
-        out: list[tuple[Tensor, ...]] = []
-        for entry, start in zip(self.wanted, self.offsets, strict=True):
-            width = hidden_row_bytes(self.hidden, entry.dtype)
-            stop = start + len(entry.rows) * width
-            out.append(tuple(row(entry.dtype, begin, begin + width) for begin in range(start, stop, width)))
-        return out
-
-
-def _to_tensor(raw: np.ndarray, dtype: HiddenDType) -> Tensor:
-    if dtype is HiddenDType.BFLOAT16:
-        return Tensor.from_bfloat16_bits(raw.view(np.uint16).copy())
-    return Tensor.from_numpy(raw.view(np.float32 if dtype is HiddenDType.FLOAT32 else np.float16).copy())
-
-
-def start_rows_copy(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> HostRows:
-    """Queue the gather, cast and copy to the host of only the asked rows of pooled [N, H] on the current
-    stream, without waiting for it: the host can launch the next batch while the copy runs.
-
-    Rows are grouped by dtype (one gather and one cast per dtype) and laid out as raw bytes in one buffer,
-    so even a batch with mixed dtypes costs a single device-to-host copy.
-    """
-    hidden = pooled.shape[1]
-    if not wanted:
-        return HostRows(None, (), (), hidden)
-    dtypes = list(dict.fromkeys(entry.dtype for entry in wanted))
-    chunks: list[torch.Tensor] = []
-    group_offset: dict[HiddenDType, int] = {}
-    offset = 0
-    for dtype in dtypes:
-        rows = [row for entry in wanted if entry.dtype is dtype for row in entry.rows]
-        index = torch.tensor(rows, dtype=torch.long).to(pooled.device, non_blocking=True)
-        gathered = pooled.index_select(0, index).to(_TORCH_DTYPES[dtype]).contiguous()  # [n, H]
-        chunks.append(gathered.view(torch.uint8).reshape(-1))
-        group_offset[dtype] = offset
-        offset += chunks[-1].numel()
-    offsets = []
-    for entry in wanted:
-        offsets.append(group_offset[entry.dtype])
-        group_offset[entry.dtype] += len(entry.rows) * hidden_row_bytes(hidden, entry.dtype)
-    device_bytes = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
-    return HostRows(to_host_async(device_bytes), tuple(wanted), tuple(offsets), hidden)
-
-
-def to_host_async(device: torch.Tensor) -> torch.Tensor:
-    """A host copy of `device`, queued on the current stream (pinned memory makes it a real asynchronous
-    copy); a CPU tensor is returned as it is. Read it only once the stream has passed this point."""
-    if device.device.type != "cuda":
-        return device
-    host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
-    host.copy_(device, non_blocking=True)
-    return host

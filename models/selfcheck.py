@@ -103,7 +103,7 @@ def run_self_check(scorer: Scorer) -> SelfCheckReport:
 def judge_labels(scorer: Scorer) -> tuple[int, ...] | None:
     """A judge's label ids for a synthetic request (the self-check, the warm-up): spread over its vocabulary;
     None for the classifiers, which score with a head."""
-    if not scorer.is_judge:
+    if not scorer.model.judge:
         return None
     vocab = scorer.vocab_size
     return tuple(sorted({vocab - 1, vocab // 2, min(5, vocab - 1)}))
@@ -166,7 +166,7 @@ def _padded_forward(scorer: Scorer, ids: list[list[int]], types: list[list[int] 
     tokens = torch.tensor([row + [pad] * (width - len(row)) for row in ids], device=device)
     mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in ids], device=device)
     extra: dict[str, torch.Tensor] = {}
-    if scorer.uses_token_types:
+    if scorer.model.token_types:
         padded = [(t or [0] * len(row)) + [0] * (width - len(row)) for t, row in zip(types, ids, strict=True)]
         extra["token_type_ids"] = torch.tensor(padded, device=device)
     return scorer.hf_model(input_ids=tokens, attention_mask=mask, output_hidden_states=True, **extra)
@@ -176,17 +176,17 @@ def _read(
     scorer: Scorer, out: Any, slot: int, ids: list[int], labels: tuple[int, ...] | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Scores and pooled state of one row of an HF forward (its real tokens only)."""
-    row = scorer.pooled_row(ids)
+    row = scorer.head.pooled_row(ids)
     states = out.hidden_states[-1][slot, : len(ids)]  # [L, H]
     pooled = states.float().mean(0) if row is None else states[row].float()
     # With the model's own pooling, HF's logits are the reference; with another, its head on the plainly
     # computed pooled state; a judge's are its logits at the pooled position, label columns only.
     if labels is not None:
         logits = out.logits[slot, row if row is not None else len(ids) - 1, list(labels)]
-    elif scorer.pools_like_its_head:
+    elif scorer.head.pools_like_its_head:
         logits = out.logits[slot]
     else:
-        logits = scorer.apply_head(pooled[None])[0]
+        logits = scorer.head.apply(pooled[None])[0]
     return logits.double().cpu().numpy(), pooled.double().cpu().numpy()
 
 
@@ -200,7 +200,7 @@ def _hf_noise(
     """How much HF's own results move between two equivalent layouts (alone vs one padded batch), and, with
     FP8 projections, when every projection's input moves by a last bit before it is rounded."""
     noise, cosine = 0.0, 1.0
-    if scorer.pad_token_id is not None or scorer.is_judge:  # HF's classifiers pool no pad-less batch
+    if scorer.pad_token_id is not None or scorer.model.judge:  # HF's classifiers pool no pad-less batch
         batched, batched_hidden = _plain_forward(scorer, inputs, labels, batched=True)
         noise, cosine = float(np.abs(batched - alone).max()), _min_cosine(batched_hidden, alone_hidden)
     with jittered(scorer.hf_model, FP8_JITTER) as touched:

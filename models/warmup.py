@@ -1,6 +1,6 @@
 """Start-up warm-up: every variant of the compiled layers a batch can meet, compiled before the first request.
 
-The decoder layers run under torch.compile with dynamic sizes (models.engine.CompiledLayers): batches of any
+The decoder layers run under torch.compile with dynamic sizes (models.layers.CompiledLayers): batches of any
 token count or item count reuse one graph. A few things still give the layers a graph of their own, traced
 and compiled the first time a batch shows them, and on the GPU that takes seconds (7.5 s for Qwen3-0.6B
 shapes on an H200) during which the model thread scores nothing:
@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from models.engine import traced_graphs
 from models.errors import ModelLoadError
 from models.graphs import length_switch
+from models.layers import traced_graphs
 from models.prepare import PreparedRequest
 from models.selfcheck import judge_labels
 from schemas import ScoreRequest
@@ -74,16 +74,16 @@ def warm_up(scorer: Scorer) -> WarmUpReport:
     model that cannot score them would fail the same requests in traffic."""
     started = time.perf_counter()
     graphs_before = traced_graphs()
-    recorded_before = scorer.graphs.recorded if scorer.graphs is not None else 0
+    recorded_before = scorer.executor.graphs.recorded if scorer.executor.graphs is not None else 0
     batches = tokens = 0
     extra = _template_tokens(scorer)
-    if scorer.compiled or scorer.graphs is not None:
-        repeats = 2 if scorer.graphs is not None else 1
+    if scorer.executor.compiled or scorer.executor.graphs is not None:
+        repeats = 2 if scorer.executor.graphs is not None else 1
         for name, lengths, query in _variants(scorer, extra):
             for _ in range(repeats):
                 tokens += _score(scorer, name, [scorer.prepare(_request(scorer, name, lengths, query))])
                 batches += 1
-    ahead = scorer.record_small_batch_graphs()
+    ahead = scorer.executor.record_small_batch_graphs(scorer.config.max_batch_tokens)
     if scorer.device.type == "cuda":
         tokens += _score(scorer, "full token budget", _full_budget(scorer, extra))
         batches += 1
@@ -91,7 +91,8 @@ def warm_up(scorer: Scorer) -> WarmUpReport:
         batches=batches,
         tokens=tokens,
         compiled_graphs=traced_graphs() - graphs_before,
-        cuda_graphs=(scorer.graphs.recorded if scorer.graphs is not None else 0) - recorded_before,
+        cuda_graphs=(scorer.executor.graphs.recorded if scorer.executor.graphs is not None else 0)
+        - recorded_before,
         seconds=time.perf_counter() - started,
         ahead_graphs=ahead,
     )
@@ -110,9 +111,9 @@ def _variants(scorer: Scorer, extra: int) -> list[Variant]:
     variants.append(("short items", (short, max(1, short - 3)), 0))
     if long > short:
         variants.append(("a long item", (short, long), 0))
-    if scorer.shares_prefixes:
+    if scorer.plan.shares_prefixes:
         prefix = scorer.config.share_prefix_min_tokens
-        window = scorer.sliding_window
+        window = scorer.executor.sliding_window
         # Prompts no longer than a sliding window take the cross pass in every layer; longer ones gather
         # each suffix's keys in the windowed layers (the others still take the cross pass).
         within = limit if window is None else min(limit, window - extra)

@@ -10,14 +10,14 @@ from typing import Any
 
 from aiokafka.structs import TopicPartition
 
-from models import ModelInfo
+from models import ScoringEngine
 from worker.config import WorkerSettings
 from worker.errors import ModelStuckError
 from worker.gc_pauses import GcPauses, freeze_startup_heap, thaw_heap
 from worker.health import Readiness
 from worker.holds import Hold
-from worker.intake import Intake, Outgoing, ScorerLike, record_size
-from worker.intake_processes import IntakeProcesses, builder_of, process_count
+from worker.intake import Intake, Outgoing, record_size
+from worker.intake_processes import IntakeProcesses, process_count
 from worker.metrics import ResultTally, WorkerMetrics
 from worker.pipeline import Pipeline
 from worker.publisher import unreadable_record
@@ -45,15 +45,15 @@ class ScoreWorker:
     def __init__(
         self,
         settings: WorkerSettings,
-        scorer: ScorerLike,
+        engine: ScoringEngine,
         metrics: WorkerMetrics | None = None,
         readiness: Readiness | None = None,
     ) -> None:
         self._settings = settings
-        self._scorer = scorer
+        self._engine = engine
         if metrics is None:
             metrics = WorkerMetrics(settings.worker_id)
-            metrics.bind_model(model_info(scorer), settings.max_batch_tokens)
+            metrics.bind_model(engine.info, settings.max_batch_tokens)
         self.metrics = metrics
         self.readiness = readiness or Readiness(metrics, model_loaded=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -105,7 +105,7 @@ class ScoreWorker:
         self._loop = asyncio.get_running_loop()
         settings = self._settings = await self._effective_settings()
         self._sink = Sink(settings, self.metrics, self._on_fenced)
-        intake = Intake(settings, self._scorer, self.metrics)
+        intake = Intake(settings, self._engine, self.metrics)
         processes = self._intake_processes(settings)
         self._pipeline = Pipeline(settings, intake, self.metrics, self._sink.deliver, self._spawn, processes)
         self._source = Source(
@@ -135,10 +135,10 @@ class ScoreWorker:
 
     def _intake_processes(self, settings: WorkerSettings) -> IntakeProcesses | None:
         """Started here: they import their libraries while the worker joins its group."""
-        count = process_count(settings.intake_processes, str(getattr(self._scorer, "device", "cpu")))
-        builder = builder_of(self._scorer)
-        if count == 0 or builder is None:
+        count = process_count(settings.intake_processes, self._engine.info.device)
+        if count == 0:
             return None
+        builder = self._engine.prompt_builder
         metrics = self.metrics
         processes = IntakeProcesses(builder, count, metrics.prepared_in_processes, metrics.intake_restarted)
         processes.start()
@@ -331,11 +331,3 @@ class ScoreWorker:
             if keep_polling:
                 await self._source.fetch(0, 1)
         return True
-
-
-def model_info(scorer: ScorerLike) -> ModelInfo:
-    """The scorer's own description where it has one (models.Scorer), else its name alone."""
-    info = getattr(scorer, "info", None)
-    if isinstance(info, ModelInfo):
-        return info
-    return ModelInfo(scorer.model_name, "unknown", "unknown", "unknown", 0)

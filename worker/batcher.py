@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from models.chunks import group_cut
+from models.plan import group_cut
 
 T = TypeVar("T")
 
@@ -34,7 +34,7 @@ class TokenBudgetBatcher(Generic[T]):
     measured with the batch, and joins it when what they compute together fits. `joins(earlier, item)`,
     given with it, says whether two items share such a prefix: when an item closes the batch, the items at
     the batch's end sharing one with it move to the next batch with it, so their prefix is computed once
-    and not in both (the rule of `models.chunks.group_cut`, which the engine's own split follows). Those
+    and not in both (the rule of `models.plan.group_cut`, which the engine's own split follows). Those
     moved items keep the time they started waiting: the maximum wait still bounds every item's.
     """
 
@@ -96,7 +96,7 @@ class TokenBudgetBatcher(Generic[T]):
     def _group_cut(self, item: T) -> tuple[Batch[T], int] | None:
         """When `item` does not fit the open batch and the last items share a prefix with it: the batch of
         the first items, closed, and what the ones left open compute with `item` (they stay open with it,
-        models.chunks.group_cut). None when the whole batch closes."""
+        models.plan.group_cut). None when the whole batch closes."""
         items, measure, joins = [*self._items, item], self._measure, self._joins
         if measure is None or joins is None:
             return None

@@ -6,12 +6,11 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from models import BatchObserver
-from models.chunks import PromptsMeasure, RequestsJoin
+from models import BatchPlan, PendingScores, ScoringEngine
 from models.errors import DeviceLostError
 from schemas import (
     ErrorCode,
@@ -31,19 +30,6 @@ from worker.publisher import record_size as out_record_size
 from worker.replies import DEFAULT_ROUTE, ReplyPolicy, Route
 
 log = logging.getLogger(__name__)
-
-
-class ScorerLike(Protocol):
-    """What the worker needs of models.Scorer."""
-
-    @property
-    def model_name(self) -> str: ...
-
-    def prepare(self, request: ScoreRequest) -> Any: ...
-
-    def score_prepared(
-        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
-    ) -> list[ScoreResult]: ...
 
 
 @dataclass(eq=False)
@@ -97,7 +83,7 @@ class Launch:
     """A batch handed to the scorer: its pending device work, or its results when they are known already."""
 
     prepared: Sequence[Any]
-    pending: Any  # what the scorer's launch returned
+    pending: PendingScores | None  # what the engine's launch returned
     results: list[ScoreResult] | None = None
 
 
@@ -108,30 +94,16 @@ def record_size(record: ConsumerRecord[bytes, bytes]) -> int:
 class Intake:
     """Turns fetched records into accepted requests or rejections, and results into records to publish."""
 
-    def __init__(self, settings: WorkerSettings, scorer: ScorerLike, metrics: WorkerMetrics) -> None:
+    def __init__(self, settings: WorkerSettings, engine: ScoringEngine, metrics: WorkerMetrics) -> None:
         self._settings = settings
-        self._scorer = scorer
+        self._engine = engine
         self._metrics = metrics
         self._replies = ReplyPolicy(settings)
-        self._overlaps = all(callable(getattr(scorer, name, None)) for name in ("launch", "finish"))
 
     @property
-    def batch_measure(self) -> PromptsMeasure | None:
-        """What prompts compute together in one batch, when the scorer computes shared prefixes once (the
-        batch budget then counts a prefix once); None when it is the sum of their lengths."""
-        if not getattr(self._scorer, "shares_prefixes", False):
-            return None
-        measure: PromptsMeasure = self._scorer.batch_tokens  # type: ignore[attr-defined]
-        return measure
-
-    @property
-    def batch_joins(self) -> RequestsJoin | None:
-        """Whether two prepared requests share a prefix one batch computes once (batch cuts keep them
-        together), when the scorer computes shared prefixes once; else None."""
-        if not getattr(self._scorer, "shares_prefixes", False):
-            return None
-        joins: RequestsJoin = self._scorer.share_prefix  # type: ignore[attr-defined]
-        return joins
+    def plan(self) -> BatchPlan:
+        """The engine's token-budget rule: what the worker's batches and a large request's parts count."""
+        return self._engine.plan
 
     def prepare_all(
         self, records: Sequence[ConsumerRecord[bytes, bytes]], ready: Sequence[Ready | None] | None = None
@@ -185,7 +157,7 @@ class Intake:
     def _prepare(self, request: ScoreRequest, key: bytes | None) -> tuple[ScoreResult | None, Any]:
         """(error result, None) or (None, the prepared request)."""
         try:
-            prepared = self._scorer.prepare(request)
+            prepared = self._engine.prepare(request)
         except Exception as exc:
             log.exception("preparing request %s failed unexpectedly", request.request_id)
             message = f"preparing the request failed: {exc!r}"
@@ -196,13 +168,11 @@ class Intake:
 
     def _too_large(self, request: ScoreRequest, key: bytes | None, items: int) -> ScoreResult | None:
         """RESULT_TOO_LARGE before any model time, when the result's size bound breaks the record limit."""
-        floats = getattr(self._scorer, "num_labels", None)
-        hidden = getattr(self._scorer, "hidden_size", None)
-        if floats is None or hidden is None:  # a scorer that cannot say: the check after scoring remains
-            return None
+        floats = self._engine.num_labels
         if request.label_token_ids is not None:
             floats = len(request.label_token_ids)
-        bound = result_size_bound(request, self._scorer.model_name, items, floats, hidden)
+        hidden = self._engine.hidden_size
+        bound = result_size_bound(request, self._engine.model_name, items, floats, hidden)
         size = out_record_size(key, None, result_headers(request.request_id)) + bound
         limit = self._settings.max_record_bytes
         if size <= limit:
@@ -244,7 +214,7 @@ class Intake:
         if request_id is None:
             log.warning("offset %d of %s: no usable request id in the map or the headers", record.offset, tp)
             return self._answered(record, messages)
-        model = self._scorer.model_name
+        model = self._engine.model_name
         failure = ScoreResult.failure(request_id, code, message, model=model, metadata=metadata)
         answer = result_record(self._settings, record.key, failure, route)
         sent = answer.result.error if answer.result is not None else None
@@ -265,26 +235,17 @@ class Intake:
 
     def failure(self, request: ScoreRequest, code: ErrorCode, message: str) -> ScoreResult:
         return ScoreResult.failure(
-            request.request_id, code, message, model=self._scorer.model_name, metadata=request.metadata
+            request.request_id, code, message, model=self._engine.model_name, metadata=request.metadata
         )
-
-    @property
-    def overlaps(self) -> bool:
-        """The scorer can queue a batch on the device and build its results later (Scorer.launch)."""
-        return self._overlaps
 
     def launch(self, prepared: Sequence[Any]) -> Launch:
         """Runs on the model thread: the batch's forward passes queued on the device; `finish` waits for
-        them (one result per prepared request or part of one, in order). A scorer without that split
-        scores here."""
+        them (one result per prepared request or part of one, in order)."""
         try:
-            if not self._overlaps:
-                results = self._scorer.score_prepared(prepared, on_batch=self._metrics.model_batch)
-                return Launch(prepared, None, self._checked(prepared, results))
-            pending = self._scorer.launch(prepared, on_batch=self._metrics.model_batch)  # type: ignore[attr-defined]
+            pending = self._engine.launch(prepared, on_batch=self._metrics.model_batch)
         except DeviceLostError:
             raise  # nothing more can run here: the worker stops, uncommitted
-        except Exception as exc:  # the Scorer reports model failures itself; this is a last resort
+        except Exception as exc:  # the engine reports model failures itself; this is a last resort
             return Launch(prepared, None, self._last_resort(prepared, exc))
         return Launch(prepared, pending)
 
@@ -292,8 +253,9 @@ class Intake:
         """Runs on the model thread, in launch order: the launched batch's results."""
         if launch.results is not None:
             return launch.results
+        assert launch.pending is not None, "a launch holds its pending work or its results"
         try:
-            return self._checked(launch.prepared, self._scorer.finish(launch.pending))  # type: ignore[attr-defined]
+            return self._checked(launch.prepared, self._engine.finish(launch.pending))
         except DeviceLostError:
             raise
         except Exception as exc:

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
 
 from models.prepare import PreparedRequest, PromptBuilder
 from schemas import decode_request
@@ -213,9 +212,3 @@ def process_count(setting: int | None, device: str) -> int:
     if setting is not None:
         return setting
     return DEFAULT_GPU_INTAKE_PROCESSES if device.startswith("cuda") else 0
-
-
-def builder_of(scorer: Any) -> PromptBuilder | None:
-    """The scorer's prompt builder, when it has one that intake processes can run."""
-    builder = getattr(scorer, "prompt_builder", None)
-    return builder if isinstance(builder, PromptBuilder) else None

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiokafka.structs import ConsumerRecord
 
-from models.chunks import join_results, split_request
+from models.plan import join_results
 from schemas import ResultStatus, ScoreResult
 from worker.batcher import Batch, TokenBudgetBatcher
 from worker.config import WorkerSettings
@@ -91,7 +91,7 @@ class Watchdog:
 class Pipeline:
     """Owns the batcher and the model thread. `accept` takes fetched records; answers go to `deliver`.
 
-    Requests larger than one batch are cut into parts (models.chunks) that take turns with ordinary
+    Requests larger than one batch are cut into parts (models.plan) that take turns with ordinary
     batches, so small requests behind a large one wait for about one batch, not for all of it.
 
     Up to `model_queue_depth` batches are on the model thread at once: the running one and closed batches
@@ -117,8 +117,9 @@ class Pipeline:
         self._spawn = spawn
         # With shared prefixes computed once, budgets count what a batch computes, not what it holds.
         # Requests sharing a prefix are kept in one batch where a batch closes between them.
-        self._measure = intake.batch_measure
-        joins = intake.batch_joins
+        self._plan = intake.plan
+        self._measure = self._plan.batch_measure
+        joins = self._plan.batch_joins
         self._batcher: TokenBudgetBatcher[Unit] = TokenBudgetBatcher(
             settings.max_batch_tokens,
             settings.max_batch_requests,
@@ -187,7 +188,7 @@ class Pipeline:
         self.progress.set()
 
     def _queue(self, accepted: Accepted) -> None:
-        parts = split_request(accepted.prepared, self._settings.max_batch_tokens, self._measure)
+        parts = self._plan.parts(accepted.prepared, self._settings.max_batch_tokens)
         if len(parts) == 1:
             unit = Unit(accepted, accepted.prepared, self._tokens(accepted.prepared))
             for batch in self._batcher.add(unit, unit.tokens):
@@ -325,7 +326,7 @@ class Pipeline:
                 loop.call_soon_threadsafe(self._deliver_finished, finished)
             with self._queue_lock:
                 next_queued = self._not_started > 0
-            if next_queued and self._intake.overlaps:
+            if next_queued:
                 self._deferred = launched
                 return []
             return [self._finish_units(launched)]

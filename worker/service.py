@@ -14,8 +14,8 @@ from worker.health import HealthServer, Readiness
 from worker.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
+    from models import ScoringEngine
     from worker.app import ScoreWorker
-    from worker.intake import ScorerLike
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +27,11 @@ class WorkerService:
     def __init__(
         self,
         settings: WorkerSettings,
-        load_scorer: Callable[[], ScorerLike],
+        load_engine: Callable[[], ScoringEngine],
         metrics: WorkerMetrics | None = None,
     ) -> None:
         self.settings = settings
-        self._load_scorer = load_scorer
+        self._load_engine = load_engine
         self.metrics = metrics or WorkerMetrics(settings.worker_id)
         self.readiness = Readiness(self.metrics)
         self.health: HealthServer | None = None
@@ -51,14 +51,14 @@ class WorkerService:
 
     async def run(self) -> None:
         """Serve until stopped; raises what the worker raises (PublishError, a broker it cannot reach...)."""
-        from worker.app import ScoreWorker, model_info
+        from worker.app import ScoreWorker
 
         if self.health is not None:
             await self.health.start()
         try:
             # Loading takes seconds to minutes: off the loop, so /healthz and /metrics answer meanwhile.
-            scorer = await asyncio.get_running_loop().run_in_executor(None, self._load_scorer)
-            info = model_info(scorer)
+            engine = await asyncio.get_running_loop().run_in_executor(None, self._load_engine)
+            info = engine.info
             log.info(
                 "loaded model %s (%s, %s%s on %s, hidden size %d, %s attention, %s, %s)",
                 info.name, info.architecture, info.dtype,
@@ -68,13 +68,12 @@ class WorkerService:
                 + (", fused MLP kernel" if info.fused_mlp else ""),
                 "CUDA graphs for small batches" if info.cuda_graphs else "no CUDA graphs",
             )  # fmt: skip
-            device_memory = getattr(scorer, "device_memory", None)
-            self.metrics.bind_model(info, self.settings.max_batch_tokens, device_memory)
+            self.metrics.bind_model(info, self.settings.max_batch_tokens, engine.device_memory)
             self.readiness.update(model_loaded=True)
             if self._stop_requested:
                 log.info("stop requested during start-up: exiting")
                 return
-            self.worker = ScoreWorker(self.settings, scorer, self.metrics, self.readiness)
+            self.worker = ScoreWorker(self.settings, engine, self.metrics, self.readiness)
             await self.worker.run()
         finally:
             self.readiness.update(model_loaded=False)

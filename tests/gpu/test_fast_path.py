@@ -115,12 +115,12 @@ def test_a_replayed_graph_scores_the_batch_it_is_given(count: int, tiny_qwen3_di
     same compiled layers give them without graphs (bf16: padding changes the matmul tiling: not bitwise)."""
     graphed = Scorer(tiny_qwen3_dir, ScorerConfig(device="cuda", dtype="bfloat16"))
     plain = Scorer(tiny_qwen3_dir, ScorerConfig(device="cuda", dtype="bfloat16", cuda_graphs="off"))
-    assert graphed.graphs is not None and plain.graphs is None and graphed.info.cuda_graphs
+    assert graphed.executor.graphs is not None and plain.executor.graphs is None and graphed.info.cuda_graphs
     for seed in (1, 3):  # a shape is recorded at its second batch
         graphed.score(_requests(count, 100, seed=seed))
     second = _requests(count, 100, seed=2)
     got_scores, got_hidden = _arrays(graphed.score(second))
-    assert graphed.graphs.recorded == 1 and graphed.graphs.replays == 1
+    assert graphed.executor.graphs.recorded == 1 and graphed.executor.graphs.replays == 1
     want_scores, want_hidden = _arrays(plain.score(second))
     scale = max(1.0, float(np.abs(want_scores).max()))
     # Two bf16 forwards (padding changes the matmuls' tiling): the model's sums in series for 100-token
@@ -142,8 +142,10 @@ def test_graphs_recorded_ahead_score_a_request_the_first_time_its_shape_comes(ti
 
     graphed = Scorer(tiny_qwen3_dir, ScorerConfig(device="cuda", dtype="bfloat16"))
     plain = Scorer(tiny_qwen3_dir, ScorerConfig(device="cuda", dtype="bfloat16", cuda_graphs="off"))
-    assert graphed.graphs is not None and graphed.attention_kernel == "triton"
-    assert graphed.record_small_batch_graphs() == len(small_batch_keys(SMALL_BATCH_TOKENS))
+    assert graphed.executor.graphs is not None and graphed.attention_kernel == "triton"
+    assert graphed.executor.record_small_batch_graphs(graphed.config.max_batch_tokens) == len(
+        small_batch_keys(SMALL_BATCH_TOKENS)
+    )
     generator = np.random.default_rng(5)
     for n, lengths in enumerate([(30,), (3, 41, 200), (17, 1, 1, 1), (500, 480, 2), (300, 300, 300, 300)]):
         request = ScoreRequest(
@@ -153,7 +155,7 @@ def test_graphs_recorded_ahead_score_a_request_the_first_time_its_shape_comes(ti
         )
         got, want = graphed.score([request])[0], plain.score([request])[0]
         assert got.ok and want.ok, (got.error, want.error)
-        assert graphed.graphs.replays == n + 1, lengths
+        assert graphed.executor.graphs.replays == n + 1, lengths
         want_scores = np.array([s[0] for s in want.scores], dtype=np.float32)
         got_scores = np.array([s[0] for s in got.scores], dtype=np.float32)
         scale = max(1.0, float(np.abs(want_scores).max()))
@@ -205,7 +207,7 @@ def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(
             results = scorer.score(requests)
             assert all(result.error is None for result in results), results
         if config.cuda_graphs != "off":
-            assert scorer.graphs is not None and scorer.graphs.replays == 1
+            assert scorer.executor.graphs is not None and scorer.executor.graphs.replays == 1
         prompts = [query + item for query in queries for item in items]
         reference = hf_reference(model_dir, prompts)
         bf16 = hf_reference(model_dir, prompts, dtype=torch.bfloat16)
@@ -313,7 +315,7 @@ def _engine_matches_float32_hf(architecture: str, config: ScorerConfig) -> Any:
         for _ in range(3):  # the ordinary forward, then a recording, then a replay: the last is checked
             results = scorer.score(requests)
         if config.cuda_graphs != "off":
-            assert scorer.graphs is not None and scorer.graphs.replays == 1
+            assert scorer.executor.graphs is not None and scorer.executor.graphs.replays == 1
         reference = hf_reference(model_dir, list(prompts))
         bf16 = hf_reference(model_dir, list(prompts), dtype=torch.bfloat16)
         scores_bound, hidden_bound = _against_float32_hf(model_dir, 300, reference, bf16)
@@ -601,7 +603,11 @@ def test_after_the_warm_up_no_batch_compiles(architecture: str) -> None:
         model_dir = write_tiny_model(Path(tmp) / architecture, architecture)
         config = ScorerConfig(device="cuda", dtype="bfloat16", share_prefix_min_tokens=8)
         scorer = Scorer(model_dir, config)
-        assert scorer.compiled and scorer.graphs is not None and scorer.attention_kernel == "triton"
+        assert (
+            scorer.executor.compiled
+            and scorer.executor.graphs is not None
+            and scorer.attention_kernel == "triton"
+        )
         report = warm_up(scorer)
         assert report.compiled_graphs > 0 and report.cuda_graphs > 0, describe(report)
         after = traced()

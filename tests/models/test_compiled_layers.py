@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from models import Scorer, ScorerConfig
-from models.engine import compile_layers
+from models.layers import compile_layers
 from schemas import ScoreRequest
 
 
@@ -35,7 +35,7 @@ def test_compiled_layers_score_like_eager(tiny_llama_dir: Path) -> None:
     compiled = Scorer(
         tiny_llama_dir, ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel, compile="on")
     )
-    assert compiled.compiled and not eager.compiled and compiled.info.compiled
+    assert compiled.executor.compiled and not eager.executor.compiled and compiled.info.compiled
     requests = _requests()
     for first, second in zip(eager.score(requests), compiled.score(requests), strict=True):
         assert second.ok, second.error
@@ -75,12 +75,12 @@ def test_compiled_layers_on_the_exact_path_compile_once_not_per_batch(tiny_llama
     import torch
     from scoring_testkit import assert_scored_alike
 
-    from models.engine import traced_graphs
+    from models.layers import traced_graphs
 
     torch._dynamo.reset()  # other tests' graphs of the same layer code would hide what this one compiles
     eager = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
     compiled = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", attention="reference", compile="on"))
-    assert compiled.compiled
+    assert compiled.executor.compiled
     requests = _requests()
     # The first two batches compile: static sizes, then dynamic ones.
     batches = [requests, requests[:2], requests[1:4], requests[3:4], requests[:1] + requests[4:]]
@@ -116,7 +116,7 @@ def test_the_graphed_path_does_not_recompile_the_layers(tiny_llama_dir: Path) ->
     for count in (1, 4, 1, 2, 4):
         for _ in range(3):
             assert all(r.ok for r in scorer.score(_requests()[:count]))
-    graphs = scorer.graphs
+    graphs = scorer.executor.graphs
     assert graphs is not None and graphs.replays > 0
     failures = [f for reasons in torch._dynamo.utils.guard_failures.values() for f in reasons]
     layout = [f for f in failures if "dispatch key" in f or "stride" in f]

@@ -118,7 +118,7 @@ def test_the_small_batch_keys_are_every_key_of_a_request_of_a_few_items() -> Non
 def test_graphed_batches_score_like_the_exact_path(architecture: str, model_dirs: dict[str, Path]) -> None:
     recorder = CountingRecorder()
     graphed, plain = _scorers(model_dirs[architecture], recorder)
-    graphs = graphed.graphs
+    graphs = graphed.executor.graphs
     assert graphs is not None
     _assert_same(graphed, plain, _requests([(30,), (3, 41), (17,), (1,)]))
     assert graphs.recorded == 0  # a shape met once takes the ordinary forward
@@ -137,11 +137,18 @@ def test_small_batches_recorded_ahead_replay_from_their_first_batch(
 ) -> None:
     recorder = CountingRecorder()
     graphed, plain = _scorers(model_dirs[architecture], recorder)
-    graphs = graphed.graphs
+    graphs = graphed.executor.graphs
     assert graphs is not None
     keys = small_batch_keys(SMALL_BATCH_TOKENS)
-    assert graphed.record_small_batch_graphs() == len(keys) == recorder.recordings == graphs.graphs
-    assert graphed.record_small_batch_graphs() == 0  # all held already
+    assert (
+        graphed.executor.record_small_batch_graphs(graphed.config.max_batch_tokens)
+        == len(keys)
+        == recorder.recordings
+        == graphs.graphs
+    )
+    assert (
+        graphed.executor.record_small_batch_graphs(graphed.config.max_batch_tokens) == 0
+    )  # all held already
     # One request of one to four items on each side of the switch, and a batch of a few requests: each
     # replays the graph recorded ahead the first time its shape comes, on this batch's tokens.
     batches = [[(30,)], [(3, 41, 200)], [(17, 1, 1, 1)], [(500, 480, 2)], [(9,), (12, 7)]]
@@ -162,14 +169,18 @@ def test_small_batches_recorded_ahead_replay_from_their_first_batch(
 def test_recording_ahead_stays_within_the_graphs_token_limit(tiny_llama_dir: Path) -> None:
     recorder = CountingRecorder()
     graphed, _ = _scorers(tiny_llama_dir, recorder, graph_max_tokens=100)
-    assert graphed.record_small_batch_graphs() == len(small_batch_keys(100)) == recorder.recordings
+    assert (
+        graphed.executor.record_small_batch_graphs(graphed.config.max_batch_tokens)
+        == len(small_batch_keys(100))
+        == recorder.recordings
+    )
 
 
 def test_mean_pooling_reads_only_the_items_rows(tiny_llama_dir: Path) -> None:
     graphed, plain = _scorers(tiny_llama_dir, CountingRecorder(), pooling="mean")
     for seed in (1, 2, 3):  # ordinary, recorded, replayed
         _assert_same(graphed, plain, _requests([(5,), (9, 2)], seed=seed))
-    assert graphed.graphs is not None and graphed.graphs.replays == 1
+    assert graphed.executor.graphs is not None and graphed.executor.graphs.replays == 1
 
 
 @pytest.mark.parametrize("architecture", ["bert", "xlm-roberta"])
@@ -181,7 +192,7 @@ def test_encoders_take_their_token_types_and_positions_through_the_graph(
     requests = [ScoreRequest("pair", query="how are graphs replayed", items=("one answer", "another one"))]
     for _ in range(3):  # ordinary, recorded, replayed
         _assert_same(graphed, plain, requests)
-    assert graphed.graphs is not None and graphed.graphs.replays == 1
+    assert graphed.executor.graphs is not None and graphed.executor.graphs.replays == 1
 
 
 def test_large_batches_take_the_ordinary_forward(tiny_llama_dir: Path) -> None:
@@ -197,7 +208,7 @@ def test_large_batches_take_the_ordinary_forward(tiny_llama_dir: Path) -> None:
 
 def test_least_recently_used_graphs_are_dropped(tiny_llama_dir: Path) -> None:
     graphed, plain = _scorers(tiny_llama_dir, CountingRecorder())
-    graphs = graphed.graphs
+    graphs = graphed.executor.graphs
     assert graphs is not None
     graphs.capacity = 2
     # Buckets of 16, 48 and 80 tokens: each recorded at its second batch; 16 replayed before 80 comes.
@@ -216,7 +227,7 @@ def test_a_failed_recording_turns_graphs_off_and_loses_nothing(
     with caplog.at_level(logging.WARNING, logger="models.graphs"):
         for _ in range(2):  # the second batch of the shape is recorded
             _assert_same(graphed, plain, _requests([(12,), (5,)]))
-    assert graphed.graphs is not None and not graphed.graphs.enabled
+    assert graphed.executor.graphs is not None and not graphed.executor.graphs.enabled
     assert "ordinary forward" in caplog.text and not graphed.info.cuda_graphs
     _assert_same(graphed, plain, _requests([(12,), (5,)]))
 
@@ -232,18 +243,20 @@ def test_deterministic_runs_every_item_through_its_own_graph(tiny_llama_dir: Pat
 
 
 def test_graphs_follow_the_setting_and_the_device(tiny_llama_dir: Path) -> None:
-    assert Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).graphs is None  # auto: CUDA only
+    assert Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).executor.graphs is None  # auto: CUDA only
     kernel = CpuVarlenKernel()
     recorder = CountingRecorder()
     off = ScorerConfig(
         device="cpu", attention="varlen", varlen_kernel=kernel, graph_recorder=recorder, cuda_graphs="off"
     )
-    assert Scorer(tiny_llama_dir, off).graphs is None
+    assert Scorer(tiny_llama_dir, off).executor.graphs is None
     with pytest.raises(ValueError, match="CUDA device"):
         ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel, cuda_graphs="on").resolve_graphs(
             torch.device("cpu"), "varlen"
         )
     exact = ScorerConfig(device="cpu", graph_recorder=CountingRecorder(), cuda_graphs="on")
-    assert Scorer(tiny_llama_dir, exact).graphs is None  # the exact path loops on the host: never recorded
+    assert (
+        Scorer(tiny_llama_dir, exact).executor.graphs is None
+    )  # the exact path loops on the host: never recorded
     with pytest.raises(ValueError, match="graph_max_tokens"):
         ScorerConfig(graph_max_tokens=0)

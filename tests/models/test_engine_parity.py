@@ -19,9 +19,9 @@ from tolerances import (
 )
 from transformers import AutoModelForSequenceClassification
 
-from models import Scorer, ScorerConfig, engine
-from models.packing import HostRows, RowRequest, start_rows_copy
+from models import Scorer, ScorerConfig, transfer
 from models.tiny import DECODERS
+from models.transfer import HostRows, RowRequest, start_rows_copy
 from schemas import HiddenDType, ScoreRequest
 
 TEXTS = (
@@ -189,7 +189,7 @@ def test_mixed_batch_hidden_state_flags_and_dtypes(
         copied.extend(wanted)
         return start_rows_copy(pooled, wanted)
 
-    monkeypatch.setattr(engine, "start_rows_copy", spy)
+    monkeypatch.setattr(transfer, "start_rows_copy", spy)
     asks = [None, HiddenDType.FLOAT32, None, HiddenDType.FLOAT16, HiddenDType.BFLOAT16, None]
     requests = [
         ScoreRequest(

@@ -36,7 +36,6 @@ from tolerances import (
 )
 
 from models import Scorer, ScorerConfig
-from models.engine import transformer_layers
 from models.errors import ModelLoadError
 from models.fp8 import (
     FP8_MAX,
@@ -48,6 +47,7 @@ from models.fp8 import (
     quantize_rows,
 )
 from models.graphs import Recorder
+from models.layers import transformer_layers
 from models.selfcheck import (
     FP8_JITTER,
     FP8_MIN_COSINE,
@@ -289,7 +289,7 @@ def test_the_gpu_path_with_fp8_projections_scores_like_hf(tiny_qwen3_dir: Path) 
         quantization="fp8",
     )
     scorer = Scorer(tiny_qwen3_dir, config)
-    assert scorer.compiled and scorer.graphs is not None
+    assert scorer.executor.compiled and scorer.executor.graphs is not None
     for _ in range(3):  # ordinary, recorded, replayed
         median, largest, allowed = _agrees_with_hf_fp8(scorer, tiny_qwen3_dir)
         assert median <= allowed and largest <= allowed, (median, largest, allowed)
@@ -330,6 +330,6 @@ def test_fp8_is_refused_where_it_cannot_run(tiny_llama_dir: Path, monkeypatch: p
     assert fp8_supported(torch.device("cpu")) is None
     assert "CUDA or the CPU" in (fp8_supported(torch.device("meta")) or "")
     assert transformer_layers(torch.nn.Linear(2, 2)) is None
-    monkeypatch.setattr("models.engine.transformer_layers", lambda base: None)
+    monkeypatch.setattr("models.execute.transformer_layers", lambda base: None)
     with pytest.raises(ModelLoadError, match="no layer list"):
         Scorer(tiny_llama_dir, ScorerConfig(device="cpu", quantization="fp8"))

@@ -171,7 +171,7 @@ def test_engine_through_the_kernel_matches_the_reference_path(
     # so the others run eager.
     compiled = architecture == "llama"
     fused = Scorer(model_dirs[architecture], _fused_on_cpu(compile=compiled))
-    assert fused.compiled == compiled and fused.info.fused_mlp
+    assert fused.executor.compiled == compiled and fused.info.fused_mlp
     reference = Scorer(model_dirs[architecture], ScorerConfig(device="cpu", attention="reference"))
     assert not reference.info.fused_mlp
     requests = token_requests([(30,), (3, 41), (17,), (1,)])

@@ -294,7 +294,7 @@ def test_a_trl_value_head_makes_a_causal_lm_a_reward_model(tmp_path: Path) -> No
     weights.update({"v_head.summary.weight": weight, "v_head.summary.bias": bias})
     save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
     scorer = Scorer(model_dir, ScorerConfig(device="cpu"))
-    assert not scorer.is_judge and scorer.info.pooling == "last_token"
+    assert not scorer.model.judge and scorer.info.pooling == "last_token"
     prompt = (12, 40, 77, 9, 0)  # ends in the pad id: a value head reads the true last token anyway
     result = scorer.score([ScoreRequest(request_id="r", items=(prompt,), return_pooled_hidden_states=True)])[
         0

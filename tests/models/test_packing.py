@@ -9,7 +9,8 @@ import pytest
 import torch
 from tolerances import assert_within, sum_bound
 
-from models.packing import RowRequest, pack, pool, pooled_positions, start_rows_copy
+from models.packing import pack, pool, pooled_positions
+from models.transfer import RowRequest, start_rows_copy
 from schemas import HiddenDType
 
 

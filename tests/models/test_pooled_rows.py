@@ -21,8 +21,8 @@ from tolerances import assert_within, sum_bound
 from torch.overrides import TorchFunctionMode
 
 from models import Scorer, ScorerConfig
-from models.engine import decoder_layers
 from models.graphs import Recorder, next_power_of_two, pooled_row_slots
+from models.layers import decoder_layers
 from models.pooled_rows import LastLayerAtPooledRows, last_layer_row_wise, padded_rows
 from schemas import ScoreRequest
 
@@ -68,7 +68,7 @@ DOWN = "mlp.down_proj"
 def _rows(scorer: Scorer, *paths: str) -> Iterator[dict[str, list[list[int]]]]:
     """The rows the projection at each of `paths` (default: the MLP's down projection) of each layer
     computes, per forward: {path: [[layer 0's, ...], ...]} (filled when the block ends)."""
-    layers = decoder_layers(scorer._loaded.base)
+    layers = decoder_layers(scorer.model.base)
     assert layers is not None
     seen: dict[str, list[list[int]]] = {}
     with _LinearRows() as mode:
@@ -139,12 +139,12 @@ def test_mean_pooling_keeps_the_whole_mlp(tiny_llama_dir: Path) -> None:
 def test_neither_the_exact_path_nor_an_encoder_takes_it(
     tiny_llama_dir: Path, model_dirs: dict[str, Path]
 ) -> None:
-    assert Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))._pooled_layer is None  # the exact path
-    assert _scorer(tiny_llama_dir, last_layer_pooled_rows=False)._pooled_layer is None
+    assert Scorer(tiny_llama_dir, ScorerConfig(device="cpu")).executor.pooled_layer is None  # the exact path
+    assert _scorer(tiny_llama_dir, last_layer_pooled_rows=False).executor.pooled_layer is None
     assert last_layer_row_wise(None) == {} and last_layer_row_wise(torch.nn.ModuleList()) == {}
-    phi3 = _scorer(model_dirs["phi3"])._pooled_layer  # a fused q/k/v projection computes every row
+    phi3 = _scorer(model_dirs["phi3"]).executor.pooled_layer  # a fused q/k/v projection computes every row
     assert phi3 is not None and phi3.names == ("self_attn.o_proj", "mlp")
-    llama = _scorer(tiny_llama_dir)._pooled_layer
+    llama = _scorer(tiny_llama_dir).executor.pooled_layer
     assert llama is not None and llama.names == ("self_attn.q_proj", "self_attn.o_proj", "mlp")
 
 
@@ -159,7 +159,7 @@ def test_graphed_batches_pool_the_same_rows_with_the_same_bits(tiny_llama_dir: P
         runs = [scorer.score(small) for _ in range(3)]  # the ordinary forward, the recording, the replay
         scorer.score(large)
     seen = seen_down[DOWN]
-    assert scorer.graphs is not None and scorer.graphs.replays == 1
+    assert scorer.executor.graphs is not None and scorer.executor.graphs.replays == 1
     # 3 items in 4 sequence slots on every path; the large batch (no graph) 12 in 16.
     assert [forward[-1] for forward in seen] == [4, 4, 4, 16]
     for a, b in zip(runs[2], runs[1], strict=True):

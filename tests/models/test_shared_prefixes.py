@@ -20,7 +20,7 @@ from scoring_testkit import (
 )
 from tolerances import assert_within, attention_bound, sum_bound
 
-from models import Scorer, ScorerConfig, engine
+from models import Scorer, ScorerConfig, execute, plan
 from models.attention import attend_causal
 from models.packing import SharedPrefix, find_shared_prefixes, pack, packed_length, pool
 from models.tiny import DECODERS, write_tiny_model
@@ -59,14 +59,14 @@ class PackSpy:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.tokens: list[int] = []
-        real = engine.pack
+        real = execute.pack
 
         def spy(*args: Any, **kwargs: Any) -> Any:
             packed = real(*args, **kwargs)
             self.tokens.append(int(packed.input_ids.shape[1]))
             return packed
 
-        monkeypatch.setattr(engine, "pack", spy)
+        monkeypatch.setattr(execute, "pack", spy)
 
 
 @pytest.mark.parametrize("attention", ["reference", "varlen"])
@@ -287,7 +287,7 @@ def test_cuda_graphs_replay_batches_with_shared_prefixes(tiny_llama_dir: Path) -
         share_prefix_min_tokens=MIN_TOKENS,
     )
     scorer = Scorer(tiny_llama_dir, config)
-    graphs = scorer.graphs
+    graphs = scorer.executor.graphs
     assert graphs is not None
     plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
     for round_ in range(3):  # a shape is recorded at its second batch and replayed from the third
@@ -334,7 +334,7 @@ def test_the_token_budget_counts_a_shared_prefix_once(
         ScorerConfig(device="cpu", share_prefix_min_tokens=MIN_TOKENS, max_batch_tokens=budget),
     )
     plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_batch_tokens=budget))
-    assert shared.batch_tokens(_whole_prompts()) == computed and plain.batch_tokens(_whole_prompts()) == held
+    assert shared.plan.tokens(_whole_prompts()) == computed and plain.plan.tokens(_whole_prompts()) == held
     batches: dict[str, list[Any]] = {"shared": [], "plain": []}
     spy = PackSpy(monkeypatch)
     ours = shared.score_prepared([shared.prepare(r) for r in _requests()], batches["shared"].append)
@@ -357,13 +357,13 @@ def test_the_budget_never_counts_less_than_a_share_of_what_prompts_hold(tiny_lla
     scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", share_prefix_min_tokens=MIN_TOKENS))
     prompts = [QUERY * 4 + (300 + i,) for i in range(200)]  # 160 shared tokens, one of each prompt's own
     held = sum(len(p) for p in prompts)
-    assert scorer.batch_tokens(prompts) == math.ceil(held / KEYS_PER_TOKEN) > 160 + 200
+    assert scorer.plan.tokens(prompts) == math.ceil(held / KEYS_PER_TOKEN) > 160 + 200
     # Off, or deterministic (every item alone): what the prompts hold.
     for config in (
         ScorerConfig(device="cpu"),
         ScorerConfig(device="cpu", share_prefix_min_tokens=8, deterministic=True),
     ):
-        assert Scorer(tiny_llama_dir, config).batch_tokens(prompts) == held
+        assert Scorer(tiny_llama_dir, config).plan.tokens(prompts) == held
 
 
 @pytest.mark.parametrize("architecture", ["mistral", "gemma3_text"])
@@ -374,8 +374,8 @@ def test_sliding_windows_take_two_passes_until_a_prompt_outgrows_them(
     cuts nothing); one prompt longer than the window, and the batch gathers every sequence's keys, so a
     suffix's window ends inside its prefix where it should. Both as the whole prompts in HF float32."""
     packs: list[Any] = []
-    real = engine.pack
-    monkeypatch.setattr(engine, "pack", lambda *a, **k: packs.append(real(*a, **k)) or packs[-1])
+    real = execute.pack
+    monkeypatch.setattr(execute, "pack", lambda *a, **k: packs.append(real(*a, **k)) or packs[-1])
     config = ScorerConfig(
         device="cpu", attention="varlen", varlen_kernel=CpuVarlenKernelGqa(), share_prefix_min_tokens=8
     )
@@ -401,13 +401,13 @@ def test_a_batch_measured_then_launched_finds_its_groups_once(
     """The engine's split measures a batch (its prompts hold more than the budget, it computes less), then
     launches it: the groups are found once for both. Equal prompts in new objects are found again."""
     calls: list[int] = []
-    real = engine.find_shared_prefixes
+    real = plan.find_shared_prefixes
 
     def counted(prompts: Any, min_tokens: int) -> Any:
         calls.append(len(prompts))
         return real(prompts, min_tokens)
 
-    monkeypatch.setattr(engine, "find_shared_prefixes", counted)
+    monkeypatch.setattr(plan, "find_shared_prefixes", counted)
     computed = packed_length(_whole_prompts(), MIN_TOKENS)
     config = ScorerConfig(device="cpu", share_prefix_min_tokens=MIN_TOKENS, max_batch_tokens=computed + 5)
     scorer = Scorer(tiny_llama_dir, config)
@@ -439,7 +439,7 @@ def test_cuda_graphs_pad_the_cross_pass_with_empty_groups(tiny_llama_dir: Path) 
         compile="off",
     )
     scorer = Scorer(tiny_llama_dir, config)
-    graphs = scorer.graphs
+    graphs = scorer.executor.graphs
     assert graphs is not None
     plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
     for round_ in range(3):  # recorded at the second batch, replayed at the third
@@ -472,16 +472,16 @@ def test_the_engines_split_keeps_requests_sharing_a_prompt_in_one_batch(
     config = ScorerConfig(device="cpu", share_prefix_min_tokens=MIN_TOKENS, max_batch_tokens=56)
     shared = Scorer(tiny_llama_dir, config)
     prepared = [shared.prepare(r) for r in requests]
-    assert shared.share_prefix(prepared[3], prepared[4]) and not shared.share_prefix(prepared[2], prepared[3])
-    assert shared.batch_tokens([p for r in prepared[:5] for p in r.prompts]) == 55  # 20 + 3 x 3, 20 + 2 x 3
+    assert shared.plan.joins(prepared[3], prepared[4]) and not shared.plan.joins(prepared[2], prepared[3])
+    assert shared.plan.tokens([p for r in prepared[:5] for p in r.prompts]) == 55  # 20 + 3 x 3, 20 + 2 x 3
     spy = PackSpy(monkeypatch)
     ours = shared.score_prepared(prepared)
     assert spy.tokens == [29, 29]  # not [55, 23]: the second prompt computed in both batches
     plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_batch_tokens=56))
-    assert not plain.share_prefix(prepared[3], prepared[4])
+    assert not plain.plan.joins(prepared[3], prepared[4])
     for a, b in zip(ours, plain.score(requests), strict=True):
         # Two float32 forwards of 23-token prompts (forward_atol).
         assert_forward_close(scores_of(a), scores_of(b), tiny_llama_dir, longest=23)
         assert_forward_close(hidden_of(a), hidden_of(b), tiny_llama_dir, longest=23)
     short = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", share_prefix_min_tokens=21))
-    assert not short.share_prefix(prepared[3], prepared[4])  # 20 shared, fewer than it asks
+    assert not short.plan.joins(prepared[3], prepared[4])  # 20 shared, fewer than it asks

@@ -259,7 +259,7 @@ def test_engine_through_the_kernel_matches_the_reference_path(
         compile="on" if compiled else "off",
     )
     varlen = Scorer(model_dirs[architecture], config)
-    assert varlen.compiled == compiled
+    assert varlen.executor.compiled == compiled
     reference = Scorer(model_dirs[architecture], ScorerConfig(device="cpu", attention="reference"))
     requests = token_requests([(30,), (3, 41), (17,), (1,)])
     for got, expected in zip(varlen.score(requests), reference.score(requests), strict=True):

@@ -94,7 +94,7 @@ def test_after_the_warm_up_no_batch_compiles(
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
     torch._dynamo.reset()  # other tests' graphs would hide what this warm-up compiles
     scorer = _scorer(model_dirs[architecture], compile="on")
-    assert scorer.compiled and scorer.graphs is not None and scorer.shares_prefixes
+    assert scorer.executor.compiled and scorer.executor.graphs is not None and scorer.plan.shares_prefixes
     report = warm_up(scorer)
     assert report.compiled_graphs > 0 and report.cuda_graphs > 0, describe(report)
     # Every variant twice: seen, then recorded (two variants may fall in one graph's shape); then every
@@ -133,7 +133,7 @@ def test_the_traffic_compiles_without_it(tiny_llama_dir: Path, monkeypatch: pyte
 
 def test_nothing_to_warm_on_the_exact_path(tiny_llama_dir: Path) -> None:
     scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
-    assert not scorer.compiled and scorer.graphs is None
+    assert not scorer.executor.compiled and scorer.executor.graphs is None
     report = warm_up(scorer)
     assert (report.batches, report.tokens, report.cuda_graphs) == (0, 0, 0)
     assert describe(report).startswith("nothing to warm up")
@@ -150,7 +150,7 @@ def test_every_kind_of_model_takes_its_warm_up(architecture: str, tmp_path: Path
     report = warm_up(scorer)
     assert report.batches >= 8 and report.compiled_graphs == 0
     if architecture == "mistral":
-        assert scorer.sliding_window is not None and report.batches >= 2 * 9
+        assert scorer.executor.sliding_window is not None and report.batches >= 2 * 9
 
 
 @pytest.mark.parametrize("max_input_tokens", [1, 6, 40])
@@ -185,7 +185,7 @@ def test_the_full_budget_batch_fills_the_budget(tiny_llama_dir: Path) -> None:
     sizes = [p.num_tokens for p in ready]
     assert len(sizes) == len(prepared) > 1
     assert 3000 - max(sizes) < sum(sizes) <= 3000
-    assert [len(b) for b in scorer.batch_runs(ready, 3000)] == [len(prepared)]
+    assert [len(b) for b in scorer.plan.runs(ready, 3000)] == [len(prepared)]
 
 
 def test_the_worker_warms_its_scorer_before_serving(

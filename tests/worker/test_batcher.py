@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from models.chunks import token_runs
+from models.plan import token_runs
 from worker.batcher import Batch, TokenBudgetBatcher
 
 
@@ -181,7 +181,7 @@ def test_requests_sharing_a_prompt_with_the_item_that_closes_the_batch_move_with
 
 
 def test_the_batcher_and_the_engines_split_cut_best_of_n_requests_alike() -> None:
-    """The worker's batcher and models.chunks.token_runs (the engine's split, the benchmarks' cut) follow
+    """The worker's batcher and models.plan.token_runs (the engine's split, the benchmarks' cut) follow
     one rule: the same arrivals give the same batches."""
     counts, responses = (4, 3, 5, 2, 6, 1, 4, 8), (7, 2, 19, 11, 4, 15, 9)
     items = [

@@ -12,8 +12,8 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from worker_testkit import Names, WrappedScorer, client_kwargs, fast_settings, finish, request_record
 
-from models import BatchObserver, Scorer, ScorerConfig
-from schemas import ScoreRequest, ScoreResult
+from models import BatchObserver, PendingScores, Scorer, ScorerConfig
+from schemas import ScoreRequest
 from worker.app import ScoreWorker
 from worker.topics import ensure_topics
 
@@ -31,12 +31,10 @@ class SlowScorer(WrappedScorer):
         super().__init__(Scorer(model_dir, ScorerConfig(device="cpu")))
         self.batch_sizes: list[int] = []
 
-    def score_prepared(
-        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
-    ) -> list[ScoreResult]:
+    def launch(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> PendingScores:
         self.batch_sizes.append(len(prepared))
         time.sleep(FORWARD_S)
-        return self._scorer.score_prepared(prepared, on_batch)
+        return self.engine.launch(prepared, on_batch)
 
 
 def test_requests_arriving_during_a_forward_join_one_batch(

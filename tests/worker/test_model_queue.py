@@ -15,6 +15,7 @@ import pytest
 from aiokafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry
 
+from models import BatchPlan
 from schemas import ResultStatus, ScoreRequest, ScoreResult
 from worker.config import WorkerSettings
 from worker.errors import ModelStuckError
@@ -39,14 +40,11 @@ class _ModelThreadScorer:
         self.answered: list[int] = []  # offsets, in the order their results were encoded
         self.started = [threading.Event() for _ in range(8)]
         self._hold = hold
-        self.batch_measure = None
-        self.batch_joins = None
+        self.plan = BatchPlan()  # nothing shared: a batch counts the tokens its prompts hold
         self.events: list[tuple[str, list[str]]] = []  # launches and finishes, in order
 
     def prepare_all(self, records: Sequence[Any]) -> list[Accepted]:
         return [_accepted(record) for record in records]
-
-    overlaps = False  # like a scorer that scores whole in launch (the real Scorer on a GPU overlaps)
 
     def launch(self, prepared: Sequence[Any]) -> Launch:
         call = len(self.calls)
@@ -55,7 +53,7 @@ class _ModelThreadScorer:
         self.events.append(("launch", ids))
         self.started[call].set()
         self._hold(call)
-        return Launch(prepared, None, None if self.overlaps else _results(prepared))
+        return Launch(prepared, None)  # results are built in finish, as the engine does
 
     def finish(self, launch: Launch) -> list[ScoreResult]:
         self.events.append(("finish", [p.request.request_id for p in launch.prepared]))
@@ -128,18 +126,16 @@ async def _full_batch_starts_at_once(tmp_path: Path, depth: int) -> None:
     assert not harness.pipeline.model_busy
 
 
-@pytest.mark.parametrize("overlaps", [False, True])
-def test_a_queued_batch_is_launched_before_the_one_ahead_is_finished(tmp_path: Path, overlaps: bool) -> None:
+def test_a_queued_batch_is_launched_before_the_one_ahead_is_finished(tmp_path: Path) -> None:
     """With a batch queued behind it, a call only launches its batch; the next call launches its own and
     then finishes the one ahead, so the device never waits for the host to build results. Results go
     out in batch order either way, and the last batch is finished by its own call."""
-    asyncio.run(_queued_batch_launched_first(tmp_path, overlaps))
+    asyncio.run(_queued_batch_launched_first(tmp_path))
 
 
-async def _queued_batch_launched_first(tmp_path: Path, overlaps: bool) -> None:
+async def _queued_batch_launched_first(tmp_path: Path) -> None:
     release = threading.Event()
     scorer = _ModelThreadScorer(hold=lambda call: _wait(release) if call == 0 else None)
-    scorer.overlaps = overlaps  # type: ignore[misc]
     harness = _Harness(tmp_path, scorer, model_queue_depth=2)
     await harness.pipeline.accept([0, 1])  # type: ignore[list-item]  # launched, held
     assert await asyncio.to_thread(_wait, scorer.started[0])
@@ -147,10 +143,7 @@ async def _queued_batch_launched_first(tmp_path: Path, overlaps: bool) -> None:
     release.set()
     assert await harness.settle() == []
     first, second = ["r0", "r1"], ["r2", "r3"]
-    if overlaps:
-        assert scorer.events == [("launch", first), ("launch", second), ("finish", first), ("finish", second)]
-    else:
-        assert scorer.events == [("launch", first), ("finish", first), ("launch", second), ("finish", second)]
+    assert scorer.events == [("launch", first), ("launch", second), ("finish", first), ("finish", second)]
     assert scorer.answered == [0, 1, 2, 3]
     # Nothing is left launched: a later lone batch is finished by its own call.
     await harness.pipeline.accept([4, 5])  # type: ignore[list-item]

@@ -24,7 +24,7 @@ from worker_testkit import (
     request_record,
 )
 
-from models import BatchObserver, PreparedRequest, Scorer, ScorerConfig
+from models import BatchObserver, PendingScores, PreparedRequest, Scorer, ScorerConfig
 from schemas import ResultStatus, ScoreRequest, ScoreResult, decode_result
 from worker.app import ScoreWorker
 from worker.topics import ensure_topics
@@ -52,14 +52,12 @@ class CountingScorer(WrappedScorer):
         if request.request_id == GATE:
             self.gate_entered.set()
             self.release.wait(60)
-        return self._scorer.prepare(request)
+        return self.engine.prepare(request)
 
-    def score_prepared(
-        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
-    ) -> list[ScoreResult]:
+    def launch(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> PendingScores:
         self.scored.update(p.request.request_id for p in prepared)
         time.sleep(self._delay_s)
-        return self._scorer.score_prepared(prepared, on_batch)
+        return self.engine.launch(prepared, on_batch)
 
 
 def _check_once_each(outcome: Outcome, requests: list[ScoreRequest], scorers: list[CountingScorer]) -> None:

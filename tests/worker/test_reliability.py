@@ -24,7 +24,7 @@ from worker_testkit import (
     request_record,
 )
 
-from models import BatchObserver, PreparedRequest, Scorer, ScorerConfig
+from models import BatchObserver, PendingScores, PreparedRequest, Scorer, ScorerConfig
 from models.errors import DeviceLostError
 from schemas import ErrorCode, HiddenDType, ResultStatus, ScoreRequest, ScoreResult, decode_result
 from worker.app import ScoreWorker
@@ -64,11 +64,9 @@ class CountingScorer(WrappedScorer):
         super().__init__(scorer)
         self.scored: list[str] = []
 
-    def score_prepared(
-        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
-    ) -> list[ScoreResult]:
+    def launch(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> PendingScores:
         self.scored += [p.request.request_id for p in prepared]
-        return self._scorer.score_prepared(prepared, on_batch)
+        return self.engine.launch(prepared, on_batch)
 
 
 def _by_id(records: Sequence[Any]) -> dict[str, ScoreResult]:
@@ -195,12 +193,10 @@ class PacedScorer(CountingScorer):
         self.delay_s = delay_s
         self.batch_tokens: list[int] = []
 
-    def score_prepared(
-        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
-    ) -> list[ScoreResult]:
+    def launch(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> PendingScores:
         self.batch_tokens.append(sum(p.num_tokens for p in prepared))
         time.sleep(self.delay_s)
-        return super().score_prepared(prepared, on_batch)
+        return super().launch(prepared, on_batch)
 
 
 def test_a_request_that_expires_while_queued_costs_no_model_time(

@@ -24,7 +24,7 @@ from worker_testkit import (
     request_record,
 )
 
-from models import BatchObserver, Scorer, ScorerConfig
+from models import BatchObserver, PendingScores, Scorer, ScorerConfig
 from schemas import (
     ErrorCode,
     HiddenDType,
@@ -52,9 +52,7 @@ class ObservedScorer(WrappedScorer):
         self.batch_sizes: list[int] = []
         self.thread_names: set[str] = set()
 
-    def score_prepared(
-        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
-    ) -> list[ScoreResult]:
+    def launch(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> PendingScores:
         assert self.worker is not None
         self.in_flight_seen.append(self.worker.in_flight)
         self.batch_sizes.append(len(prepared))
@@ -62,7 +60,7 @@ class ObservedScorer(WrappedScorer):
         time.sleep(0.02)  # slower than fetching, so the worker runs into its in-flight limit
         if any(p.request.request_id == self._fail for p in prepared):
             raise RuntimeError("simulated kernel failure")
-        return self._scorer.score_prepared(prepared, on_batch)
+        return self.engine.launch(prepared, on_batch)
 
 
 def _requests() -> list[ScoreRequest]:

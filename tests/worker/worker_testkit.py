@@ -14,8 +14,8 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from models import BatchObserver, ModelInfo, PreparedRequest, Scorer
-from schemas import ScoreRequest, ScoreResult, encode_request, request_headers
+from models import EngineWrapper, Scorer
+from schemas import ScoreRequest, encode_request, request_headers
 from worker.app import ScoreWorker
 from worker.config import ENV_PREFIX, KafkaSecurity, WorkerSettings
 from worker.topics import topic_partitions
@@ -23,35 +23,13 @@ from worker.topics import topic_partitions
 Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, value, headers
 
 
-class WrappedScorer:
-    """A real Scorer behind the worker's interface; tests subclass it to observe or slow a method."""
+class WrappedScorer(EngineWrapper):
+    """A real Scorer behind the worker's engine interface; tests subclass it to observe, slow or fail one
+    member (most often `launch`, where a batch reaches the model)."""
 
     def __init__(self, scorer: Scorer) -> None:
-        self._scorer = scorer
-
-    @property
-    def model_name(self) -> str:
-        return self._scorer.model_name
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._scorer.info
-
-    @property
-    def num_labels(self) -> int:
-        return self._scorer.num_labels
-
-    @property
-    def hidden_size(self) -> int:
-        return self._scorer.hidden_size
-
-    def prepare(self, request: ScoreRequest) -> PreparedRequest | ScoreResult:
-        return self._scorer.prepare(request)
-
-    def score_prepared(
-        self, prepared: Sequence[Any], on_batch: BatchObserver | None = None
-    ) -> list[ScoreResult]:
-        return self._scorer.score_prepared(prepared, on_batch)
+        super().__init__(scorer)
+        self.scorer = scorer
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,24 @@
-"""Requests larger than one model batch: cut into runs of items that fit a batch, and their results joined."""
+"""The one token-budget rule: what a batch computes, where a sequence of requests is cut into batches, and a
+request larger than one batch cut into parts whose results are joined again."""
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Iterator, Sequence
 
+from models.graphs import KEYS_PER_TOKEN
+from models.packing import SharedPrefix, find_shared_prefixes, saved_tokens, shareable_prefix
 from models.prepare import PreparedRequest, Prompt
 from schemas import ResultStatus, ScoreResult, Tensor
 
 # What prompts cost together in one packed row: the sum of their lengths, or less where shared prefixes are
-# computed once (models.Scorer.batch_tokens).
+# computed once (BatchPlan.tokens).
 PromptsMeasure = Callable[[Sequence[Prompt]], int]
 RangeMeasure = Callable[[int, int], int]
 
 
-# Whether two requests share a prefix that one batch holding both computes once (models.Scorer.share_prefix).
+# Whether two requests share a prefix that one batch holding both computes once (BatchPlan.joins).
 RequestsJoin = Callable[[PreparedRequest, PreparedRequest], bool]
 # Whether entry k of a sequence shares such a prefix with a later entry.
 RangeJoins = Callable[[int, int], bool]
@@ -139,3 +143,88 @@ def join_results(parts: Sequence[ScoreResult]) -> ScoreResult:
         timings=timings,
         truncated_tokens=truncated,
     )
+
+
+class BatchPlan:
+    """How an engine's batches are measured and cut; the worker's batcher, the engine's own split, a large
+    request's parts and the benchmarks all ask this one object.
+
+    With `share_prefix_min_tokens` > 0 (a packed causal decoder that is not deterministic), prompts of one
+    batch that share a prefix of at least that many tokens compute it once, and the budget counts what a
+    batch computes; otherwise it counts the tokens the prompts hold.
+    """
+
+    def __init__(self, share_prefix_min_tokens: int = 0) -> None:
+        self.min_shared_tokens = share_prefix_min_tokens
+        # The shared prefixes of the batch last measured or launched (see shared_prefixes).
+        self._memo: tuple[tuple[Prompt, ...], tuple[SharedPrefix, ...]] | None = None
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Batches compute the prefixes their prompts share once."""
+        return self.min_shared_tokens > 0
+
+    def tokens(self, prompts: Sequence[Prompt]) -> int:
+        """What a batch of these prompts counts against the token budget: the tokens its packed row
+        computes, a shared prefix once. Where keys are gathered (sliding windows, the exact path) each suffix
+        reads its prefix's keys again, so the count is never below 1/KEYS_PER_TOKEN of the tokens the prompts
+        hold: that bounds the keys a layer gathers (and a graph's key buffer holds)."""
+        held = sum(len(p) for p in prompts)
+        if not self.shares_prefixes:
+            return held
+        return max(held - saved_tokens(self.shared_prefixes(prompts)), -(-held // KEYS_PER_TOKEN))
+
+    def joins(self, earlier: PreparedRequest, later: PreparedRequest) -> bool:
+        """Whether a batch holding both requests would compute a prefix of theirs once: the last prompt of
+        the one and the first of the other share at least `min_shared_tokens`, each keeping a token of its
+        own. Batch cuts keep such requests together where they can (group_cut)."""
+        if not (self.shares_prefixes and earlier.prompts and later.prompts):
+            return False
+        return shareable_prefix(earlier.prompts[-1], later.prompts[0]) >= self.min_shared_tokens
+
+    def runs(self, prepared: Sequence[PreparedRequest], max_tokens: int) -> Iterator[range]:
+        """The requests cut, in order, into runs of at most `max_tokens` tokens each (a request over it
+        alone): with shared prefixes by what a run computes, and with the requests that share a prompt kept
+        together at a cut (token_runs)."""
+        sizes = [p.num_tokens for p in prepared]
+        if not self.shares_prefixes:
+            return token_runs(sizes, max_tokens)
+
+        def measure(start: int, stop: int) -> int:
+            return self.tokens([prompt for p in prepared[start:stop] for prompt in p.prompts])
+
+        def joins(earlier: int, later: int) -> bool:
+            return self.joins(prepared[earlier], prepared[later])
+
+        return token_runs(sizes, max_tokens, measure, joins)
+
+    def parts(self, prepared: PreparedRequest, max_tokens: int) -> list[PreparedRequest]:
+        """The request whole when it fits `max_tokens`, else cut into parts that do (split_request)."""
+        return split_request(prepared, max_tokens, self.tokens if self.shares_prefixes else None)
+
+    @property
+    def batch_measure(self) -> PromptsMeasure | None:
+        """What prompts compute together, where that can be less than the sum of their lengths; else None
+        (the worker's batcher then adds lengths without asking)."""
+        return self.tokens if self.shares_prefixes else None
+
+    @property
+    def batch_joins(self) -> RequestsJoin | None:
+        """`joins`, where requests can share a prefix; else None."""
+        return self.joins if self.shares_prefixes else None
+
+    def shared_prefixes(self, prompts: Sequence[Prompt]) -> list[SharedPrefix]:
+        """The prefixes a batch of these prompts computes once (models.packing.find_shared_prefixes; none
+        without sharing), remembered for the last prompts asked about: the batch a caller has just measured
+        (the worker's batcher, the engine's split) is the batch launched next, and finding a large batch's
+        groups costs milliseconds of host time. The same prompt objects, not equal ones: comparing by
+        identity costs nothing, and the memo is replaced in one assignment (the worker measures on its
+        intake thread while the model thread launches)."""
+        if not self.shares_prefixes:
+            return []
+        memo = self._memo
+        if memo is not None and len(memo[0]) == len(prompts) and all(map(operator.is_, memo[0], prompts)):
+            return list(memo[1])
+        groups = find_shared_prefixes(prompts, self.min_shared_tokens)
+        self._memo = (tuple(prompts), tuple(groups))
+        return groups

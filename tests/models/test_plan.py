@@ -12,7 +12,7 @@ from scoring_testkit import forward_atol
 from tolerances import rounded_pair_tolerances
 
 from models import PreparedRequest, Scorer, ScorerConfig
-from models.chunks import join_results, split_request, token_runs
+from models.plan import join_results, split_request, token_runs
 from schemas import ErrorCode, HiddenDType, ResultStatus, ScoreRequest, ScoreResult, Truncation
 
 

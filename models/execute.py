@@ -1,0 +1,312 @@
+"""Running the model on a batch: the packed padding-free forward with its speed-ups (FP8 projections, fused
+MLPs, compiled layers, CUDA graphs, the last layer at the pooled rows), the padded forward for models that
+cannot be packed, and each item's pooled hidden state."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from models.config import ScorerConfig
+from models.errors import ModelLoadError
+from models.fp8 import fp8_supported, quantize_layers
+from models.graphs import GraphedForward, pooled_row_slots
+from models.layers import (
+    CompiledLayers,
+    compile_layers,
+    decoder_layers,
+    is_causal_decoder,
+    sliding_window,
+    traced_graphs,
+    transformer_layers,
+)
+from models.loading import LoadedModel
+from models.packing import (
+    KeyLayout,
+    PackedBatch,
+    Pooling,
+    PrefixCross,
+    SharedPrefix,
+    pack,
+    pool,
+    pooled_positions,
+)
+from models.pooled_rows import LastLayerAtPooledRows, last_layer_row_wise, padded_rows
+from models.prepare import Prompt
+
+if TYPE_CHECKING:
+    from models.fused_mlp import FusedMlps
+
+log = logging.getLogger(__name__)
+
+
+class Executor:
+    """Turns a batch's prompts into their pooled hidden states [N, H] on the device (float32 for MEAN).
+
+    It owns the model's forward and everything that changes how it runs: which attention path
+    (`attention`: "varlen", "reference" or "plain"), the FP8 projections (swapped in at construction),
+    the fused MLPs, the compiled layers and the CUDA graphs of small batches (swapped in around each packed
+    forward only, so HF's own modules serve every other caller, such as the self-check's reference).
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: ScorerConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention: str,
+        pooling: Pooling,
+    ) -> None:
+        self._loaded = loaded
+        self._config = config
+        self.device, self.dtype, self.attention, self.pooling = device, dtype, attention, pooling
+        text_config = loaded.model.config.get_text_config()
+        self.hidden_size = int(text_config.hidden_size)
+        # Read once: the worker's prepare thread asks while the model thread runs, and a transformers
+        # config's attribute lookup costs tens of microseconds.
+        self.sliding_window = sliding_window(text_config)
+        if config.quantization == "fp8":
+            self._quantize_fp8()
+        self.fused_mlps = self._fuse_mlps()
+        self.pooled_layer = self._last_layer_at_pooled_rows()
+        self.compiled_layers: CompiledLayers | None = None
+        if config.resolve_compile(attention, device):
+            self.compiled_layers = compile_layers(loaded.base)
+            if self.compiled_layers is None:
+                log.info("%s has no decoder layer list to compile: it runs eager", loaded.name)
+        self.graphs: GraphedForward | None = None
+        if config.resolve_graphs(device, attention):
+            self.graphs = GraphedForward(
+                self._fast_packed_forward,
+                device,
+                config.graph_max_tokens,
+                self.hidden_size,
+                dtype,
+                token_types=loaded.token_types,
+                pooled_rows=self.pooled_layer is not None,
+                recorder=config.graph_recorder,
+            )
+        elif config.cuda_graphs == "on":
+            log.info("%s takes the %s path, which CUDA graphs cannot record", loaded.name, attention)
+
+    def _quantize_fp8(self) -> None:
+        """Swap the layers' projections for FP8 ones, or refuse to load (ModelLoadError)."""
+        reason = fp8_supported(self.device)
+        if reason is None and self.device.type == "cuda" and self.dtype != torch.bfloat16:
+            reason = f"FP8 projections on CUDA produce bfloat16 (row-wise scales), not {self.dtype}"
+        layers = transformer_layers(self._loaded.base)
+        if reason is None and layers is None:
+            reason = f"{self._loaded.name} has no layer list whose projections could run in FP8"
+        if reason is not None or layers is None:
+            raise ModelLoadError(f"quantization='fp8': {reason}")
+        replaced, kept = quantize_layers(layers)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the bfloat16 weights just dropped
+        log.info(
+            "%s: %d projections of its %d layers run in FP8 e4m3 (%d of other shapes do not)",
+            self._loaded.name, replaced, len(layers), kept,
+        )  # fmt: skip
+
+    def _last_layer_at_pooled_rows(self) -> LastLayerAtPooledRows | None:
+        """The last layer's row-wise modules restricted to the pooled rows (models/pooled_rows.py), where set,
+        on a causal decoder's varlen path (the exact path stays HF's arithmetic) whose pooling selects rows
+        (MEAN reads every row); else None."""
+        wanted = self._config.last_layer_pooled_rows and self.pooling != "mean"
+        if not (wanted and self.attention == "varlen" and is_causal_decoder(self._loaded)):
+            return None
+        modules = last_layer_row_wise(decoder_layers(self._loaded.base))
+        if not modules:
+            return None
+        log.info("the last layer's %s run only at the rows a batch pools", ", ".join(modules))
+        return LastLayerAtPooledRows(modules)
+
+    def _fuse_mlps(self) -> FusedMlps | None:
+        """The layers' SiLU-gated MLPs on the fused kernel where the setting asks (models/fused_mlp.py), or
+        None; ModelLoadError when "on" cannot be had."""
+        try:
+            wanted = self._config.resolve_fused_mlp(self.device, self.dtype, self.attention, self.hidden_size)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        if not wanted:
+            return None
+        from models.fused_mlp import FusedMlps  # imports Triton: only where the kernel is wanted
+
+        name = self._loaded.name
+        layers = decoder_layers(self._loaded.base)
+        fused = None if layers is None else FusedMlps.of(layers)
+        if fused is None:
+            log.info("%s has no SiLU-gated MLP the fused kernel takes: its MLPs stay as loaded", name)
+        else:
+            log.info("%s: the gate/up products and SiLU of %d MLPs run as one kernel", name, len(fused))
+        return fused
+
+    @property
+    def compiled(self) -> bool:
+        """The packed path runs the decoder layers under torch.compile."""
+        return self.compiled_layers is not None
+
+    def traced_graphs(self) -> int:
+        """Graphs torch.compile has traced in this process so far (0 without compiled layers)."""
+        return traced_graphs() if self.compiled_layers is not None else 0
+
+    def record_small_batch_graphs(self, max_tokens: int) -> int:
+        """Record the CUDA graphs of every small batch a request of a few items can make
+        (GraphedForward.record_ahead), up to `max_tokens`; how many were recorded (0 without graphs)."""
+        if self.graphs is None:
+            return 0
+        with torch.inference_mode():
+            return self.graphs.record_ahead(max_tokens)
+
+    def pooled(
+        self, prompts: list[Prompt], token_types: list[Prompt] | None, shared: Sequence[SharedPrefix]
+    ) -> torch.Tensor:
+        """Each prompt's pooled hidden state [N, H] (float32 for MEAN); the prefixes of `shared` once."""
+        if self._config.deterministic:
+            forward = self.packed_pooled if self._loaded.packable else self.padded_pooled
+            # Every item alone: no result depends on what else shares the batch (kernels pick their tiling
+            # by the matrix shapes, so a row's rounding can change with the batch).
+            return torch.cat(
+                [
+                    forward([prompt], None if token_types is None else [token_types[index]])
+                    for index, prompt in enumerate(prompts)
+                ]
+            )
+        if self._loaded.packable:
+            return self.packed_pooled(prompts, token_types, shared)
+        return self.padded_pooled(prompts, token_types)
+
+    def packed_pooled(
+        self, prompts: list[Prompt], token_types: list[Prompt] | None, groups: Sequence[SharedPrefix] = ()
+    ) -> torch.Tensor:
+        """Run the base model on the packed row, the prefixes of shared `groups` once, and pool each item:
+        [N, H] (float32 for MEAN)."""
+        packed = pack(
+            prompts,
+            self.device,
+            self.pooling,
+            self._loaded.pad_token_id,
+            token_types=token_types,
+            position_pad=self._loaded.position_pad,
+            shared=groups,
+            gather_keys=bool(groups) and self._gathers_keys(prompts),
+        )
+        # A replayed graph runs no Python forward: the layers are swapped in only where one runs (in the
+        # graphs' own forward when they record, and below).
+        hidden = None if self.graphs is None else self.graphs.run(packed)
+        if hidden is None:
+            # The varlen kernel reads the bounds on the device; the exact path loops over items in
+            # Python, and reading them from a device tensor would stall on a copy in every layer.
+            on_device = self.attention == "varlen"
+            cu_seqlens = packed.cu_seqlens if on_device else packed.host_cu_seqlens
+            keys = None
+            if packed.shared is not None:
+                shared = packed.shared
+                cu_k = shared.cu_seqlens_k if on_device else shared.host_cu_seqlens_k
+                keys = KeyLayout(shared.key_index, cu_k, shared.max_length_k)
+            hidden = self._fast_packed_forward(
+                packed.input_ids,
+                packed.position_ids,
+                cu_seqlens,
+                packed.max_length,
+                packed.token_type_ids,
+                keys=keys,
+                cross=packed.cross,
+                pooled_rows=self._pooled_rows(packed),
+            )
+        return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
+
+    def _fast_packed_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """`packed_forward` with the compiled layers and the fused MLPs in place (where they are set) for the
+        call: HF's own modules stay as they are for everything else (the self-check's reference, the padded
+        path). Swapping them costs host time, which a replayed graph does not spend."""
+        with self.compiled_layers or contextlib.nullcontext(), self.fused_mlps or contextlib.nullcontext():
+            return self.packed_forward(*args, **kwargs)
+
+    def _pooled_rows(self, packed: PackedBatch) -> torch.Tensor | None:
+        """The rows at which a batch's last layer computes its row-wise modules (padded as a CUDA graph of
+        its shape pads them), or None: the whole layer."""
+        if self.pooled_layer is None:
+            return None
+        return padded_rows(packed.pooled_rows, pooled_row_slots(len(packed.host_cu_seqlens) - 1))
+
+    def _gathers_keys(self, prompts: Sequence[Prompt]) -> bool:
+        """Whether a batch with shared prefixes gathers each sequence's keys: on the exact path, which reads
+        them so, and where a sliding window is shorter than a prompt (a suffix's window then ends inside
+        its prefix, which the cross pass over the whole prefix cannot express)."""
+        if self.attention != "varlen":
+            return True
+        window = self.sliding_window
+        return window is not None and max(len(p) for p in prompts) > window
+
+    def packed_forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_length: int,
+        token_type_ids: torch.Tensor | None,
+        *,
+        keys: KeyLayout | None = None,
+        cross: PrefixCross | None = None,
+        pooled_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The base model on one packed row [1, T]: its last hidden states [T, H]. Shared prefixes
+        (models/packing.py): suffixes attend to their prefixes through `cross` and, where given, attention
+        sequences find their keys through `keys`. With `pooled_rows`, the last layer's row-wise modules run
+        at those rows only (models/pooled_rows.py), and only they of the result are meaningful."""
+        extra: dict[str, Any] = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        if keys is not None:
+            extra["packed_key_index"] = keys.key_index
+        if cross is not None:
+            extra["prefix_cross"] = cross
+        restricted: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if pooled_rows is not None and self.pooled_layer is not None:
+            restricted = self.pooled_layer.at(pooled_rows)
+        with restricted:
+            output = self._loaded.base(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                **extra,
+                use_cache=False,
+                # Reach our attention function through HF's **kwargs plumbing (see models/attention.py).
+                cu_seq_lens_q=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens if keys is None else keys.cu_seqlens_k,
+                max_length_q=max_length,
+                max_length_k=max_length if keys is None else keys.max_length_k,
+            )
+        hidden: torch.Tensor = output.last_hidden_state[0]
+        return hidden
+
+    def padded_pooled(self, prompts: list[Prompt], token_types: list[Prompt] | None) -> torch.Tensor:
+        """Models whose attention cannot be packed: HF's own forward on a right-padded batch, then the same
+        pooling as the packed path: [N, H] (float32 for MEAN)."""
+        count, width = len(prompts), max(len(p) for p in prompts)
+        pad = self._loaded.pad_token_id or 0
+        ids = np.full((count, width), pad, dtype=np.int64)
+        mask = np.zeros((count, width), dtype=np.int64)
+        types = np.zeros((count, width), dtype=np.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = prompt
+            mask[row, : len(prompt)] = 1
+            if token_types is not None:
+                types[row, : len(prompt)] = token_types[row]
+        extra = {} if token_types is None else {"token_type_ids": torch.from_numpy(types).to(self.device)}
+        output = self._loaded.base(
+            input_ids=torch.from_numpy(ids).to(self.device),
+            attention_mask=torch.from_numpy(mask).to(self.device),
+            **extra,
+        )
+        hidden: torch.Tensor = output.last_hidden_state  # [N, W, H]
+        if self.pooling == "mean":
+            weights = torch.from_numpy(mask).to(self.device, torch.float32).unsqueeze(-1)  # [N, W, 1]
+            return (hidden.float() * weights).sum(1) / weights.sum(1)
+        lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        starts = np.arange(count, dtype=np.int64) * width
+        rows = pooled_positions(prompts, starts, starts + lengths, self.pooling, self._loaded.pad_token_id)
+        return hidden.reshape(count * width, -1).index_select(0, torch.from_numpy(rows).to(self.device))
