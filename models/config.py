@@ -1,24 +1,21 @@
-"""ScorerConfig: how the engine runs a model (device, dtype, attention kernel, batch size); validated once."""
+"""ScorerConfig: the engine's settings (models/settings.py) for a Scorer built in code, with the hooks tests
+use; its `resolve_*` methods turn "auto" into concrete choices on a device."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Any, Literal
 
 import torch
+from pydantic import ConfigDict, Field, SkipValidation
 
 from models.graphs import Recorder
-from models.packing import POOLINGS, Pooling
+from models.packing import Pooling
+from models.settings import EngineSettings
 from models.varlen import VarlenKernel
 
 AttentionChoice = Literal["auto", "varlen", "reference"]
-CompileChoice = Literal["auto", "on", "off"]
-GraphChoice = Literal["auto", "on", "off"]
-AttentionKernel = Literal["auto", "flash", "triton", "fa4"]
-FusedMlpChoice = Literal["auto", "on", "off"]
 # "auto" takes the Triton attention kernel from this compute capability on (Hopper), where it was measured.
 TRITON_AUTO_CAPABILITY = (9, 0)
-Quantization = Literal["none", "fp8"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -27,104 +24,43 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-@dataclass(frozen=True)
-class ScorerConfig:
-    """Engine settings; `resolve_*` methods turn the "auto" values into concrete choices."""
+class ScorerConfig(EngineSettings):
+    """EngineSettings for a Scorer built in code, plus what only code sets (the attention path, injected
+    kernels and graph recorders for CPU tests). `resolve_*` turn the "auto" values into concrete choices.
 
-    device: str = "auto"
-    dtype: str = "auto"
+    A Scorer in a script or a benchmark keeps the defaults it has always had where they differ from a
+    deployed worker's: the larger budget a one-off call can use, prefixes not looked for, and no request
+    limits (its caller sends what it means to score).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    max_batch_tokens: int = Field(16384, gt=0)
+    graph_max_tokens: int | None = Field(8192, ge=1)
+    share_prefix_min_tokens: int = Field(0, ge=0)
+    max_request_items: int | None = Field(None, gt=0)
+    max_request_tokens: int | None = Field(None, gt=0)
+    # "varlen" or "reference" (exact per-item SDPA); "auto": varlen on CUDA in half precision.
     attention: AttentionChoice = "auto"
-    max_batch_tokens: int = 16384
-    # None: the model's own limit (config.max_position_embeddings) is the only one.
-    max_input_tokens: int | None = None
-    # Per-request limits, checked before any tokenizing (items) or model work (tokens); None: no limit.
-    max_request_items: int | None = None
-    max_request_tokens: int | None = None
     # Replaces torch's varlen_attn for attention="varlen"; lets CPU tests drive the GPU wrapper logic.
-    varlen_kernel: VarlenKernel | None = None
-    # The varlen path's kernel: torch's flash kernel, or ours in Triton (models/triton_attention.py), which
-    # runs batches whose longest sequence is over triton_attention.MIN_LENGTH tokens and leaves sliding-window
-    # layers and shorter batches to flash. "auto" is Triton on Hopper and later GPUs (faster there,
-    # docs/benchmarks.md), flash elsewhere. "fa4": FlashAttention-4's kernels where that optional package is
-    # installed (models/fa4_attention.py), flash for sliding windows. An injected varlen_kernel overrides all.
-    attention_kernel: AttentionKernel = "auto"
-    # "auto": what the model's own HF head pools; else one of models.packing.POOLINGS.
-    pooling: str = "auto"
-    # Bit-identical results whatever else is in a request's batch and however batches are cut: every item
-    # runs alone (at a throughput cost measured on W1, docs/benchmarks.md).
-    deterministic: bool = False
-    # Load a directory that ships its own model code (auto_map): that code runs, so only on explicit opt-in.
-    trust_remote_code: bool = False
-    # Compile each decoder layer with torch.compile (dynamic token counts): fuses the norms, rotary, the
-    # activation and the residual adds that eager HF code runs as separate kernels. "auto": on for the
-    # varlen path on CUDA, off elsewhere (the float32 CPU path stays the exact reference).
-    compile: CompileChoice = "auto"
+    varlen_kernel: SkipValidation[VarlenKernel | None] = None
+    # Replaces CUDA graph recording; lets CPU tests drive the padding and buffer logic of the graphed path.
+    graph_recorder: SkipValidation[Recorder | None] = None
     # A causal decoder's last layer runs its query and output projections and its MLP only at the rows a
     # batch pools (models/pooled_rows.py), on the varlen path; False only to measure what that saves
     # (bench/w1.py, bench/latency.py).
     last_layer_pooled_rows: bool = True
-    # Replay the packed forward of batches of at most `graph_max_tokens` tokens from recorded CUDA graphs
-    # (models/graphs.py): one launch instead of hundreds, which sets the latency of small batches. "auto":
-    # on for the varlen path on CUDA.
-    cuda_graphs: GraphChoice = "auto"
-    graph_max_tokens: int = 8192
-    # Replaces CUDA graph recording; lets CPU tests drive the padding and buffer logic of the graphed path.
-    graph_recorder: Recorder | None = None
-    # Load pickle weights (pytorch_model.bin) when there are no safetensors: unpickling can run code.
-    allow_pickle_weights: bool = False
-    # Prompts of one batch that start with the same tokens (a multi-item request's query; one prompt sent
-    # with several responses) have that prefix computed once when it is at least this long; 0: never.
-    # Causal decoders on the packed path only; each suffix attends to the prefix and to itself.
-    share_prefix_min_tokens: int = 0
-    # "fp8": the transformer layers' projections run in FP8 e4m3 (models/fp8.py): weights scaled per output
-    # channel, activations per token. Hopper/Ada GPUs in bfloat16, or the CPU; results deviate from the
-    # model's dtype by what docs/benchmarks.md reports.
-    quantization: Quantization = "none"
-    # SiLU-gated MLPs (Llama, Mistral, Qwen, Phi-3) with the gate and up products and the activation in one
-    # Triton kernel (models/fused_mlp.py) on the packed path. "auto": on CUDA Hopper and later GPUs in
-    # float16/bfloat16 for models of hidden size fused_mlp.MIN_HIDDEN or more, where it was measured faster;
-    # "on": wherever it can run (on the CPU only in Triton's interpreter, which tests use).
-    fused_mlp: FusedMlpChoice = "auto"
 
-    def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.attention not in ("auto", "varlen", "reference"):
-            raise ValueError(f"attention must be 'auto', 'varlen' or 'reference', got {self.attention!r}")
-        if self.attention_kernel not in ("auto", "flash", "triton", "fa4"):
-            raise ValueError(
-                f"attention_kernel must be 'auto', 'flash', 'triton' or 'fa4', got {self.attention_kernel!r}"
-            )
-        if self.compile not in ("auto", "on", "off"):
-            raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
-        if self.cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"cuda_graphs must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
-        if self.fused_mlp not in ("auto", "on", "off"):
-            raise ValueError(f"fused_mlp must be 'auto', 'on' or 'off', got {self.fused_mlp!r}")
-        if self.quantization not in ("none", "fp8"):
-            raise ValueError(f"quantization must be 'none' or 'fp8', got {self.quantization!r}")
-        if self.share_prefix_min_tokens < 0:
-            raise ValueError(f"share_prefix_min_tokens must be 0 or more, got {self.share_prefix_min_tokens}")
-        if self.graph_max_tokens < 1:
-            raise ValueError(f"graph_max_tokens must be at least 1, got {self.graph_max_tokens}")
-        if self.pooling not in ("auto", *POOLINGS):
-            raise ValueError(f"pooling must be 'auto' or one of {', '.join(POOLINGS)}, got {self.pooling!r}")
-        if self.max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be at least 1, got {self.max_batch_tokens}")
-        if self.max_input_tokens is not None and self.max_input_tokens < 1:
-            raise ValueError(f"max_input_tokens must be at least 1 when set, got {self.max_input_tokens}")
-        for name in ("max_request_items", "max_request_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1 when set, got {value}")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+    @classmethod
+    def of(cls, settings: EngineSettings, **hooks: Any) -> ScorerConfig:
+        """The config of a worker's engine: its settings as given, and the code-only fields `hooks`."""
+        return cls(**settings.engine_settings(), **hooks)
 
     def resolve_pooling(self, model_default: Pooling) -> Pooling:
         """The pooling to run: the setting, or the model's own when 'auto'."""
         if self.pooling == "auto":
             return model_default
-        return cast(Pooling, self.pooling)
+        return self.pooling
 
     def resolve_device(self) -> torch.device:
         """The torch device to run on; 'auto' picks CUDA when it is available."""

@@ -103,8 +103,8 @@ class Scorer:
 
     def _prompt_builder(self) -> PromptBuilder:
         limit = self.model.max_position_embeddings
-        if self.config.max_input_tokens is not None:
-            limit = min(limit, self.config.max_input_tokens)
+        if self.config.max_item_tokens is not None:
+            limit = min(limit, self.config.max_item_tokens)
         template = PairTemplate.from_tokenizer(self.model.tokenizer) if self.model.encoder else None
         return PromptBuilder(
             self.model.tokenizer,

@@ -85,7 +85,7 @@ class Executor:
             self.graphs = GraphedForward(
                 self._fast_packed_forward,
                 device,
-                config.graph_max_tokens,
+                config.graph_tokens,
                 self.hidden_size,
                 dtype,
                 token_types=loaded.token_types,

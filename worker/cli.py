@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from worker.config import (
     ENV_PREFIX,
-    KafkaSecurity,
+    SETTINGS_GROUPS,
     WorkerSettings,
     describe_validation_error,
     flag_for,
@@ -82,28 +82,28 @@ def configure_logging(level: str, fmt: str = "text") -> None:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per WorkerSettings field (secrets excepted: those come from the environment only).
+    """One flag per WorkerSettings field (secrets excepted: those come from the environment only), in the
+    settings' groups.
 
     The help shows each field's default, never the environment's value, so a secret set there stays unseen.
     """
-    # The security fields come first in the settings (inherited from KafkaSecurity); they read better last.
-    security = KafkaSecurity.model_fields
-    fields = sorted(WorkerSettings.model_fields.items(), key=lambda item: item[0] in security)
-    for name, field in fields:
-        if is_secret(name):
-            continue
-        env = f"{ENV_PREFIX}{name.upper()}"
-        default = "" if field.is_required() else f", default {field.default}"
-        help_text = f"{field.description} (env {env}{default})"
-        flags = [flag_for(name)] + (["--model-dir"] if name == "model_dir" else [])
-        if field.annotation is bool:
-            parser.add_argument(
-                *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        else:
-            parser.add_argument(
-                *flags, dest=name, default=None, metavar=name.split("_")[-1].upper(), help=help_text
-            )
+    for title, group in SETTINGS_GROUPS:
+        section = parser.add_argument_group(f"{title} settings")
+        for name, field in group.model_fields.items():
+            if is_secret(name):
+                continue
+            env = f"{ENV_PREFIX}{name.upper()}"
+            default = "" if field.is_required() else f", default {field.default}"
+            help_text = f"{field.description} (env {env}{default})"
+            flags = [flag_for(name)] + (["--model-dir"] if name == "model_dir" else [])
+            if field.annotation is bool:
+                section.add_argument(
+                    *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                )
+            else:
+                section.add_argument(
+                    *flags, dest=name, default=None, metavar=name.split("_")[-1].upper(), help=help_text
+                )
 
 
 def build_settings(args: argparse.Namespace) -> WorkerSettings:
@@ -179,25 +179,7 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
     threads = torch_threads(settings)
     torch.set_num_threads(threads)
     log.info("torch uses %d CPU threads (torch_threads)", threads)
-    config = ScorerConfig(
-        device=settings.device,
-        dtype=settings.dtype,
-        max_batch_tokens=settings.max_batch_tokens,
-        pooling=settings.pooling,
-        deterministic=settings.deterministic,
-        trust_remote_code=settings.trust_remote_code,
-        allow_pickle_weights=settings.allow_pickle_weights,
-        attention_kernel=settings.attention_kernel,
-        compile=settings.compile,
-        cuda_graphs=settings.cuda_graphs,
-        graph_max_tokens=settings.graph_max_tokens or settings.max_batch_tokens,
-        share_prefix_min_tokens=settings.share_prefix_min_tokens,
-        quantization=settings.quantization,
-        fused_mlp=settings.fused_mlp,
-        max_input_tokens=settings.max_item_tokens,
-        max_request_items=settings.max_request_items,
-        max_request_tokens=settings.max_request_tokens,
-    )
+    config = ScorerConfig.of(settings.engine)
     scorer = Scorer(settings.model_dir, config)
     if settings.self_check:
         report = run_self_check(scorer)

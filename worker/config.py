@@ -6,15 +6,17 @@ import re
 import socket
 import ssl
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from models.settings import EngineSettings
 from schemas import DLQ_TOPIC, REQUESTS_TOPIC, RESULTS_TOPIC
 from worker.codecs import DEFAULT_COMPRESSION, Compression, missing_codecs
 
 ENV_PREFIX = "SCORE_WORKER_"
+SettingsT = TypeVar("SettingsT", bound=BaseSettings)
 
 # Kafka's own rule for topic names (a longer name or another character is refused by the broker).
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
@@ -157,13 +159,10 @@ _TLS_FIELDS = ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_key_password", 
 _SASL_FIELDS = ("sasl_mechanism", "sasl_username", "sasl_password")
 
 
-class WorkerSettings(KafkaSecurity):
-    """Everything `score-worker run` needs; immutable once built."""
-
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid")
+class KafkaSettings(BaseModel):
+    """Where the worker reads and writes, and how it takes part in its consumer group."""
 
     bootstrap_servers: str = Field(description="Kafka bootstrap servers, HOST:PORT[,HOST:PORT...]")
-    model_dir: Path = Field(description="local HuggingFace model directory")
     requests_topic: str = Field(REQUESTS_TOPIC, description="topic the requests are read from")
     results_topic: str = Field(RESULTS_TOPIC, description="topic the results are written to")
     dlq_topic: str = Field(DLQ_TOPIC, description="dead-letter topic for undecodable requests")
@@ -174,153 +173,71 @@ class WorkerSettings(KafkaSecurity):
     )
     group_id: str = Field("score-worker", min_length=1, description="consumer group of the workers")
     client_id: str = Field("score-worker", min_length=1, description="Kafka client id (shows in broker logs)")
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="model dtype")
-    pooling: Literal["auto", "last", "last_token", "cls", "mean"] = Field(
-        "auto", description="how an item's tokens become its pooled state; auto: what the model's head pools"
-    )
-    self_check: bool = Field(
-        True,
-        description="score a fixed input packed and through HF's own forward at start-up; refuse to start "
-        "when they disagree",
-    )
-    warm_up: bool = Field(
-        True,
-        description="before joining the group, score one small batch of each kind the compiled layers "
-        "compile a graph for (and, on a GPU, one at the full token budget), so no request waits for a "
-        "compilation",
-    )
-    deterministic: bool = Field(
-        False,
-        description="bit-identical results whatever shares a request's batch (each item runs alone: slower)",
-    )
-    attention_kernel: Literal["auto", "flash", "triton", "fa4"] = Field(
-        "auto",
-        description="the packed path's attention kernel: torch's flash kernel, or the project's Triton "
-        "kernel for batches with a sequence over 256 tokens (faster on Hopper; sliding-window layers "
-        "and shorter batches still take flash); auto: Triton on Hopper and later GPUs, flash elsewhere; "
-        "fa4: FlashAttention-4 (the optional flash-attn-4 package) for every batch, flash for "
-        "sliding-window layers",
-    )
-    compile: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="run the decoder layers under torch.compile (fused kernels; seconds of compiling at "
-        "start-up); auto: on for the varlen path on CUDA",
-    )
-    fused_mlp: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="run the gate and up products and the SiLU of Llama/Mistral/Qwen/Phi-3 MLPs as one "
-        "Triton kernel on the packed path; auto: on Hopper and later GPUs for models of hidden size 1536 "
-        "or more (measured faster there, slower on smaller ones)",
-    )
-    cuda_graphs: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="replay small batches from recorded CUDA graphs (one launch instead of hundreds; each "
-        "batch shape is recorded at its second batch); auto: on for the varlen path on CUDA",
-    )
-    graph_max_tokens: int | None = Field(
+    group_instance_id: str | None = Field(
         None,
-        ge=1,
-        description="the largest batch (tokens) that CUDA graphs replay; larger ones run as usual. Default: "
-        "max_batch_tokens, so every batch is replayed (their shared memory pool holds the largest batch's "
-        "activations once more; a lower value saves that on large models, whose launches cost less in "
-        "proportion)",
+        min_length=1,
+        max_length=249,
+        description="static group membership: a restart within the session timeout keeps the partitions "
+        "without a rebalance (unique per worker)",
     )
-    share_prefix_min_tokens: int = Field(
-        32,
-        ge=0,
-        description="compute a token prefix that prompts of one batch share (a multi-item request's query, "
-        "one prompt sent with several responses) once when it is at least this long; 0: never. Causal "
-        "decoders on the packed path; looking for them costs little on batches that share nothing",
+    auto_offset_reset: Literal["earliest", "latest"] = Field(
+        "earliest", description="where a new consumer group starts"
     )
-    quantization: Literal["none", "fp8"] = Field(
-        "none",
-        description="fp8: the transformer layers' projections run in FP8 e4m3 (weights per output channel, "
-        "activations per token); Hopper/Ada GPUs in bfloat16, or the CPU",
+    session_timeout_ms: int = Field(10_000, gt=0, description="consumer group session timeout")
+    heartbeat_interval_ms: int = Field(3_000, gt=0, description="consumer heartbeat interval")
+    max_poll_interval_ms: int = Field(300_000, gt=0, description="longest gap between polls")
+    commit_interval_ms: int = Field(1_000, gt=0, description="how often finished offsets are committed")
+    # Kafka answers a fetch as soon as a record arrives; some brokers do not (Tansu looks again part-way
+    # through the wait: a record produced during a 100 ms wait is read about 25 ms later, at most about
+    # 50), so a long wait delays requests that arrive during it (aiokafka's default is 500).
+    fetch_max_wait_ms: int = Field(
+        100, ge=0, le=10_000, description="longest the broker may hold a fetch that finds no new records"
     )
-    trust_remote_code: bool = Field(
-        False, description="load a model directory that ships its own code (runs that code: opt in knowingly)"
-    )
-    allow_pickle_weights: bool = Field(
-        False,
-        description="load weights from pickle files (pytorch_model.bin) when a model has no safetensors; "
-        "unpickling can run code: opt in knowingly",
-    )
-    max_batch_tokens: int = Field(8192, gt=0, description="token budget of one model batch")
-    max_batch_requests: int = Field(64, gt=0, description="most requests in one model batch")
-    # While the model runs, arriving requests fill the next batch whatever this is; it only decides whether
-    # a request that finds the model idle waits for company. Waiting there adds its whole length to the
-    # latency of a lone request and gains little: what arrives during the forward joins the next batch.
-    max_wait_ms: int = Field(
-        0,
-        ge=0,
-        le=60_000,
-        description="how long a request that finds the model idle waits for more to batch with; 0 starts it "
-        "at once (requests arriving while the model runs fill the next batch either way)",
-    )
-    model_queue_depth: int = Field(
-        2,
-        ge=1,
-        le=8,
-        description="model batches handed to the model thread at once: the running one and closed batches "
-        "queued behind it, which then start as it ends instead of after an event-loop turn; 1 hands each "
-        "batch over only once the last one has ended",
-    )
-    intake_processes: int | None = Field(
-        None,
-        ge=0,
-        le=64,
-        description="processes that decode and tokenise fetched requests while the model runs, so that work "
-        "does not hold the interpreter lock the model thread's kernel launches need; 0: on the worker's own "
-        "thread; default 2 when the model runs on a GPU, 0 on the CPU (where the model's threads want the "
-        "cores)",
-    )
-    gc_freeze: bool = Field(
-        True,
-        description="at start, move the objects alive then (the model, its libraries) out of the garbage "
-        "collector's scans: each full collection otherwise pauses every thread for a tenth of a second",
-    )
-    max_inflight_requests: int = Field(
-        1024, gt=0, description="fetched but unpublished requests above which fetching pauses"
-    )
-    # Limits: each checked before any model work, each with its own error code (schemas/README.md).
-    max_request_items: int = Field(
-        4096,
-        gt=0,
-        description="most items in one request; more is TOO_MANY_ITEMS (checked before tokenizing)",
-    )
-    max_request_tokens: int = Field(
-        262_144, gt=0, description="most prompt tokens in one request; more is REQUEST_TOO_LONG"
-    )
-    max_item_tokens: int | None = Field(
-        None,
-        gt=0,
-        description="most tokens in one item's prompt (default: the model's limit); INPUT_TOO_LONG",
-    )
-    default_ttl_ms: int = Field(
-        0,
-        ge=0,
-        description="time-to-live of requests that set no deadline, from their record timestamp; 0: none",
-    )
-    # Time bounds: every wait the worker can get stuck in has one.
-    watchdog_ms: int = Field(
-        120_000,
-        ge=0,
-        description="a model call running longer than this (and watchdog_multiple times its expected time) "
-        "stops the worker uncommitted; 0 turns the watchdog off",
-    )
-    watchdog_multiple: float = Field(
-        20.0,
-        ge=1.0,
-        description="how many times its expected time (from recent batches) a model call may run",
-    )
-    drain_timeout_ms: int = Field(
-        30_000, gt=0, description="longest a stop (SIGTERM) waits for in-flight requests before exiting"
-    )
-    revocation_timeout_ms: int = Field(
-        30_000, gt=0, description="longest a rebalance waits for in-flight requests of revoked partitions"
-    )
-    commit_timeout_ms: int = Field(10_000, gt=0, description="longest one offset commit may take")
+    create_topics: bool = Field(True, description="create missing topics at start-up")
+    topic_partitions: int = Field(4, gt=0, description="partitions of topics this worker creates")
+    topic_replication_factor: int = Field(1, gt=0, description="replication factor of created topics")
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _check_bootstrap(cls, value: str) -> str:
+        servers = [s.strip() for s in value.split(",") if s.strip()]
+        bad = [s for s in servers if not _HOST_PORT.match(s)]
+        if not servers or bad:
+            raise ValueError(f"expected HOST:PORT[,HOST:PORT...], got {value!r}")
+        return ",".join(servers)
+
+    @field_validator("requests_topic", "results_topic", "dlq_topic")
+    @classmethod
+    def _check_topic(cls, value: str) -> str:
+        if not is_topic_name(value):
+            raise ValueError(f"{value!r} is not a valid Kafka topic name (letters, digits, '.', '_', '-')")
+        return value
+
+    @field_validator("reply_topic_pattern")
+    @classmethod
+    def _check_reply_pattern(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as error:
+            raise ValueError(f"{value!r} is not a regular expression: {error}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_group(self) -> Self:
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ValueError(
+                f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be lower than "
+                f"session_timeout_ms ({self.session_timeout_ms}); a third of it is usual"
+            )
+        topics = [self.requests_topic, self.results_topic, self.dlq_topic]
+        if len(set(topics)) != len(topics):
+            raise ValueError(f"requests, results and DLQ topics must differ, got {topics}")
+        return self
+
+
+class DeliverySettings(BaseModel):
+    """How answers are published and acknowledged: records, codecs, producers, transactions."""
+
     publish_timeout_ms: int = Field(
         120_000,
         gt=0,
@@ -363,6 +280,11 @@ class WorkerSettings(KafkaSecurity):
         description="exactly-once: the broker aborts a transaction left open this long (a worker that died "
         "mid-transaction); a new owner of the partition aborts it at once",
     )
+    # The floor leaves room for the largest error result and dead-letter reason (256-character request ids,
+    # 1000-byte messages, 249-character topics): those must always fit, or one record stops the worker.
+    max_record_bytes: int = Field(
+        1_048_576, ge=4096, description="largest result record; larger results become RESULT_TOO_LARGE"
+    )
     undecodable_skip_after_ms: int = Field(
         0,
         ge=0,
@@ -371,37 +293,133 @@ class WorkerSettings(KafkaSecurity):
         "batch is skipped: the offset range goes to the dead-letter topic (UNDECODABLE_RECORDS) and reading "
         "goes on after it. 0: never skip, hold the partition until it reads",
     )
-    group_instance_id: str | None = Field(
+
+    @field_validator("results_compression")
+    @classmethod
+    def _check_compression(cls, value: str) -> str:
+        if value in missing_codecs():
+            raise ValueError(
+                f"{value} needs the cramjam package, which this installation lacks: install score-worker "
+                "with its declared dependencies, or choose gzip or none"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check_delivery(self) -> Self:
+        if self.delivery == "exactly-once" and self.idempotence == "off":
+            raise ValueError(
+                "exactly-once delivery needs an idempotent producer; leave idempotence on or auto"
+            )
+        return self
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.delivery == "exactly-once"
+
+
+class BatchingSettings(BaseModel):
+    """How fetched requests become model batches, and how many may wait (the token budget itself is the
+    engine's max_batch_tokens)."""
+
+    max_batch_requests: int = Field(64, gt=0, description="most requests in one model batch")
+    # While the model runs, arriving requests fill the next batch whatever this is; it only decides whether
+    # a request that finds the model idle waits for company. Waiting there adds its whole length to the
+    # latency of a lone request and gains little: what arrives during the forward joins the next batch.
+    max_wait_ms: int = Field(
+        0,
+        ge=0,
+        le=60_000,
+        description="how long a request that finds the model idle waits for more to batch with; 0 starts it "
+        "at once (requests arriving while the model runs fill the next batch either way)",
+    )
+    model_queue_depth: int = Field(
+        2,
+        ge=1,
+        le=8,
+        description="model batches handed to the model thread at once: the running one and closed batches "
+        "queued behind it, which then start as it ends instead of after an event-loop turn; 1 hands each "
+        "batch over only once the last one has ended",
+    )
+    intake_processes: int | None = Field(
         None,
-        min_length=1,
-        max_length=249,
-        description="static group membership: a restart within the session timeout keeps the partitions "
-        "without a rebalance (unique per worker)",
+        ge=0,
+        le=64,
+        description="processes that decode and tokenise fetched requests while the model runs, so that work "
+        "does not hold the interpreter lock the model thread's kernel launches need; 0: on the worker's own "
+        "thread; default 2 when the model runs on a GPU, 0 on the CPU (where the model's threads want the "
+        "cores)",
+    )
+    max_inflight_requests: int = Field(
+        1024, gt=0, description="fetched but unpublished requests above which fetching pauses"
+    )
+    gc_freeze: bool = Field(
+        True,
+        description="at start, move the objects alive then (the model, its libraries) out of the garbage "
+        "collector's scans: each full collection otherwise pauses every thread for a tenth of a second",
     )
     torch_threads: int = Field(
         0, ge=0, description="CPU threads torch may use; 0: every CPU this process may run on (CUDA: 2)"
     )
-    auto_offset_reset: Literal["earliest", "latest"] = Field(
-        "earliest", description="where a new consumer group starts"
+
+
+class LimitSettings(BaseModel):
+    """Time bounds: every wait the worker can get stuck in has one, and requests may expire."""
+
+    default_ttl_ms: int = Field(
+        0,
+        ge=0,
+        description="time-to-live of requests that set no deadline, from their record timestamp; 0: none",
     )
-    session_timeout_ms: int = Field(10_000, gt=0, description="consumer group session timeout")
-    heartbeat_interval_ms: int = Field(3_000, gt=0, description="consumer heartbeat interval")
-    max_poll_interval_ms: int = Field(300_000, gt=0, description="longest gap between polls")
-    commit_interval_ms: int = Field(1_000, gt=0, description="how often finished offsets are committed")
-    # Kafka answers a fetch as soon as a record arrives; some brokers do not (Tansu looks again part-way
-    # through the wait: a record produced during a 100 ms wait is read about 25 ms later, at most about
-    # 50), so a long wait delays requests that arrive during it (aiokafka's default is 500).
-    fetch_max_wait_ms: int = Field(
-        100, ge=0, le=10_000, description="longest the broker may hold a fetch that finds no new records"
+    # Time bounds: every wait the worker can get stuck in has one.
+    watchdog_ms: int = Field(
+        120_000,
+        ge=0,
+        description="a model call running longer than this (and watchdog_multiple times its expected time) "
+        "stops the worker uncommitted; 0 turns the watchdog off",
     )
-    # The floor leaves room for the largest error result and dead-letter reason (256-character request ids,
-    # 1000-byte messages, 249-character topics): those must always fit, or one record stops the worker.
-    max_record_bytes: int = Field(
-        1_048_576, ge=4096, description="largest result record; larger results become RESULT_TOO_LARGE"
+    watchdog_multiple: float = Field(
+        20.0,
+        ge=1.0,
+        description="how many times its expected time (from recent batches) a model call may run",
     )
-    create_topics: bool = Field(True, description="create missing topics at start-up")
-    topic_partitions: int = Field(4, gt=0, description="partitions of topics this worker creates")
-    topic_replication_factor: int = Field(1, gt=0, description="replication factor of created topics")
+    drain_timeout_ms: int = Field(
+        30_000, gt=0, description="longest a stop (SIGTERM) waits for in-flight requests before exiting"
+    )
+    revocation_timeout_ms: int = Field(
+        30_000, gt=0, description="longest a rebalance waits for in-flight requests of revoked partitions"
+    )
+    commit_timeout_ms: int = Field(10_000, gt=0, description="longest one offset commit may take")
+
+
+class ModelSettings(BaseModel):
+    """The model a worker serves and its start-up checks; how the engine runs it is EngineSettings."""
+
+    model_dir: Path = Field(description="local HuggingFace model directory")
+    self_check: bool = Field(
+        True,
+        description="score a fixed input packed and through HF's own forward at start-up; refuse to start "
+        "when they disagree",
+    )
+    warm_up: bool = Field(
+        True,
+        description="before joining the group, score one small batch of each kind the compiled layers "
+        "compile a graph for (and, on a GPU, one at the full token budget), so no request waits for a "
+        "compilation",
+    )
+
+    @field_validator("model_dir")
+    @classmethod
+    def _check_model_dir(cls, value: Path) -> Path:
+        if not value.is_dir():
+            raise ValueError(
+                f"directory {str(value)!r} does not exist; pass a local HuggingFace model directory"
+            )
+        return value
+
+
+class ObservabilitySettings(BaseModel):
+    """How the worker is seen: its name, /metrics, /healthz and /readyz."""
+
     worker_id: str = Field(
         default_factory=socket.gethostname,
         min_length=1,
@@ -416,76 +434,27 @@ class WorkerSettings(KafkaSecurity):
         5_000, ge=100, le=300_000, description="how often readiness asks the brokers for metadata"
     )
 
-    @field_validator("bootstrap_servers")
-    @classmethod
-    def _check_bootstrap(cls, value: str) -> str:
-        servers = [s.strip() for s in value.split(",") if s.strip()]
-        bad = [s for s in servers if not _HOST_PORT.match(s)]
-        if not servers or bad:
-            raise ValueError(f"expected HOST:PORT[,HOST:PORT...], got {value!r}")
-        return ",".join(servers)
 
-    @field_validator("model_dir")
-    @classmethod
-    def _check_model_dir(cls, value: Path) -> Path:
-        if not value.is_dir():
-            raise ValueError(
-                f"directory {str(value)!r} does not exist; pass a local HuggingFace model directory"
-            )
-        return value
+class WorkerSettings(
+    KafkaSettings,
+    DeliverySettings,
+    BatchingSettings,
+    LimitSettings,
+    ModelSettings,
+    EngineSettings,
+    ObservabilitySettings,
+    KafkaSecurity,
+):
+    """Everything `score-worker run` needs, in groups (SETTINGS_GROUPS), built once and immutable. Each
+    field is read from SCORE_WORKER_<NAME> or the flag of its name; the engine's fields are EngineSettings'
+    own (models/config.py), embedded here, not copied."""
 
-    @field_validator("requests_topic", "results_topic", "dlq_topic")
-    @classmethod
-    def _check_topic(cls, value: str) -> str:
-        if not is_topic_name(value):
-            raise ValueError(f"{value!r} is not a valid Kafka topic name (letters, digits, '.', '_', '-')")
-        return value
-
-    @field_validator("results_compression")
-    @classmethod
-    def _check_compression(cls, value: str) -> str:
-        if value in missing_codecs():
-            raise ValueError(
-                f"{value} needs the cramjam package, which this installation lacks: install score-worker "
-                "with its declared dependencies, or choose gzip or none"
-            )
-        return value
-
-    @field_validator("reply_topic_pattern")
-    @classmethod
-    def _check_reply_pattern(cls, value: str) -> str:
-        try:
-            re.compile(value)
-        except re.error as error:
-            raise ValueError(f"{value!r} is not a regular expression: {error}") from None
-        return value
-
-    @field_validator("device")
-    @classmethod
-    def _check_device(cls, value: str) -> str:
-        if not _DEVICE.match(value):
-            raise ValueError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N")
-        return value
-
-    @model_validator(mode="after")
-    def _check_together(self) -> WorkerSettings:
-        if self.heartbeat_interval_ms >= self.session_timeout_ms:
-            raise ValueError(
-                f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be lower than "
-                f"session_timeout_ms ({self.session_timeout_ms}); a third of it is usual"
-            )
-        topics = [self.requests_topic, self.results_topic, self.dlq_topic]
-        if len(set(topics)) != len(topics):
-            raise ValueError(f"requests, results and DLQ topics must differ, got {topics}")
-        if self.delivery == "exactly-once" and self.idempotence == "off":
-            raise ValueError(
-                "exactly-once delivery needs an idempotent producer; leave idempotence on or auto"
-            )
-        return self
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid")
 
     @property
-    def exactly_once(self) -> bool:
-        return self.delivery == "exactly-once"
+    def engine(self) -> EngineSettings:
+        """The engine's settings alone (what ScorerConfig.of takes)."""
+        return EngineSettings(**self.engine_settings())
 
     def transactional_id(self, tp_topic: str, partition: int) -> str:
         """The transactional id of the producer that answers one requests partition."""
@@ -499,6 +468,57 @@ class WorkerSettings(KafkaSecurity):
             "client_id": self.client_id,
             **self.kafka_security_kwargs(),
         }
+
+
+# The groups of WorkerSettings, in the order `score-worker run --help` shows them.
+SETTINGS_GROUPS: tuple[tuple[str, type[BaseModel]], ...] = (
+    ("Kafka", KafkaSettings),
+    ("delivery", DeliverySettings),
+    ("batching", BatchingSettings),
+    ("limits and time bounds", LimitSettings),
+    ("model", ModelSettings),
+    ("engine", EngineSettings),
+    ("observability", ObservabilitySettings),
+    ("security (TLS and SASL)", KafkaSecurity),
+)
+
+
+class ClientEnvironment(BaseSettings):
+    """What the commands besides `run` (submit, lag-exporter, produce-samples) take from SCORE_WORKER_*
+    variables as the defaults of their flags: the names and rules a worker reads, read by the same library.
+    Each command reads it once, when its flags are defined (read_environment)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
+
+    bootstrap_servers: str | None = Field(None, description="Kafka bootstrap servers, HOST:PORT[,...]")
+    requests_topic: str = Field(REQUESTS_TOPIC, description="topic the requests are sent to")
+    results_topic: str = Field(RESULTS_TOPIC, description="topic the results are read from")
+    max_record_bytes: int = Field(1_048_576, ge=1, description="largest request record to send")
+    requests_compression: Compression = Field(DEFAULT_COMPRESSION, description="codec of request batches")
+
+    @field_validator("requests_topic", "results_topic")
+    @classmethod
+    def _check_topic(cls, value: str) -> str:
+        if not is_topic_name(value):
+            raise ValueError(f"{value!r} is not a valid Kafka topic name (letters, digits, '.', '_', '-')")
+        return value
+
+
+def read_environment(settings: type[SettingsT], command: str) -> SettingsT:
+    """`settings` read from the environment; a variable that breaks its rule exits with one line per
+    variable (status 2), before anything runs."""
+    try:
+        return settings()
+    except ValidationError as error:
+        prefix = str(settings.model_config.get("env_prefix", ""))
+        lines = describe_validation_error(error, flags=False, prefix=prefix)
+        raise SystemExit(f"score-worker {command}: invalid environment\n{lines}") from None
+
+
+def environment_variables(settings: type[BaseSettings]) -> tuple[str, ...]:
+    """The variables `settings` reads, by name."""
+    prefix = str(settings.model_config.get("env_prefix", ""))
+    return tuple(f"{prefix}{name.upper()}" for name in settings.model_fields)
 
 
 def is_secret(field: str) -> bool:
@@ -519,7 +539,7 @@ def security_from_environment() -> KafkaSecurity:
         raise ValueError(f"invalid security settings\n{lines}") from None
 
 
-def describe_validation_error(error: ValidationError, flags: bool = True) -> str:
+def describe_validation_error(error: ValidationError, flags: bool = True, prefix: str = ENV_PREFIX) -> str:
     """One line per invalid field, naming the flag and the environment variable that set it."""
     lines = []
     for item in error.errors():
@@ -528,7 +548,7 @@ def describe_validation_error(error: ValidationError, flags: bool = True) -> str
         if item["type"] == "missing":
             message = "required"
         if field:
-            env = f"{ENV_PREFIX}{field.upper()}"
+            env = f"{prefix}{field.upper()}"
             where = env if is_secret(field) or not flags else f"{flag_for(field)} / {env}"
             lines.append(f"{field} ({where}): {message}")
         else:

@@ -118,7 +118,7 @@ def test_bad_requests_get_error_codes_and_spare_the_batch(llama_scorer: Scorer, 
 
 
 def test_configured_input_limit(tiny_llama_dir: Path) -> None:
-    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_input_tokens=20))
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_item_tokens=20))
     assert scorer.max_input_tokens == 20
     ok, too_long = scorer.score(
         [

@@ -132,7 +132,7 @@ def test_truncation_cuts_the_named_part_by_just_enough(
     truncate: str, expected: object, tiny_llama_dir: Path
 ) -> None:
     limit = 20
-    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_input_tokens=limit))
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_item_tokens=limit))
     query, long_item, short_item = tuple(range(10, 22)), tuple(range(30, 45)), (50, 51)
     request = ScoreRequest(
         request_id="t",
@@ -157,7 +157,7 @@ def test_truncation_cuts_the_named_part_by_just_enough(
 def test_truncation_of_text_and_encoder_pairs_keeps_the_template(tmp_path: Path) -> None:
     model_dir = write_tiny_model(tmp_path / "bert", "bert", seed=8)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    scorer = Scorer(model_dir, ScorerConfig(device="cpu", max_input_tokens=16))
+    scorer = Scorer(model_dir, ScorerConfig(device="cpu", max_item_tokens=16))
     item = "The quick brown fox jumps over the lazy dog while the farmer watches from the old fence."
     result = scorer.score(
         [ScoreRequest(request_id="t", query="Is it?", items=(item,), truncate="item_right")]
@@ -180,7 +180,7 @@ def test_truncation_of_a_decoders_text_cuts_tokens_not_characters(tiny_llama_dir
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     query = "The quick brown fox jumps over the lazy dog while the farmer watches from the old fence. "
     item = "Yes."
-    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_input_tokens=12))
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_item_tokens=12))
     request = ScoreRequest(request_id="t", query=query, items=(item,), truncate="query_left")  # type: ignore[arg-type]
     result = scorer.score([request])[0]
     query_ids = tokenizer(query, add_special_tokens=False)["input_ids"]

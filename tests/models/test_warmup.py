@@ -158,7 +158,7 @@ def test_a_short_prompt_limit_leaves_out_what_cannot_be_sent(
     max_input_tokens: int, tiny_llama_dir: Path
 ) -> None:
     # Every synthetic prompt within the limit (a prompt over it would be refused, and the start-up with it).
-    scorer = _scorer(tiny_llama_dir, compile="off", max_input_tokens=max_input_tokens)
+    scorer = _scorer(tiny_llama_dir, compile="off", max_item_tokens=max_input_tokens)
     report = warm_up(scorer)
     assert report.batches >= 2 and report.tokens <= report.batches * 3 * max_input_tokens
 

@@ -182,15 +182,19 @@ def test_every_engine_setting_reaches_the_scorer(tiny_llama_dir: Path, built_con
         1234,
         "mean",
     )
-    assert (config.deterministic, config.compile, config.cuda_graphs, config.graph_max_tokens) == (
+    assert (config.deterministic, config.compile, config.cuda_graphs, config.graph_tokens) == (
         True,
         "off",
         "off",
         512,
     )
     assert (config.share_prefix_min_tokens, config.quantization) == (48, "fp8")
-    assert (config.max_input_tokens, config.max_request_items, config.max_request_tokens) == (300, 7, 999)
+    assert (config.max_item_tokens, config.max_request_items, config.max_request_tokens) == (300, 7, 999)
     assert config.trust_remote_code and config.allow_pickle_weights
+    # Every engine setting, those added later included: the engine's config holds the worker's value.
+    from models import EngineSettings
+
+    assert {name: getattr(config, name) for name in EngineSettings.model_fields} == settings.engine_settings()
 
 
 def test_cuda_graphs_cover_the_whole_batch_budget_unless_told_otherwise(
@@ -208,4 +212,4 @@ def test_cuda_graphs_cover_the_whole_batch_budget_unless_told_otherwise(
             graph_max_tokens=given,
         )
         cli._load_scorer(settings)
-        assert built_configs[-1].graph_max_tokens == expected
+        assert built_configs[-1].graph_tokens == expected

@@ -142,7 +142,7 @@ def test_limits_and_deadlines_answer_before_any_model_work(
     )
     base = Scorer(
         tiny_llama_dir,
-        ScorerConfig(device="cpu", max_request_items=32, max_request_tokens=200, max_input_tokens=100),
+        ScorerConfig(device="cpu", max_request_items=32, max_request_tokens=200, max_item_tokens=100),
     )
     scorer = CountingScorer(base)
     requests = _limits_requests()

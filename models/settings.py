@@ -1,0 +1,120 @@
+"""The engine's settings a user chooses, each declared once: the worker embeds them in its settings, a Scorer
+in code takes them in models.config.ScorerConfig. Pydantic alone, no torch: the light install imports it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+CompileChoice = Literal["auto", "on", "off"]
+GraphChoice = Literal["auto", "on", "off"]
+AttentionKernel = Literal["auto", "flash", "triton", "fa4"]
+FusedMlpChoice = Literal["auto", "on", "off"]
+PoolingChoice = Literal["auto", "last", "last_token", "cls", "mean"]  # "auto" or a models.packing.Pooling
+DtypeChoice = Literal["auto", "float32", "float16", "bfloat16"]
+Quantization = Literal["none", "fp8"]
+
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+class EngineSettings(BaseModel):
+    """The engine's settings, each declared here once with its meaning, type, bounds and default: a worker
+    reads them from SCORE_WORKER_* variables and flags of the same names (worker.config.WorkerSettings embeds
+    this model), a Scorer in code takes them in ScorerConfig."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    dtype: DtypeChoice = Field("auto", description="model dtype")
+    pooling: PoolingChoice = Field(
+        "auto", description="how an item's tokens become its pooled state; auto: what the model's head pools"
+    )
+    deterministic: bool = Field(
+        False,
+        description="bit-identical results whatever shares a request's batch (each item runs alone: slower)",
+    )
+    attention_kernel: AttentionKernel = Field(
+        "auto",
+        description="the packed path's attention kernel: torch's flash kernel, or the project's Triton "
+        "kernel for batches with a sequence over 256 tokens (faster on Hopper; sliding-window layers "
+        "and shorter batches still take flash); auto: Triton on Hopper and later GPUs, flash elsewhere; "
+        "fa4: FlashAttention-4 (the optional flash-attn-4 package) for every batch, flash for "
+        "sliding-window layers",
+    )
+    compile: CompileChoice = Field(
+        "auto",
+        description="run the decoder layers under torch.compile (fused kernels; seconds of compiling at "
+        "start-up); auto: on for the varlen path on CUDA",
+    )
+    fused_mlp: FusedMlpChoice = Field(
+        "auto",
+        description="run the gate and up products and the SiLU of Llama/Mistral/Qwen/Phi-3 MLPs as one "
+        "Triton kernel on the packed path; auto: on Hopper and later GPUs for models of hidden size 1536 "
+        "or more (measured faster there, slower on smaller ones)",
+    )
+    cuda_graphs: GraphChoice = Field(
+        "auto",
+        description="replay small batches from recorded CUDA graphs (one launch instead of hundreds; each "
+        "batch shape is recorded at its second batch); auto: on for the varlen path on CUDA",
+    )
+    graph_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the largest batch (tokens) that CUDA graphs replay; larger ones run as usual. Default: "
+        "max_batch_tokens, so every batch is replayed (their shared memory pool holds the largest batch's "
+        "activations once more; a lower value saves that on large models, whose launches cost less in "
+        "proportion)",
+    )
+    share_prefix_min_tokens: int = Field(
+        32,
+        ge=0,
+        description="compute a token prefix that prompts of one batch share (a multi-item request's query, "
+        "one prompt sent with several responses) once when it is at least this long; 0: never. Causal "
+        "decoders on the packed path; looking for them costs little on batches that share nothing",
+    )
+    quantization: Quantization = Field(
+        "none",
+        description="fp8: the transformer layers' projections run in FP8 e4m3 (weights per output channel, "
+        "activations per token); Hopper/Ada GPUs in bfloat16, or the CPU",
+    )
+    trust_remote_code: bool = Field(
+        False, description="load a model directory that ships its own code (runs that code: opt in knowingly)"
+    )
+    allow_pickle_weights: bool = Field(
+        False,
+        description="load weights from pickle files (pytorch_model.bin) when a model has no safetensors; "
+        "unpickling can run code: opt in knowingly",
+    )
+    max_batch_tokens: int = Field(8192, gt=0, description="token budget of one model batch")
+    # Limits: each checked before any model work, each with its own error code (schemas/README.md).
+    max_request_items: int | None = Field(
+        4096,
+        gt=0,
+        description="most items in one request; more is TOO_MANY_ITEMS (checked before tokenizing)",
+    )
+    max_request_tokens: int | None = Field(
+        262_144, gt=0, description="most prompt tokens in one request; more is REQUEST_TOO_LONG"
+    )
+    max_item_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="most tokens in one item's prompt (default: the model's limit); INPUT_TOO_LONG",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        index = value.removeprefix("cuda:")
+        if value not in _DEVICES and not (value.startswith("cuda:") and index.isdigit()):
+            raise ValueError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N")
+        return value
+
+    @property
+    def graph_tokens(self) -> int:
+        """The largest batch CUDA graphs replay: graph_max_tokens, or the whole budget when unset."""
+        return self.graph_max_tokens or self.max_batch_tokens
+
+    def engine_settings(self) -> dict[str, Any]:
+        """These settings by name (of a model that embeds them, only theirs)."""
+        return {name: getattr(self, name) for name in EngineSettings.model_fields}
