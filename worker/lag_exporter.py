@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 import time
@@ -24,9 +23,16 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from schemas import REQUESTS_TOPIC
-from worker.config import SECURITY_ENV_VARS, security_from_environment
+from worker.config import (
+    SECURITY_ENV_VARS,
+    ClientEnvironment,
+    environment_variables,
+    read_environment,
+    security_from_environment,
+)
 from worker.health import HealthServer
 from worker.metrics import PREFIX
 from worker.undecodable import FetchGuard
@@ -34,13 +40,23 @@ from worker.undecodable import FetchGuard
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED = 0, 1
+
+
 # The environment variables this command reads (flags override them).
+class LagExporterEnvironment(BaseSettings):
+    """The exporter's own SCORE_LAG_EXPORTER_* variables (flags override them)."""
+
+    model_config = SettingsConfigDict(env_prefix="SCORE_LAG_EXPORTER_", frozen=True, extra="ignore")
+
+    groups: str = Field("score-worker", description="consumer groups, comma-separated")
+    port: int = Field(9465, ge=0, le=65535, description="port of /metrics, /healthz and /readyz")
+    interval_s: float = Field(5.0, gt=0, description="seconds between polls")
+
+
 ENV_VARS = (
     "SCORE_WORKER_BOOTSTRAP_SERVERS",
     "SCORE_WORKER_REQUESTS_TOPIC",
-    "SCORE_LAG_EXPORTER_GROUPS",
-    "SCORE_LAG_EXPORTER_PORT",
-    "SCORE_LAG_EXPORTER_INTERVAL_S",
+    *environment_variables(LagExporterEnvironment),
     *SECURITY_ENV_VARS,
 )
 
@@ -202,29 +218,30 @@ class LagExporter:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    env = os.environ.get
+    client = read_environment(ClientEnvironment, "lag-exporter")
+    own = read_environment(LagExporterEnvironment, "lag-exporter")
     parser.add_argument(
-        "--bootstrap-servers", default=env("SCORE_WORKER_BOOTSTRAP_SERVERS"),
+        "--bootstrap-servers", default=client.bootstrap_servers,
         help="Kafka bootstrap servers (env SCORE_WORKER_BOOTSTRAP_SERVERS)",
     )  # fmt: skip
-    groups = [g for g in env("SCORE_LAG_EXPORTER_GROUPS", "score-worker").split(",") if g]
+    groups = [g for g in own.groups.split(",") if g]
     parser.add_argument(
         "--group", action="append", default=None,
         help=f"consumer group, repeatable (env SCORE_LAG_EXPORTER_GROUPS, default {','.join(groups)})",
     )  # fmt: skip
-    parser.set_defaults(default_groups=groups)
+    parser.set_defaults(default_groups=groups, default_topic=client.requests_topic)
     parser.add_argument(
         "--topic", action="append", default=None,
         help="topic whose partitions are reported even before a commit (env SCORE_WORKER_REQUESTS_TOPIC, "
         "default score.requests)",
     )  # fmt: skip
     parser.add_argument(
-        "--port", type=int, default=int(env("SCORE_LAG_EXPORTER_PORT", "9465")),
+        "--port", type=int, default=own.port,
         help="port of /metrics, /healthz and /readyz (env SCORE_LAG_EXPORTER_PORT, default 9465)",
     )  # fmt: skip
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     parser.add_argument(
-        "--interval", type=float, default=float(env("SCORE_LAG_EXPORTER_INTERVAL_S", "5")),
+        "--interval", type=float, default=own.interval_s,
         help="seconds between polls (env SCORE_LAG_EXPORTER_INTERVAL_S, default 5)",
     )  # fmt: skip
 
@@ -233,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.bootstrap_servers:
         print("lag-exporter: pass --bootstrap-servers or set SCORE_WORKER_BOOTSTRAP_SERVERS", file=sys.stderr)
         return 2
-    topics = args.topic or [os.environ.get("SCORE_WORKER_REQUESTS_TOPIC", REQUESTS_TOPIC)]
+    topics = args.topic or [args.default_topic]
     try:
         security = security_from_environment().kafka_security_kwargs()
     except ValueError as error:

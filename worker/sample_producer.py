@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import random
 import signal
 import time
@@ -25,23 +24,42 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import REQUESTS_TOPIC, HiddenDType, Input, ScoreRequest, encode_request, request_headers
-from worker.codecs import CODEC_NAMES, DEFAULT_COMPRESSION, producer_compression
-from worker.config import SECURITY_ENV_VARS, security_from_environment
+from worker.codecs import CODEC_NAMES, DEFAULT_COMPRESSION, Compression, producer_compression
+from worker.config import (
+    SECURITY_ENV_VARS,
+    ClientEnvironment,
+    environment_variables,
+    read_environment,
+    security_from_environment,
+)
 
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
+
 # Every environment variable this command reads (the deployment tests check compose against it).
+class SamplesEnvironment(BaseSettings):
+    """The sample producer's own SCORE_SAMPLES_* variables (flags override them)."""
+
+    model_config = SettingsConfigDict(env_prefix="SCORE_SAMPLES_", frozen=True, extra="ignore")
+
+    rate: float = Field(5.0, gt=0, allow_inf_nan=False, description="requests per second")
+    hidden_fraction: float = Field(0.5, ge=0, le=1, description="share asking for pooled hidden states")
+    invalid_fraction: float = Field(
+        0.02, ge=0, le=1, description="share the worker must answer with an error"
+    )
+    compression: Compression = Field(DEFAULT_COMPRESSION, description="codec of the batches sent")
+
+
 ENV_VARS: tuple[str, ...] = (
     "SCORE_WORKER_BOOTSTRAP_SERVERS",
     "SCORE_WORKER_REQUESTS_TOPIC",
-    "SCORE_SAMPLES_RATE",
-    "SCORE_SAMPLES_HIDDEN_FRACTION",
-    "SCORE_SAMPLES_INVALID_FRACTION",
-    "SCORE_SAMPLES_COMPRESSION",
+    *environment_variables(SamplesEnvironment),
     *SECURITY_ENV_VARS,
 )
 DEFAULT_HEARTBEAT_FILE = "/tmp/score-samples.alive"
@@ -96,31 +114,32 @@ def _count(value: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `score-worker produce-samples`; the environment supplies the defaults named in ENV_VARS."""
-    env = os.environ
+    client = read_environment(ClientEnvironment, "produce-samples")
+    env = read_environment(SamplesEnvironment, "produce-samples")
     parser.add_argument(
         "--bootstrap-servers",
-        default=env.get("SCORE_WORKER_BOOTSTRAP_SERVERS"),
-        required="SCORE_WORKER_BOOTSTRAP_SERVERS" not in env,
+        default=client.bootstrap_servers,
+        required=client.bootstrap_servers is None,
         metavar="HOST:PORT",
         help="Kafka bootstrap servers, HOST:PORT[,HOST:PORT...] (default: $SCORE_WORKER_BOOTSTRAP_SERVERS)",
     )
     parser.add_argument(
         "--topic",
-        default=env.get("SCORE_WORKER_REQUESTS_TOPIC", DEFAULT_TOPIC),
+        default=client.requests_topic,
         metavar="TOPIC",
         help=f"requests topic (default: $SCORE_WORKER_REQUESTS_TOPIC or {DEFAULT_TOPIC})",
     )
     parser.add_argument(
         "--rate",
         type=_rate,
-        default=env.get("SCORE_SAMPLES_RATE", "5"),
+        default=env.rate,
         metavar="PER_SECOND",
         help="requests per second (default: $SCORE_SAMPLES_RATE or 5)",
     )
     parser.add_argument(
         "--hidden-fraction",
         type=_fraction,
-        default=env.get("SCORE_SAMPLES_HIDDEN_FRACTION", "0.5"),
+        default=env.hidden_fraction,
         metavar="FRACTION",
         help="share of requests asking for pooled hidden states, dtypes in rotation "
         "(default: $SCORE_SAMPLES_HIDDEN_FRACTION or 0.5)",
@@ -128,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--invalid-fraction",
         type=_fraction,
-        default=env.get("SCORE_SAMPLES_INVALID_FRACTION", "0.02"),
+        default=env.invalid_fraction,
         metavar="FRACTION",
         help="share of requests the worker must answer with an error "
         "(default: $SCORE_SAMPLES_INVALID_FRACTION or 0.02)",
@@ -140,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compression",
         choices=CODEC_NAMES,
-        default=env.get("SCORE_SAMPLES_COMPRESSION", DEFAULT_COMPRESSION),
+        default=env.compression,
         help=f"codec of the batches sent (default: $SCORE_SAMPLES_COMPRESSION or {DEFAULT_COMPRESSION})",
     )
     parser.add_argument(

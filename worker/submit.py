@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import base64
 import json
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,15 +25,12 @@ from schemas import (
     encode_result,
 )
 from worker.client import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_REQUESTS_TOPIC,
-    DEFAULT_RESULTS_TOPIC,
     ScoreClient,
     ScoreClientError,
     new_request_id,
 )
 from worker.codecs import CODEC_NAMES, DEFAULT_COMPRESSION
-from worker.config import security_from_environment
+from worker.config import ClientEnvironment, read_environment, security_from_environment
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the broker could not be reached, or results were missing at the timeout
@@ -48,10 +44,11 @@ class InputError(ValueError):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `score-worker submit`."""
+    env = read_environment(ClientEnvironment, "submit")
     parser.add_argument(
         "--bootstrap-servers",
-        default=os.environ.get("SCORE_WORKER_BOOTSTRAP_SERVERS"),
-        required="SCORE_WORKER_BOOTSTRAP_SERVERS" not in os.environ,
+        default=env.bootstrap_servers,
+        required=env.bootstrap_servers is None,
         metavar="HOST:PORT",
         help="Kafka bootstrap servers, HOST:PORT[,HOST:PORT...] (default: $SCORE_WORKER_BOOTSTRAP_SERVERS)",
     )
@@ -79,26 +76,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-record-bytes",
         type=int,
-        default=int(os.environ.get("SCORE_WORKER_MAX_RECORD_BYTES", DEFAULT_MAX_MESSAGE_BYTES)),
+        default=env.max_record_bytes,
         metavar="BYTES",
         help="largest request record to send (default: $SCORE_WORKER_MAX_RECORD_BYTES or 1048576)",
     )
     parser.add_argument(
         "--requests-topic",
-        default=os.environ.get("SCORE_WORKER_REQUESTS_TOPIC", DEFAULT_REQUESTS_TOPIC),
+        default=env.requests_topic,
         metavar="TOPIC",
         help="topic requests are sent to (default: $SCORE_WORKER_REQUESTS_TOPIC or score.requests)",
     )
     parser.add_argument(
         "--results-topic",
-        default=os.environ.get("SCORE_WORKER_RESULTS_TOPIC", DEFAULT_RESULTS_TOPIC),
+        default=env.results_topic,
         metavar="TOPIC",
         help="topic results are read from (default: $SCORE_WORKER_RESULTS_TOPIC or score.results)",
     )
     parser.add_argument(
         "--compression",
         choices=CODEC_NAMES,
-        default=os.environ.get("SCORE_WORKER_REQUESTS_COMPRESSION", DEFAULT_COMPRESSION),
+        default=env.requests_compression,
         help=f"codec of the request batches sent (default: $SCORE_WORKER_REQUESTS_COMPRESSION or "
         f"{DEFAULT_COMPRESSION}); results of any codec are read",
     )

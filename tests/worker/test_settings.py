@@ -212,3 +212,49 @@ def test_other_commands_read_the_security_settings_from_the_environment(
         security_from_environment()
     assert "--" not in str(info.value)  # these commands have no security flags: the message names none
     assert "s3cret-sasl" not in str(info.value)
+
+
+def test_every_setting_is_in_one_group_and_the_engine_fields_are_the_engines_own() -> None:
+    """`score-worker run --help` lists the settings by group: each field in exactly one, none left out.
+    The engine's fields are declared once, in models/settings.py: the worker's are the same fields (same
+    meaning, bounds and default), not copies that could drift apart."""
+    from models import EngineSettings
+    from worker.config import SETTINGS_GROUPS
+
+    grouped = [name for _, group in SETTINGS_GROUPS for name in group.model_fields]
+    assert sorted(grouped) == sorted(WorkerSettings.model_fields)
+    assert len(grouped) == len(set(grouped))
+    for name, field in EngineSettings.model_fields.items():
+        mine = WorkerSettings.model_fields[name]
+        assert (mine.annotation, mine.default, mine.description, mine.metadata) == (
+            field.annotation, field.default, field.description, field.metadata,
+        )  # fmt: skip
+
+
+def test_the_other_commands_read_their_defaults_through_the_settings_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """submit, lag-exporter and produce-samples take SCORE_WORKER_* (and their own) variables through
+    pydantic-settings, validated like the worker's: a bad one is one clear line and exit status 2."""
+    monkeypatch.setenv("SCORE_WORKER_REQUESTS_TOPIC", "their.requests")
+    monkeypatch.setenv("SCORE_WORKER_BOOTSTRAP_SERVERS", "127.0.0.1:9")
+    import argparse
+
+    from worker import lag_exporter, sample_producer, submit
+
+    for module in (submit, lag_exporter, sample_producer):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        args = parser.parse_args(["--input", "-"] if module is submit else [])
+        assert args.bootstrap_servers == "127.0.0.1:9"
+        topic = args.default_topic if module is lag_exporter else getattr(args, "requests_topic", None)
+        assert (topic or args.topic) == "their.requests"
+    monkeypatch.setenv("SCORE_WORKER_MAX_RECORD_BYTES", "lots")
+    with pytest.raises(SystemExit) as exit_submit:
+        submit.add_arguments(argparse.ArgumentParser())
+    assert "max_record_bytes (SCORE_WORKER_MAX_RECORD_BYTES)" in str(exit_submit.value.code)
+    monkeypatch.delenv("SCORE_WORKER_MAX_RECORD_BYTES")
+    monkeypatch.setenv("SCORE_SAMPLES_RATE", "-1")
+    with pytest.raises(SystemExit) as exit_samples:
+        sample_producer.add_arguments(argparse.ArgumentParser())
+    assert "rate (SCORE_SAMPLES_RATE)" in str(exit_samples.value.code)
