@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: builds .venv on first use, then runs the demo or the test suite.
 #   ./dev.sh demo   - embedded broker + tiny local model + one worker + sample requests, results printed
-#   ./dev.sh test   - the whole suite: ruff, mypy and pytest against Apache Kafka (run from its jars; Java
-#                     and Maven, Prometheus and docker-compose installed with apt-get when missing, as root)
+#   ./dev.sh test   - the whole suite: the static checks (./dev.sh lint), then pytest against Apache Kafka
+#                     (run from its jars; Java and Maven, Prometheus and docker-compose installed with
+#                     apt-get when missing, as root); arguments go to pytest
+#   ./dev.sh lint   - the static checks alone: ruff (lint, format), mypy, the import layering contract
 #   ./dev.sh kafka  - Apache Kafka in the foreground (--nodes 3 for a cluster), for trials and own runs
 #   ./dev.sh lock   - resolve the dev install afresh and write the pins to constraints.txt
 set -euo pipefail
@@ -89,6 +91,21 @@ lock() {
     echo "dev.sh: wrote $CONSTRAINTS ($(grep -c '==' "$CONSTRAINTS") pins)" >&2
 }
 
+# The static checks, each its own step, before any test runs: ruff's lint and format check everywhere, mypy
+# on the packages (files and strictness in pyproject.toml), and the layering contract of [tool.importlinter]
+# (schemas <- models <- worker, no import circle inside a package).
+lint() {
+    local bin="$VENV/bin"
+    echo "dev.sh: ruff check" >&2
+    "$bin/ruff" check .
+    echo "dev.sh: ruff format --check" >&2
+    "$bin/ruff" format --check .
+    echo "dev.sh: mypy" >&2
+    "$bin/mypy" --no-error-summary
+    echo "dev.sh: lint-imports" >&2
+    "$bin/lint-imports" --no-cache
+}
+
 cmd="${1:-}"
 shift || true
 case "$cmd" in
@@ -98,9 +115,14 @@ case "$cmd" in
         ;;
     test)
         setup
+        lint
         system_tools
         kafka_jars
         exec "$VENV/bin/python" -m pytest "$@"
+        ;;
+    lint)
+        setup
+        lint
         ;;
     kafka)
         setup
@@ -113,7 +135,7 @@ case "$cmd" in
         lock
         ;;
     *)
-        echo "usage: ./dev.sh demo|test|kafka|setup|lock [args...]" >&2
+        echo "usage: ./dev.sh demo|test|lint|kafka|setup|lock [args...]" >&2
         exit 2
         ;;
 esac
