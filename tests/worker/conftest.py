@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from brokers import BrokerPool, OwnBroker, own_broker_of
-from fault_kit import Spawn, WorkerProcess
+from fault_kit.workers import Spawn, WorkerProcess
 from worker_testkit import LiveWorker, Names, fast_settings
 
 from models import Scorer, ScorerConfig

@@ -23,16 +23,10 @@ import netns
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from brokers import described_offsets, insisted, java_or_not_here
-from fault_kit import (
-    Accounting,
-    Spawn,
-    Stream,
-    WorkerProcess,
-    check_complete,
-    figures,
-    wait_until,
-    worker_env,
-)
+from fault_kit.accounting import Accounting, check_complete
+from fault_kit.common import figures
+from fault_kit.traffic import Stream, wait_until
+from fault_kit.workers import Spawn, WorkerProcess, worker_env
 from netns import Hosts
 from worker_testkit import client_kwargs
 

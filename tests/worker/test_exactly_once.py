@@ -14,16 +14,10 @@ from pathlib import Path
 import pytest
 from aiokafka.structs import TopicPartition
 from brokers import BrokerPool, not_here
-from fault_kit import (
-    Accounting,
-    Spawn,
-    Stream,
-    check_complete,
-    create_topics,
-    figures,
-    wait_until,
-    worker_env,
-)
+from fault_kit.accounting import Accounting, check_complete
+from fault_kit.common import figures
+from fault_kit.traffic import Stream, create_topics, wait_until
+from fault_kit.workers import Spawn, worker_env
 from prometheus_client import CollectorRegistry
 from worker_testkit import Names, client_kwargs, committed_offsets, fast_settings, read_topic
 

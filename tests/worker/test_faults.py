@@ -13,22 +13,12 @@ from typing import Any
 
 import pytest
 from brokers import OwnBroker
-from fault_kit import (
-    Accounting,
-    ClientCutProxy,
-    Poison,
-    RssSampler,
-    Spawn,
-    Stream,
-    WorkerProcess,
-    check_complete,
-    check_poison,
-    figures,
-    poison_corpus,
-    wait_holding,
-    wait_until,
-    worker_env,
-)
+from fault_kit.accounting import Accounting, check_complete
+from fault_kit.common import figures
+from fault_kit.poison import Poison, check_poison, poison_corpus
+from fault_kit.proxy import ClientCutProxy
+from fault_kit.traffic import Stream, wait_holding, wait_until
+from fault_kit.workers import RssSampler, Spawn, WorkerProcess, worker_env
 from worker_testkit import read_topic, request_record
 
 from models import Scorer

@@ -22,7 +22,7 @@ import pytest
 import raw_batches
 from aiokafka.structs import ConsumerRecord
 from brokers import BrokerPool, described_offsets, not_here
-from fault_kit import wait_until
+from fault_kit.traffic import wait_until
 from tolerances import assert_scored_alike
 from worker_testkit import LiveWorker, produce, read_topic, request_record
 

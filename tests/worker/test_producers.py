@@ -21,17 +21,10 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 from brokers import BrokerPool, broker_tiers
 from confluent_kafka import Consumer, Producer
-from fault_kit import (
-    Accounting,
-    Poison,
-    Spawn,
-    check_poison,
-    create_topics,
-    make_requests,
-    poison_corpus,
-    spot_check,
-    worker_env,
-)
+from fault_kit.accounting import Accounting, spot_check
+from fault_kit.poison import Poison, check_poison, poison_corpus
+from fault_kit.traffic import create_topics, make_requests
+from fault_kit.workers import Spawn, worker_env
 from worker_testkit import Names, client_kwargs, fast_settings, request_record
 
 from models import Scorer, ScorerConfig

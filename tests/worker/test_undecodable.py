@@ -27,18 +27,16 @@ from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.record.memory_records import MemoryRecords
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from brokers import BrokerPool
-from fault_kit import (
-    Accounting,
+from fault_kit.accounting import Accounting, spot_check
+from fault_kit.traffic import (
     ResultWatcher,
-    Spawn,
     create_topics,
     make_requests,
     metric_samples,
     samples_in,
-    spot_check,
     wait_until,
-    worker_env,
 )
+from fault_kit.workers import Spawn, worker_env
 from worker_testkit import (
     Names,
     client_kwargs,
