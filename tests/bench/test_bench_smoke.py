@@ -81,8 +81,9 @@ def test_w1_checks_a_run_without_hidden_states_on_its_scores() -> None:
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
+    from bench.common import compare
     from bench.hf_paths import PathOutput
-    from bench.w1 import compare, verdict
+    from bench.w1 import verdict
 
     reference = PathOutput(np.array([[1.0], [2.0]], np.float32), np.ones((2, 4), np.float32))
     bare = PathOutput(np.array([[1.05], [2.0]], np.float32), np.zeros((2, 0), np.float32))
