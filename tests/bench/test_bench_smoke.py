@@ -96,10 +96,10 @@ def test_w1_checks_a_run_without_hidden_states_on_its_scores() -> None:
 
 
 def test_shared_prefix_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) -> None:
-    """bench/shared.py on tiny models on the CPU: both workloads timed, checked against float32 and the
+    """bench/w3_w4.py on tiny models on the CPU: both workloads timed, checked against float32 and the
     unshared path, the report written; a run whose checks did not pass would exit 1."""
-    proc = _run_script(["bench/shared.py", "--quick", "--repeats", "1"], tmp_path, 600)
-    target = tmp_path / "shared-quick.json"
+    proc = _run_script(["bench/w3_w4.py", "--quick", "--repeats", "1"], tmp_path, 600)
+    target = tmp_path / "w3_w4-quick.json"
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(target.read_text())
     assert report["verdict"] == "ok"

@@ -1,11 +1,11 @@
-"""Small-batch latency: the model step for 1 and 64 requests of 100 tokens on Qwen3-0.6B shapes.
+"""L1, small-batch latency: the model step for 1 and 64 requests of 100 tokens on Qwen3-0.6B shapes.
 
-Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/latency.py
+Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/l1.py
 
 Times `Scorer.score` (tokens in, results with pooled hidden states out) with eager layers, with compiled
 layers, and with compiled layers replayed from CUDA graphs (the default), and HF's own bf16 forward on the
 same batch, all in one process; checks every path's scores and
-hidden states against a float32 HF reference and exits 1 when they are wrong. Writes $OUT/latency.json.
+hidden states against a float32 HF reference and exits 1 when they are wrong. Writes $OUT/l1.json.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.update(timings=timings, correctness=checks, bound=bound, graphs=graph_counts)
     print(f"CUDA graphs recorded {graph_counts['recorded']}, replayed {graph_counts['replays']}")
     failed = [f"{name} is further from float32 than the bound" for name, c in checks.items() if not c["ok"]]
-    return write_verdict(report, failed, report_path("latency"), "L1")
+    return write_verdict(report, failed, report_path("l1"), "L1")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """W3 (one query, many items) and W4 (best of N) with shared prefixes computed once, against today's path
 (every prompt packed whole) and against scoring only the distinct tokens, all in one process.
 
-Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/shared.py
+Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/w3_w4.py
 `--quick` runs tiny models on the CPU (a smoke test of the script, not a measurement).
 
 - W3: W2's model (Qwen3-0.6B shapes); 64 requests of 16 items, a 512-token query and 64-token items, half
@@ -258,7 +258,7 @@ def run_case(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argument_parser(__doc__)
-    add_options(parser, "shared", quick=False, max_batch_tokens=16384)
+    add_options(parser, "w3_w4", quick=False, max_batch_tokens=16384)
     parser.add_argument("--cases", default="w3,w4", help="which of w3, w4 to run")
     parser.add_argument(
         "--min-tokens", type=int, default=32, help="share_prefix_min_tokens of the shared path"
@@ -297,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for check in ("agreement", "vs_fp32")
         if not report[name][check]["ok"]
     ]
-    target = report_path("shared", args.json, args.quick)
+    target = report_path("w3_w4", args.json, args.quick)
     return write_verdict(report, failures, target, "the shared-prefix benchmark")
 
 
