@@ -1,18 +1,17 @@
-"""The GPU check script runs on CPU too (exact attention path): keeps bench/ from rotting between GPU runs."""
+"""The benchmarks' smoke runs on the CPU (tiny shapes, an embedded broker or Apache Kafka from its jars) and
+their verdicts: keeps bench/ from rotting between GPU runs. A script whose checks of what it timed fail
+exits non-zero."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from models.tiny import ARCHITECTURES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,29 +23,6 @@ def _run_script(args: list[str], out: Path, timeout_s: float) -> subprocess.Comp
     return subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
     )
-
-
-def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
-    proc = _run_script(["bench/gpu_check.py", "--cpu-smoke"], tmp_path, 300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    # Every tiny architecture plus the GQA llama is checked; a run that checks nothing must not pass.
-    expected = len(ARCHITECTURES) + 1
-    assert re.search(rf"gpu_check: {expected} PASS, 0 FAIL", proc.stdout), proc.stdout[-2000:]
-    written = list(tmp_path.glob("*.json"))
-    assert written, "gpu_check wrote no JSON report"
-    assert json.loads(written[0].read_text())
-
-
-def test_gpu_check_checks_the_models_asked_for_and_refuses_unknown_models_and_runs(tmp_path: Path) -> None:
-    proc = _run_script(["bench/gpu_check.py", "--cpu-smoke", "--models", "qwen3,bert"], tmp_path, 300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    checked = re.findall(r"^PASS (\S+)", proc.stdout, flags=re.MULTILINE)
-    assert sorted(checked) == ["bert", "qwen3"], proc.stdout[-2000:]
-    proc = _run_script(["bench/gpu_check.py", "--cpu-smoke", "--models", "qwen3,gpt9"], tmp_path, 300)
-    assert proc.returncode == 2 and "unknown models ['gpt9']" in proc.stderr, proc.stderr[-2000:]
-    runs = ["--runs", "bfloat16/auto,bf16/auto"]
-    proc = _run_script(["bench/gpu_check.py", "--cpu-smoke", *runs], tmp_path, 300)
-    assert proc.returncode == 2 and "unknown runs ['bf16/auto']" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_w1_fails_when_a_timed_path_is_wrong() -> None:
