@@ -159,29 +159,6 @@ def test_w2_quick_run_through_a_real_broker_checks_what_it_timed(tmp_path: Path)
     )
 
 
-@pytest.mark.parametrize("broker", ["embedded", "kafka"])
-def test_broker_hop_times_both_partitions_at_every_step(broker: str, tmp_path: Path) -> None:
-    """bench/broker_hop.py through the embedded broker and Apache Kafka: a measurement before and after each
-    fill step, on the filled partition and on a fresh topic, every record timed having arrived."""
-    if (
-        broker == "kafka"
-        and shutil.which("java") is None
-        and os.environ.get("SCORE_WORKER_TEST_BROKER") != "kafka"
-    ):
-        pytest.skip("Apache Kafka needs Java")
-    target = tmp_path / "hop.json"
-    args = ["bench/broker_hop.py", "--broker", broker, "--fill", "100", "--step", "50", "--trips", "5"]
-    proc = _run_script([*args, "--json", str(target)], tmp_path, 300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert json.loads(target.read_text())["broker"] == broker
-    rows = json.loads(target.read_text())["rows"]
-    assert [row["batches_held"] for row in rows] == [0, 50, 100]
-    for row in rows:
-        for where in ("filled", "fresh"):
-            figures = row[where]
-            assert 0 < figures["p50_ms"] <= figures["p90_ms"] <= figures["max_ms"] < 1000
-
-
 def test_compression_benchmark_publishes_every_codec_and_checks_what_it_read_back(tmp_path: Path) -> None:
     """The results-codec benchmark end to end on the CPU: an embedded broker, every codec for both hidden
     dtypes, the read-back and float32 checks passing (a run whose results were wrong exits 1)."""
