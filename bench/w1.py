@@ -87,6 +87,33 @@ def _path(scorer: Any) -> tuple[str, bool, bool]:
     return (scorer.info.attention_kernel, scorer.info.fused_mlp, scorer.config.last_layer_pooled_rows)
 
 
+def time_scorer(
+    name: str,
+    scorer: Any,
+    requests: Sequence[Any],
+    cut: Sequence[Sequence[int]],
+    repeats: int,
+    hidden_size: int,
+    warm_batches: int = 1,
+) -> dict[str, Any]:
+    """`repeats` timed passes of `scorer` over the requests in the batches `cut` (after a warm-up on the
+    first `warm_batches`); the last pass's results as arrays (hidden states where every request asked),
+    with the Scorer's own stage timings. The conversion to arrays is outside the timed region: it is the
+    benchmark's, not the engine's."""
+    run = measure(
+        name,
+        lambda: packed_path.run_scorer(scorer, requests, cut),
+        lambda: packed_path.run_scorer(scorer, requests, cut[:warm_batches]),
+        repeats,
+    )
+    results = run["output"]
+    asked = all(r.return_pooled_hidden_states for r in requests)
+    run["stage_timings"] = packed_path.stage_timings(results)
+    run["output"] = packed_path.results_to_arrays(results, hidden_size, asked=asked)
+    run["batches"] = len(cut)
+    return run
+
+
 def packed_run(
     model: torch.nn.Module,
     work: Workload,
@@ -135,17 +162,8 @@ def packed_run(
     config: Any = model.config
     hidden_size = int(config.hidden_size)
 
-    result = measure(
-        name,
-        lambda: packed_path.run_scorer(scorer, requests, chunks),
-        lambda: packed_path.run_scorer(scorer, requests, chunks[:1]),
-        1 if deterministic else repeats,
-    )
-    # Results become arrays outside the timed region: that conversion is the benchmark's, not the engine's.
-    result["stage_timings"] = packed_path.stage_timings(result["output"])
-    result["output"] = packed_path.results_to_arrays(result["output"], hidden_size)
+    result = time_scorer(name, scorer, requests, chunks, 1 if deterministic else repeats, hidden_size)
     result.update(
-        batches=len(chunks),
         save_seconds=save_s,
         load_seconds=load_s,
         compiled=scorer.executor.compiled,
@@ -161,26 +179,14 @@ def packed_run(
     result["sweep_runs"] = {}
     # What asking for hidden states costs: the same batches, timed alike, with no request asking.
     bare_requests = packed_path.make_requests(work.token_ids, hidden=False)
-    bare = measure(
-        f"{name}_no_hidden",
-        lambda: packed_path.run_scorer(scorer, bare_requests, chunks),
-        lambda: packed_path.run_scorer(scorer, bare_requests, chunks[:1]),
-        repeats,
-    )
-    bare["output"] = packed_path.results_to_arrays(bare["output"], hidden_size, asked=False)
-    bare.update(batches=len(chunks), max_batch_tokens=max_batch_tokens)
+    bare = time_scorer(f"{name}_no_hidden", scorer, bare_requests, chunks, repeats, hidden_size)
+    bare["max_batch_tokens"] = max_batch_tokens
     result["sweep_runs"][bare["name"]] = bare
     if share_min:
         # W1 shares nothing: what looking for shared prefixes costs a batch that has none.
         sharing = packed_path.make_scorer(model_dir, largest, share_prefix_min_tokens=share_min)
-        looked = measure(
-            f"{name}_share{share_min}",
-            lambda: packed_path.run_scorer(sharing, requests, chunks),
-            lambda: packed_path.run_scorer(sharing, requests, chunks[:1]),
-            repeats,
-        )
-        looked["output"] = packed_path.results_to_arrays(looked["output"], hidden_size)
-        looked.update(batches=len(chunks), max_batch_tokens=max_batch_tokens)
+        looked = time_scorer(f"{name}_share{share_min}", sharing, requests, chunks, repeats, hidden_size)
+        looked["max_batch_tokens"] = max_batch_tokens
         result["sweep_runs"][looked["name"]] = looked
         del sharing
     variants = [(kernel, {"attention_kernel": kernel}) for kernel in other_kernels]
@@ -200,15 +206,8 @@ def packed_run(
         if _path(other) == default_path:
             del other  # the default's path after all ("on" where no MLP can be fused)
             continue
-        timed_other = measure(
-            f"{name}_{label}",
-            lambda other=other: packed_path.run_scorer(other, requests, chunks),
-            lambda other=other: packed_path.run_scorer(other, requests, chunks[:1]),
-            repeats,
-        )
-        timed_other["output"] = packed_path.results_to_arrays(timed_other["output"], hidden_size)
+        timed_other = time_scorer(f"{name}_{label}", other, requests, chunks, repeats, hidden_size)
         timed_other.update(
-            batches=len(chunks),
             max_batch_tokens=max_batch_tokens,
             attention_kernel=other.info.attention_kernel,
             fused_mlp=other.info.fused_mlp,
@@ -219,14 +218,8 @@ def packed_run(
         torch.cuda.empty_cache()
     for budget in budgets:
         cut = list(token_runs(work.lengths, budget))
-        run = measure(
-            f"{name}@{budget}",
-            lambda cut=cut: packed_path.run_scorer(scorer, requests, cut),
-            lambda cut=cut: packed_path.run_scorer(scorer, requests, cut[:2]),
-            1,
-        )
-        run["output"] = packed_path.results_to_arrays(run["output"], hidden_size)
-        run.update(batches=len(cut), max_batch_tokens=budget)
+        run = time_scorer(f"{name}@{budget}", scorer, requests, cut, 1, hidden_size, warm_batches=2)
+        run["max_batch_tokens"] = budget
         result["sweep_runs"][run["name"]] = run
     # The worker's start-up self-check on this 8B model: it must cost seconds, not minutes.
     from models.selfcheck import run_self_check
