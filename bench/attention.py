@@ -17,18 +17,25 @@ Writes $OUT/attention.json.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import environment, gpu_ms, graph_ms, make_lognormal_workload, out_dir, token_budget_chunks
+from bench.common import (
+    argument_parser,
+    gpu_ms,
+    graph_ms,
+    make_lognormal_workload,
+    pick_device,
+    report_header,
+    report_path,
+    write_verdict,
+)
 from models import fa4_attention, triton_attention
 from models.attention import attend_causal, flash_varlen_gqa
+from models.plan import token_runs
 from models.varlen import WANT_LSE
 
 # The module's configuration: block lanes, block keys, warps, stages, query heads per program at most.
@@ -97,11 +104,11 @@ def _offsets(lengths: Sequence[int]) -> torch.Tensor:
 
 def cases() -> list[Case]:
     w1 = make_lognormal_workload(512, 128256)
-    chunks = token_budget_chunks(w1.lengths, 16384)
+    batches = list(token_runs(w1.lengths, 16384))
     groups, suffixes = 16, 16  # W3's shape as the shared path runs it: 16 suffixes of 64 over a 512 query
     return [
-        Case("w1_batch0", [w1.lengths[i] for i in chunks[0]], 32, 8),
-        Case("w1_batch1", [w1.lengths[i] for i in chunks[1]], 32, 8),
+        Case("w1_batch0", w1.lengths[batches[0].start : batches[0].stop], 32, 8),
+        Case("w1_batch1", w1.lengths[batches[1].start : batches[1].stop], 32, 8),
         Case("w3_whole", [576] * 28, 16, 8),
         Case("l1_64x100", [100] * 64, 16, 8),
         # One W2 request as a small-batch graph runs it: four sequence slots, the unused ones empty.
@@ -144,9 +151,7 @@ def _line(name: str, timed: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument(
         "--configs",
@@ -154,11 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="BLOCK_M,BLOCK_N,warps,stages[,pack];... (missing fields: the module's; the first: its default)",
     )
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the attention benchmark needs a CUDA GPU", file=sys.stderr)
+    if pick_device("the attention benchmark", cpu_allowed=False) is None:
         return 2
     configs = [tuple(int(x) for x in part.split(",")) for part in args.configs.split(";") if part]
-    report: dict[str, Any] = {"environment": environment(), "default_config": DEFAULT, "cases": {}}
+    report: dict[str, Any] = {**report_header(), "default_config": DEFAULT, "cases": {}}
     failed = []
     for case in cases():
         wants_lse = not case.causal
@@ -194,14 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(label + _line(f"triton {key:<12}", timed) + flash_line, flush=True)
         set_config(DEFAULT)
         report["cases"][case.name] = row
-    report["failed"] = failed
-    path = (out_dir() or Path(".")) / "attention.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
-    if failed:
-        print("FAILED:\n  " + "\n  ".join(failed))
-        return 1
-    return 0
+    return write_verdict(report, failed, report_path("attention"), "attention")
 
 
 if __name__ == "__main__":

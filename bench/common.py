@@ -1,8 +1,12 @@
-"""Shared pieces of the GPU benchmarks: environment facts, CUDA timing, the W1 workload and its FLOP count."""
+"""The benchmarks' shared harness: the workloads' models and requests, command-line options, the environment,
+CUDA timing, the checks of timed results against float32, and the report with its verdict."""
 
 from __future__ import annotations
 
+import argparse
+import copy
 import datetime
+import gc
 import json
 import math
 import os
@@ -20,8 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-# Qwen3-0.6B shapes (the reference's W2 and the small-batch latency case); random weights from the HF
-# initialiser (normal, std 0.02).
+from bench import hf_paths, packed_path
+from bench.hf_paths import PathOutput
+
+# Qwen3-0.6B shapes (the reference's W2 and W3, and L1, the small-batch latency case); random weights from
+# the HF initialiser (normal, std 0.02).
 QWEN3_06B_SHAPES: dict[str, Any] = {
     "hidden_size": 1024,
     "num_hidden_layers": 28,
@@ -33,6 +40,87 @@ QWEN3_06B_SHAPES: dict[str, Any] = {
     "max_position_embeddings": 40960,
     "tie_word_embeddings": True,
 }
+W2_SHAPES = QWEN3_06B_SHAPES
+# W2's model at tiny sizes, for --quick runs (W3's too).
+W2_QUICK_SHAPES: dict[str, Any] = {
+    **W2_SHAPES,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+}
+# W2's model as saved for the worker: the Qwen3 settings beside the shapes.
+W2_SETTINGS: dict[str, Any] = {
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    "rms_norm_eps": 1e-6,
+}
+# Llama-3-8B shapes (the reference's W1, and W4's model); random weights with the HF default init (normal,
+# std 0.02).
+W1_SHAPES: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+}
+W1_QUICK_SHAPES: dict[str, Any] = {
+    "hidden_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 1536,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+
+
+def classifier(kind: str, shapes: dict[str, Any], **settings: Any) -> tuple[Any, Any]:
+    """The config and class of a workload's one-label classifier: "llama" (W1's settings: rope theta
+    500,000, norm epsilon 1e-5) or "qwen3" (its defaults, or `settings`), padding id hf_paths.PAD_ID."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        Qwen3Config,
+        Qwen3ForSequenceClassification,
+    )
+
+    common = {"num_labels": 1, "pad_token_id": hf_paths.PAD_ID, "initializer_range": 0.02}
+    if kind == "llama":
+        rope = {"rope_type": "default", "rope_theta": 500000.0}
+        llama = {"rope_parameters": rope, "rms_norm_eps": 1e-5, **settings}
+        return LlamaConfig(**shapes, **common, **llama), LlamaForSequenceClassification
+    if kind == "qwen3":
+        return Qwen3Config(**shapes, **common, **settings), Qwen3ForSequenceClassification
+    raise ValueError(f"no benchmark model of kind {kind!r}")
+
+
+def build_model(
+    kind: str, shapes: dict[str, Any], device: str = "cuda", dtype: torch.dtype = torch.bfloat16
+) -> torch.nn.Module:
+    """A random-weight classifier (seed 0, HF's init) built straight on `device` in `dtype` (no 32 GB
+    float32 detour for 8B shapes), with SDPA attention: the benchmarks' HF baseline."""
+    config, model_class = classifier(kind, shapes)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model: torch.nn.Module = model_class._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def model_dir(kind: str, shapes: dict[str, Any], device: str, target: Path, **settings: Any) -> Path:
+    """classifier(kind, shapes, **settings) with random weights (packed_path.random_model_dir), saved with
+    a tokenizer at `target`: what a Scorer loads."""
+    config, model_class = classifier(kind, shapes, **settings)
+    return packed_path.random_model_dir(model_class, config, device, target)
+
+
+def w2_model_dir(shapes: dict[str, Any], device: str, workdir: Path) -> Path:
+    """W2's Qwen3 classifier (W3's too) of `shapes` with random weights, saved with a tokenizer."""
+    return model_dir("qwen3", shapes, device, workdir / "w2-qwen3-0.6b-shapes", **W2_SETTINGS)
 
 
 @dataclass(frozen=True)
@@ -67,22 +155,6 @@ def make_lognormal_workload(
     lengths = raw.clamp(min_len, max_len).long().tolist()
     ids = [torch.randint(1, vocab_size, (length,), generator=gen, dtype=torch.int64) for length in lengths]
     return Workload(token_ids=ids)
-
-
-def token_budget_chunks(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Greedy arrival-order batches of request indices whose token sum stays within max_tokens."""
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for index, length in enumerate(lengths):
-        if current and used + length > max_tokens:
-            chunks.append(current)
-            current, used = [], 0
-        current.append(index)
-        used += length
-    if current:
-        chunks.append(current)
-    return chunks
 
 
 def non_embedding_params(model: torch.nn.Module) -> int:
@@ -262,21 +334,225 @@ def relative_errors(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
     return np.asarray(diff / np.maximum(np.linalg.norm(reference.astype(np.float64), axis=-1), 1e-30))
 
 
-def write_verdict(report: dict[str, Any], failures: list[str], target: Path, what: str) -> int:
-    """Write the report with its verdict; the exit status: 1 when a check of the timed results failed (a
-    figure whose results were wrong is no figure)."""
-    report["verdict"] = failures or "ok"
-    target.write_text(json.dumps(report, indent=2))
-    print(f"wrote {target}")
-    for failure in failures:
-        print(f"{what} FAILED: {failure}", file=sys.stderr)
-    return 1 if failures else 0
+def measure(name: str, run: Callable[[], Any], warmup: Callable[[], Any], repeats: int) -> dict[str, Any]:
+    """Warm up, then time `repeats` full passes (between device synchronisations, GPU clocks sampled); keeps
+    the last pass's output for the checks against float32. Peak GPU memory is None on the CPU."""
+    warmup()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    seconds = []
+    output = None
+    gpu = []
+    for _ in range(repeats):
+        with GpuSampler() as sampler:
+            output, elapsed = timed(run)
+        seconds.append(elapsed)
+        gpu.append(sampler.summary())
+        print(f"  {name}: pass {len(seconds)} {elapsed:.2f} s; GPU {gpu[-1]}", flush=True)
+    return {
+        "name": name,
+        "seconds": seconds,
+        "best_seconds": min(seconds),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "gpu_samples": gpu,
+        "output": output,
+    }
+
+
+# The checks of timed results against float32: a figure whose results are wrong is no figure.
+
+
+def spread_picks(lengths: Sequence[int], count: int) -> list[int]:
+    """Indices of `count` requests spread evenly over the length range (shortest to longest): the subset
+    checked against the float32 reference."""
+    by_length = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return sorted({by_length[round(k * (len(by_length) - 1) / max(count - 1, 1))] for k in range(count)})
+
+
+@torch.inference_mode()
+def float32_reference(
+    model: torch.nn.Module,
+    rows: Sequence[torch.Tensor],
+    variant: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+) -> list[PathOutput]:
+    """HF float32 scores and hidden states, one request per forward, from a float32 copy of `model`; with
+    `variant`, also from variant(that copy) (the float32 model changed as the timed path is, e.g. with the
+    same FP8 projections). The copy is freed before this returns."""
+    reference = copy.deepcopy(model).to(torch.float32)
+    outputs = [hf_paths.run_reference(reference, rows)]
+    if variant is not None:
+        outputs.append(hf_paths.run_reference(variant(reference), rows))
+    del reference
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return outputs
+
+
+def compare(values: PathOutput, reference: PathOutput) -> dict[str, float]:
+    """Max |score difference|, the pooled hidden states' relative error (max and median over requests) and
+    their smallest cosine; a run whose requests asked for no hidden states (width 0) is compared on its
+    scores alone (NaN for the rest)."""
+    scores = {"max_abs_score_diff": float(np.max(np.abs(values.scores - reference.scores)))}
+    if values.hidden.shape[1] == 0:
+        return {
+            **scores,
+            "hidden_rel_err_max": math.nan,
+            "hidden_rel_err_median": math.nan,
+            "hidden_min_cosine": math.nan,
+            "all_finite": bool(np.isfinite(values.scores).all()),
+        }
+    hidden = values.hidden.astype(np.float64)
+    ref = reference.hidden.astype(np.float64)
+    cosine = (hidden * ref).sum(1) / np.maximum(
+        np.linalg.norm(hidden, axis=1) * np.linalg.norm(ref, axis=1), 1e-30
+    )
+    rel = relative_errors(values.hidden, reference.hidden)
+    return {
+        **scores,
+        "hidden_rel_err_max": float(np.max(rel)),
+        "hidden_rel_err_median": float(np.median(rel)),
+        "hidden_min_cosine": float(np.min(cosine)),
+        "all_finite": bool(np.isfinite(values.scores).all() and np.isfinite(values.hidden).all()),
+    }
+
+
+def score_bound(hf_error: float, score_scale: float, share: float = 0.05) -> float:
+    """How far a timed path's scores may be from float32: twice HF's own error in the same dtype against
+    the same reference, plus `share` of the score scale (at least 1)."""
+    return 2 * hf_error + share * max(1.0, score_scale)
+
+
+def sample_entry(prompts: Sequence[Sequence[int]], result: Any) -> dict[str, Any]:
+    """A result as check_sample takes it: its prompts (token ids, one per item), scores and hidden states."""
+    states = result.pooled_hidden_states
+    return {
+        "items": [list(prompt) for prompt in prompts],
+        "scores": [list(row) for row in result.scores],
+        "hidden": None if states is None else [s.to_numpy().astype(np.float32) for s in states],
+    }
+
+
+def check_sample(model_dir: Path, device: str, sample: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Results (sample_entry) against HF float32, item by item. The bound is twice HF's own bf16 error on
+    the same items plus 5% of the score scale (2% for the hidden states' relative error); a non-finite
+    value or a missing sample fails too."""
+    from transformers import AutoModelForSequenceClassification
+
+    rows = [torch.tensor(item) for entry in sample for item in entry["items"]]
+    scores = np.array([row for entry in sample for row in entry["scores"]], dtype=np.float32)
+    # Items of the requests that asked for hidden states, as indices into `rows`, and their states.
+    owners = [k for k, entry in enumerate(sample) for _ in entry["items"]]
+    hidden_rows = [r for r, k in enumerate(owners) if sample[k]["hidden"] is not None]
+    hidden = np.array([h for entry in sample if entry["hidden"] is not None for h in entry["hidden"]])
+    half = torch.bfloat16 if device == "cuda" else torch.float32
+    outputs = {}
+    for dtype in (torch.float32, half):
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        outputs[dtype] = hf_paths.run_reference(model, rows)
+        del model
+    reference, hf_half = outputs[torch.float32], outputs[half]
+    scale = float(np.abs(reference.scores).max())
+    hf_err = float(np.abs(hf_half.scores - reference.scores).max())
+    err = float(np.abs(scores - reference.scores).max())
+    hidden_err = float(relative_errors(hidden, reference.hidden[hidden_rows]).max()) if hidden_rows else 0.0
+    hf_hidden_err = float(relative_errors(hf_half.hidden, reference.hidden).max())
+    bound, hidden_bound = score_bound(hf_err, scale), 2 * hf_hidden_err + 0.02
+    finite = bool(np.isfinite(scores).all() and np.isfinite(hidden).all())
+    return {
+        "requests": len(sample),
+        "items": len(rows),
+        "hidden_items": len(hidden_rows),
+        "max_abs_score_diff": err,
+        "hf_bf16_max_abs_score_diff": hf_err,
+        "score_bound": bound,
+        "hidden_rel_err_max": hidden_err,
+        "hf_bf16_hidden_rel_err_max": hf_hidden_err,
+        "hidden_bound": hidden_bound,
+        "ok": finite and len(sample) > 0 and err <= bound and hidden_err <= hidden_bound,
+    }
+
+
+# Command line, device and report.
+
+# Options several benchmarks take, with the same meaning in each; a script gives its own default.
+_OPTIONS: dict[str, dict[str, Any]] = {
+    "quick": {
+        "action": "store_true",
+        "help": "tiny shapes and few requests: a smoke test, not a measurement",
+    },
+    "max_batch_tokens": {"type": int, "help": "the token budget batches are cut at ({default})"},
+    "fp32_requests": {"type": int, "help": "requests checked against the float32 reference ({default})"},
+    "profile_top": {"type": int, "help": "kernels listed in the profile ({default})"},
+    "other_whole_last_layer": {
+        "action": "store_true",
+        "help": "also time the default path with the whole last layer (q/o projections and MLP at every row)",
+    },
+    "reference_sample": {"type": int, "help": "results checked against HF float32 ({default})"},
+}
+
+
+def argument_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser, its module docstring as the description."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_options(parser: argparse.ArgumentParser, report: str | None = None, **defaults: Any) -> None:
+    """The shared options named in `defaults` (_OPTIONS), each with the default given; with `report`, the
+    --json option for a report named `report`.json by default."""
+    for name, default in defaults.items():
+        spec = dict(_OPTIONS[name])
+        text = spec.pop("help").format(default=default)
+        parser.add_argument(f"--{name.replace('_', '-')}", default=default, help=text, **spec)
+    if report is not None:
+        parser.add_argument(
+            "--json", type=Path, default=None, help=f"output file (default $OUT/{report}.json)"
+        )
+
+
+def pick_device(what: str, cpu_allowed: bool) -> str | None:
+    """ "cuda" where there is a GPU; otherwise "cpu" where `cpu_allowed` (a smoke test of the script), or None
+    after saying that `what` needs a GPU."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if cpu_allowed:
+        return "cpu"
+    print(f"{what} needs a CUDA GPU", file=sys.stderr)
+    return None
+
+
+def report_header(args: argparse.Namespace | None = None) -> dict[str, Any]:
+    """A report's first entries: what ran it (printed too) and the arguments it was given."""
+    env = environment()
+    print(json.dumps(env), flush=True)
+    report: dict[str, Any] = {"environment": env}
+    if args is not None:
+        report["args"] = {k: str(v) for k, v in vars(args).items()}
+    return report
 
 
 def out_dir() -> Path | None:
     """$OUT on the device machine (results come back from there); None elsewhere."""
     value = os.environ.get("OUT")
     return Path(value) if value else None
+
+
+def report_path(name: str, chosen: Path | None = None, quick: bool = False) -> Path:
+    """Where a report goes: `chosen` (--json), else `name`.json (`name`-quick.json for a smoke run) in $OUT
+    or the current directory."""
+    return chosen or (out_dir() or Path(".")) / f"{name}{'-quick' if quick else ''}.json"
+
+
+def write_verdict(report: dict[str, Any], failures: list[str], target: Path, what: str) -> int:
+    """Write the report with its verdict; the exit status: 1 when a check of the timed results failed (a
+    figure whose results were wrong is no figure)."""
+    report["verdict"] = failures or "ok"
+    target.write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {target}")
+    for failure in failures:
+        print(f"{what} FAILED: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def layer_gemm_ceiling(

@@ -22,15 +22,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import w2, w2_load
-from bench.common import environment, out_dir, write_verdict
+from bench import w2_load
+from bench.common import (
+    W2_SHAPES,
+    add_options,
+    argument_parser,
+    check_sample,
+    pick_device,
+    report_header,
+    report_path,
+    sample_entry,
+    w2_model_dir,
+    write_verdict,
+)
 from models import Scorer, ScorerConfig
 from schemas import HiddenDType, ScoreRequest, ScoreResult, decode_result
 from worker.broker import EmbeddedBroker
@@ -55,9 +64,8 @@ class Run:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argument_parser(__doc__)
+    add_options(parser, "compression", reference_sample=8)
     parser.add_argument("--bootstrap", help="a broker to publish to (default: an embedded one)")
     parser.add_argument("--requests", type=int, default=1024, help="W2 requests scored (1024)")
     parser.add_argument(
@@ -65,25 +73,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--group", type=int, default=64, help="results handed to the producer at once (64)")
     parser.add_argument("--repeats", type=int, default=3, help="publishes per codec and dtype, median (3)")
-    parser.add_argument("--reference-sample", type=int, default=8, help="results checked against HF float32")
-    parser.add_argument("--json", type=Path, default=None, help="where the report goes")
     return parser.parse_args(argv)
 
 
 def score(
-    args: argparse.Namespace, workdir: Path
+    args: argparse.Namespace, device: str, workdir: Path
 ) -> tuple[Path, list[ScoreRequest], dict[str, list[ScoreResult]]]:
     """W2's requests scored once per hidden-state dtype by the project's Scorer."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     layers = args.layers or (28 if device == "cuda" else 2)
-    model_dir = w2.build_model_dir({**w2.W2_SHAPES, "num_hidden_layers": layers}, device, workdir)
-    load = w2_load.LoadConfig(
-        bootstrap="", requests_topic="", results_topic="", vocab_size=w2.W2_SHAPES["vocab_size"],
-        requests=args.requests,
-    )  # fmt: skip
-    requests = w2_load.make_workload(load)
-    if device == "cpu":
-        requests = [_cut(r, CPU_ITEM_TOKENS) for r in requests]
+    model_dir = w2_model_dir({**W2_SHAPES, "num_hidden_layers": layers}, device, workdir)
+    cut = CPU_ITEM_TOKENS if device == "cpu" else None
+    requests = w2_load.w2_requests(args.requests, W2_SHAPES["vocab_size"], cut)
     # Compiled layers and graphs change how fast, not what: the results are the same bytes to compress.
     scorer = Scorer(str(model_dir), ScorerConfig(device=device, compile="off", cuda_graphs="off"))
     scored = {}
@@ -94,10 +94,6 @@ def score(
         if bad:
             raise SystemExit(f"scoring failed for {len(bad)} requests, e.g. {bad[:3]}")
     return model_dir, requests, scored
-
-
-def _cut(request: ScoreRequest, tokens: int) -> ScoreRequest:
-    return dataclasses.replace(request, items=tuple(item[:tokens] for item in request.items))
 
 
 def _with_dtype(request: ScoreRequest, dtype: HiddenDType) -> ScoreRequest:
@@ -168,38 +164,31 @@ async def stored_bytes(consumer: AIOKafkaConsumer, tp: TopicPartition, records: 
 
 
 def check_against_float32(
-    model_dir: Path, requests: list[ScoreRequest], records: list[OutRecord], sample: int
+    model_dir: Path, device: str, requests: list[ScoreRequest], records: list[OutRecord], sample: int
 ) -> dict[str, Any]:
     """The first `sample` results as published (every codec's copy was read back equal to these bytes)
-    against HF's float32 forward, with w2.check_sample's bounds."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    entries = []
-    for request, record in zip(requests[:sample], records[:sample], strict=True):
-        result = decode_result(record.value or b"")
-        states = result.pooled_hidden_states
-        entries.append(
-            {
-                "items": [list(item) for item in request.items],
-                "scores": [list(row) for row in result.scores],
-                "hidden": None if states is None else [s.to_numpy().astype(np.float32) for s in states],
-            }
-        )
-    return w2.check_sample(model_dir, device, entries)
+    against HF's float32 forward, with common.check_sample's bounds."""
+    entries = [
+        sample_entry(request.items, decode_result(record.value or b""))  # type: ignore[arg-type]
+        for request, record in zip(requests[:sample], records[:sample], strict=True)
+    ]
+    return check_sample(model_dir, device, entries)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     failures: list[str] = []
+    device = pick_device("the compression benchmark", cpu_allowed=True) or "cpu"
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, requests, scored = score(args, Path(tmp))
-        report: dict[str, Any] = {"environment": environment(), "requests": args.requests, "runs": []}
+        model_dir, requests, scored = score(args, device, Path(tmp))
+        report: dict[str, Any] = {**report_header(), "requests": args.requests, "runs": []}
         broker = None if args.bootstrap else EmbeddedBroker().start()
         bootstrap = args.bootstrap or broker.bootstrap_servers  # type: ignore[union-attr]
         try:
             settings = WorkerSettings(bootstrap_servers=bootstrap, model_dir=model_dir)
             for dtype, results in scored.items():
                 records = [result_record(settings, r.request_id.encode(), r) for r in results]
-                check = check_against_float32(model_dir, requests, records, args.reference_sample)
+                check = check_against_float32(model_dir, device, requests, records, args.reference_sample)
                 report[f"correctness_{dtype}"] = check
                 if not check["ok"]:
                     failures.append(f"{dtype} results differ from HF float32: {check}")
@@ -222,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             if broker is not None:
                 broker.stop()
     print_table(report["runs"])
-    target = (out_dir() or Path(".")) / "compression.json" if args.json is None else args.json
-    return write_verdict(report, failures, target, "compression")
+    return write_verdict(report, failures, report_path("compression", args.json), "compression")
 
 
 def print_table(runs: list[dict[str, Any]]) -> None:

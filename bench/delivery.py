@@ -7,7 +7,7 @@ Per setting and round, on fresh topics and a fresh group: saturation (all reques
 items/s from the first send to the last result) and latency (requests produced at --rate-fraction of
 the at-least-once saturation rate; p50/p99 produce-to-result as ScoreClient sees it, with read_committed).
 Every request must come back exactly once, and a sample of the results is compared with HuggingFace's
-float32 forward (w2.check_sample's bounds): a run whose results are wrong or incomplete exits 1.
+float32 forward (common.check_sample's bounds): a run whose results are wrong or incomplete exits 1.
 Needs Java 17+ (Apache Kafka from the repository's pom) unless --bootstrap names a broker with
 transactions. On the CPU the model has 2 layers and prompts are cut to 32 tokens; on CUDA, 28 layers.
 """
@@ -27,13 +27,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import w2, w2_load
-from bench.common import environment, out_dir, write_verdict
+from bench import w2_load
+from bench.common import (
+    W2_SHAPES,
+    add_options,
+    argument_parser,
+    check_sample,
+    pick_device,
+    report_header,
+    report_path,
+    sample_entry,
+    w2_model_dir,
+    write_verdict,
+)
 from models import Scorer, ScorerConfig
 from schemas import ScoreRequest, ScoreResult
 from worker.apache_kafka import ApacheKafka
@@ -48,9 +58,8 @@ CPU_ITEM_TOKENS = 32
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argument_parser(__doc__)
+    add_options(parser, "delivery", reference_sample=16)
     parser.add_argument("--bootstrap", help="a broker with transactions (default: Apache Kafka, one node)")
     parser.add_argument("--requests", type=int, default=2048, help="requests per saturation phase (2048)")
     parser.add_argument("--latency-requests", type=int, default=600, help="requests per latency phase (600)")
@@ -59,22 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rate-fraction", type=float, default=0.5, help="latency phase rate, of at-least-once saturation"
     )
     parser.add_argument("--partitions", type=int, default=4, help="requests topic partitions (4)")
-    parser.add_argument("--reference-sample", type=int, default=16, help="results checked against HF fp32")
-    parser.add_argument("--json", type=Path, default=None, help="where the report goes")
     return parser.parse_args(argv)
 
 
 def workload(count: int, device: str) -> list[ScoreRequest]:
-    load = w2_load.LoadConfig(
-        bootstrap="", requests_topic="", results_topic="", vocab_size=w2.W2_SHAPES["vocab_size"],
-        requests=count,
-    )  # fmt: skip
-    requests = w2_load.make_workload(load)
-    if device == "cpu":
-        requests = [
-            dataclasses.replace(r, items=tuple(item[:CPU_ITEM_TOKENS] for item in r.items)) for r in requests
-        ]
-    return requests
+    cut = CPU_ITEM_TOKENS if device == "cpu" else None
+    return w2_load.w2_requests(count, W2_SHAPES["vocab_size"], cut)
 
 
 def renamed(requests: list[ScoreRequest], tag: str) -> list[ScoreRequest]:
@@ -143,12 +142,12 @@ async def phase(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = pick_device("the delivery benchmark", cpu_allowed=True) or "cpu"
     failures: list[str] = []
-    report: dict[str, Any] = {"environment": environment(), "requests": args.requests, "runs": []}
+    report: dict[str, Any] = {**report_header(), "requests": args.requests, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         layers = 28 if device == "cuda" else 2
-        model_dir = w2.build_model_dir({**w2.W2_SHAPES, "num_hidden_layers": layers}, device, Path(tmp))
+        model_dir = w2_model_dir({**W2_SHAPES, "num_hidden_layers": layers}, device, Path(tmp))
         scorer = Scorer(str(model_dir), ScorerConfig(device=device))
         base = workload(args.requests, device)
         broker = None if args.bootstrap else ApacheKafka(nodes=1).start()
@@ -213,24 +212,18 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if broker is not None:
                 broker.stop()
-        check = w2.check_sample(model_dir, device, [_entry(request, result) for request, result in sample])
+        check = check_sample(model_dir, device, [_entry(request, result) for request, result in sample])
         report["correctness"] = check
         if not check["ok"]:
             failures.append(f"results differ from HF float32: {check}")
     summarize(report)
-    target = (out_dir() or Path(".")) / "delivery.json" if args.json is None else args.json
-    return write_verdict(report, failures, target, "delivery")
+    return write_verdict(report, failures, report_path("delivery", args.json), "delivery")
 
 
 def _entry(request: ScoreRequest, result: ScoreResult) -> dict[str, Any]:
     if result.error is not None:
         raise SystemExit(f"{request.request_id} failed: {result.error}")
-    states = result.pooled_hidden_states
-    return {
-        "items": [list(item) for item in request.items],
-        "scores": [list(row) for row in result.scores],
-        "hidden": None if states is None else [s.to_numpy().astype(np.float32) for s in states],
-    }
+    return sample_entry(request.items, result)  # type: ignore[arg-type]
 
 
 def summarize(report: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/fp8.py
 `--quick` runs tiny shapes (on the CPU when there is no GPU): a smoke test of the script, not a measurement.
+`--profile-top N` profiles the 64-request L1 step of both paths (0, the default: no profile).
 
 - L1: Qwen3-0.6B shapes, 1 and 64 requests of 100 tokens: p50 of the model step (`score_prepared`) with
   the defaults (compiled layers replayed from CUDA graphs), bfloat16 and FP8.
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -35,22 +35,29 @@ import torch
 from bench import hf_paths, packed_path
 from bench.common import (
     QWEN3_06B_SHAPES,
+    W1_QUICK_SHAPES,
+    W1_SHAPES,
+    add_options,
+    argument_parser,
+    build_model,
     call_percentiles,
-    environment,
+    compare,
+    float32_reference,
     flops_per_token,
     make_lognormal_workload,
     matmul_tflops,
+    measure,
     non_embedding_params,
-    out_dir,
-    relative_errors,
-    timed,
-    token_budget_chunks,
+    pick_device,
+    report_header,
+    report_path,
+    score_bound,
+    spread_picks,
     write_verdict,
 )
 from bench.hf_paths import PathOutput
 from bench.profiling import kernel_breakdown, print_breakdown
-from bench.w1 import QUICK_SHAPES as W1_QUICK
-from bench.w1 import W1_SHAPES
+from models.plan import token_runs
 
 PATHS = ("none", "fp8")  # ScorerConfig.quantization
 L1_TOKENS = 100
@@ -58,31 +65,6 @@ L1_CASES = (1, 64)
 L1_QUICK: dict[str, Any] = {**QWEN3_06B_SHAPES, "hidden_size": 64, "num_hidden_layers": 2,
                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                             "intermediate_size": 128, "vocab_size": 1024}  # fmt: skip
-
-
-def build_model(kind: str, shapes: dict[str, Any], device: str) -> torch.nn.Module:
-    """A random-weight classifier (seed 0, HF's init) of W1's Llama or L1's Qwen3 shapes on `device`."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForSequenceClassification,
-        Qwen3Config,
-        Qwen3ForSequenceClassification,
-    )
-
-    common = {"num_labels": 1, "pad_token_id": hf_paths.PAD_ID, "initializer_range": 0.02}
-    if kind == "w1":
-        rope = {"rope_type": "default", "rope_theta": 500000.0}
-        config: Any = LlamaConfig(**shapes, **common, rms_norm_eps=1e-5, rope_parameters=rope)
-        model_class: Any = LlamaForSequenceClassification
-    else:
-        config = Qwen3Config(**shapes, **common)
-        model_class = Qwen3ForSequenceClassification
-    torch.manual_seed(0)
-    with torch.device(device):  # bfloat16 everywhere: HF's own bf16 error is the bound's yardstick
-        model: torch.nn.Module = model_class._from_config(
-            config, dtype=torch.bfloat16, attn_implementation="sdpa"
-        )
-    return model.eval()
 
 
 def make_scorer(model_dir: Path, quantization: str, device: str, budget: int) -> Any:
@@ -97,55 +79,29 @@ def make_scorer(model_dir: Path, quantization: str, device: str, budget: int) ->
     return Scorer(str(model_dir), config)
 
 
-def deviation(values: PathOutput, reference: PathOutput) -> dict[str, float]:
-    """Max |score difference|, pooled-hidden relative error (median, max) and the smallest cosine."""
-    hidden = values.hidden.astype(np.float64)
-    ref = reference.hidden.astype(np.float64)
-    cosine = (hidden * ref).sum(1) / np.maximum(
-        np.linalg.norm(hidden, axis=1) * np.linalg.norm(ref, axis=1), 1e-30
-    )
-    rel = relative_errors(values.hidden, reference.hidden)
-    return {
-        "max_abs_score_diff": float(np.max(np.abs(values.scores - reference.scores))),
-        "hidden_rel_err_median": float(np.median(rel)),
-        "hidden_rel_err_max": float(np.max(rel)),
-        "hidden_min_cosine": float(np.min(cosine)),
-        "all_finite": bool(np.isfinite(values.scores).all() and np.isfinite(values.hidden).all()),
-    }
-
-
-def subset(values: PathOutput, picks: Sequence[int]) -> PathOutput:
-    return PathOutput(values.scores[list(picks)], values.hidden[list(picks)])
-
-
 def accuracy(
     model: torch.nn.Module, rows: Sequence[torch.Tensor], outputs: dict[str, PathOutput], count: int
 ) -> dict[str, Any]:
     """Both paths and HF's own bf16 forward against HF float32 on `count` requests of spread lengths; FP8
     against bf16 on all."""
-    by_length = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-    picks = sorted({by_length[round(k * (len(rows) - 1) / max(count - 1, 1))] for k in range(count)})
+    picks = spread_picks([len(row) for row in rows], count)
     chosen = [rows[i] for i in picks]
     with torch.inference_mode():
         hf_bf16 = hf_paths.run_reference(model, chosen)
         hf_fp8 = hf_paths.run_reference(with_fp8(model), chosen)
-        reference_model = copy.deepcopy(model).to(torch.float32)
-        reference = hf_paths.run_reference(reference_model, chosen)
-        fp8_reference = hf_paths.run_reference(with_fp8(reference_model, copy_first=False), chosen)
-    del reference_model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    reference, fp8_reference = float32_reference(
+        model, chosen, lambda float32: with_fp8(float32, copy_first=False)
+    )
     report: dict[str, Any] = {
         "fp32_subset": picks,
         "fp32_score_scale": float(np.max(np.abs(reference.scores))),
-        "vs_fp32": {"hf_bf16": deviation(hf_bf16, reference)},
-        "vs_fp8_fp32": {"hf_fp8_bf16": deviation(hf_fp8, fp8_reference)},
+        "vs_fp32": {"hf_bf16": compare(hf_bf16, reference)},
+        "vs_fp8_fp32": {"hf_fp8_bf16": compare(hf_fp8, fp8_reference)},
     }
     for name, values in outputs.items():
-        report["vs_fp32"][name] = deviation(subset(values, picks), reference)
-    report["vs_fp8_fp32"]["fp8"] = deviation(subset(outputs["fp8"], picks), fp8_reference)
-    report["fp8_vs_bf16"] = deviation(outputs["fp8"], outputs["none"])
+        report["vs_fp32"][name] = compare(values.rows(picks), reference)
+    report["vs_fp8_fp32"]["fp8"] = compare(outputs["fp8"].rows(picks), fp8_reference)
+    report["fp8_vs_bf16"] = compare(outputs["fp8"], outputs["none"])
     return report
 
 
@@ -165,11 +121,10 @@ def with_fp8(model: torch.nn.Module, copy_first: bool = True) -> torch.nn.Module
 def failures(case: str, checks: dict[str, Any]) -> list[str]:
     """Each path against its float32 reference, within twice HF's own bf16 error plus 5% of the score
     scale (scores) or plus 0.01 (the pooled hidden states' relative error)."""
-    scale = max(1.0, checks["fp32_score_scale"])
     out = []
     for path, table, hf_own in (("none", "vs_fp32", "hf_bf16"), ("fp8", "vs_fp8_fp32", "hf_fp8_bf16")):
         got, hf = checks[table][path], checks[table][hf_own]
-        bound = 2 * hf["max_abs_score_diff"] + 0.05 * scale
+        bound = score_bound(hf["max_abs_score_diff"], checks["fp32_score_scale"])
         hidden_bound = 2 * hf["hidden_rel_err_max"] + 0.01
         if (
             not got["all_finite"]
@@ -186,7 +141,7 @@ def failures(case: str, checks: dict[str, Any]) -> list[str]:
 
 def l1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, Any]:
     shapes = L1_QUICK if args.quick else QWEN3_06B_SHAPES
-    model = build_model("l1", shapes, device)
+    model = build_model("qwen3", shapes, device)  # bf16: HF's own bf16 error is the bound's yardstick
     gen = torch.Generator().manual_seed(3)
     rows = [torch.randint(1, shapes["vocab_size"], (L1_TOKENS,), generator=gen) for _ in range(max(L1_CASES))]
     requests = packed_path.make_requests(rows)
@@ -219,10 +174,10 @@ def l1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
 
 
 def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, Any]:
-    shapes = W1_QUICK if args.quick else W1_SHAPES
-    model = build_model("w1", shapes, device)
+    shapes = W1_QUICK_SHAPES if args.quick else W1_SHAPES
+    model = build_model("llama", shapes, device)
     work = make_lognormal_workload(16 if args.quick else 512, shapes["vocab_size"])
-    chunks = token_budget_chunks(work.lengths, args.max_batch_tokens)
+    chunks = list(token_runs(work.lengths, args.max_batch_tokens))
     requests = packed_path.make_requests(work.token_ids)
     model_dir = workdir / "w1"
     packed_path.save_model_dir(model, model_dir)
@@ -234,23 +189,19 @@ def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
     outputs: dict[str, PathOutput] = {}
     for quantization in PATHS:
         scorer = make_scorer(model_dir, quantization, device, args.max_batch_tokens)
-        packed_path.run_scorer(scorer, requests, chunks)  # warm-up: every batch shape compiled and seen once
-        seconds = []
-        results: list[Any] = []
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        for _ in range(args.repeats):
-            results, elapsed = timed(lambda s=scorer: packed_path.run_scorer(s, requests, chunks))
-            seconds.append(elapsed)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+
+        def run(s: Any = scorer) -> list[Any]:
+            return packed_path.run_scorer(s, requests, chunks)
+
+        # Warm-up: a whole pass, every batch shape compiled and seen once.
+        timing = measure(f"W1 {quantization}", run, run, args.repeats)
         runs[quantization] = {
-            "seconds": seconds,
-            "tokens_per_s": work.total_tokens / min(seconds),
-            "peak_gib": peak,
+            "seconds": timing["seconds"],
+            "tokens_per_s": work.total_tokens / timing["best_seconds"],
+            "peak_gib": timing["peak_memory_gib"],
         }
-        print(f"  W1 {quantization}: passes {[round(s, 2) for s in seconds]} s", flush=True)
-        outputs[quantization] = packed_path.results_to_arrays(results, shapes["hidden_size"])
-        del scorer, results
+        outputs[quantization] = packed_path.results_to_arrays(timing.pop("output"), shapes["hidden_size"])
+        del scorer, timing
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -280,29 +231,18 @@ def print_accuracy(case: str, checks: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, CPU if no GPU: a smoke test")
+    parser = argument_parser(__doc__)
+    add_options(parser, "fp8", quick=False, max_batch_tokens=16384, fp32_requests=16, profile_top=0)
     parser.add_argument("--cases", default="l1,w1", help="which of l1, w1 to run")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (L1) / passes (W1)")
-    parser.add_argument("--max-batch-tokens", type=int, default=16384)
-    parser.add_argument(
-        "--profile-top", type=int, default=0, help="L1: kernels listed per path (0: no profile)"
-    )
-    parser.add_argument("--fp32-requests", type=int, default=16, help="W1 requests checked against float32")
-    parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/fp8.json)")
     args = parser.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.quick:
-        print("the FP8 benchmark needs a CUDA GPU (--quick runs on the CPU)", file=sys.stderr)
+    device = pick_device("the FP8 benchmark (or --quick)", cpu_allowed=args.quick)
+    if device is None:
         return 2
     if args.repeats is None:
         args.repeats = 2 if args.quick else 50
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    env = environment()
-    print(json.dumps(env), flush=True)
-    report: dict[str, Any] = {"environment": env, "args": {k: str(v) for k, v in vars(args).items()}}
+    report = report_header(args)
     failed: list[str] = []
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         if "l1" in cases:
@@ -341,8 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  matmul rate: bf16 {roofline['bf16']['tflops_median']:.0f} TFLOP/s, "
                   f"fp8 {roofline['fp8']['tflops_median']:.0f} TFLOP/s")  # fmt: skip
         print_accuracy("W1", w1["correctness"])
-    target = args.json or ((out_dir() or Path(".")) / ("fp8-quick.json" if args.quick else "fp8.json"))
-    return write_verdict(report, failed, target, "FP8")
+    return write_verdict(report, failed, report_path("fp8", args.json, args.quick), "FP8")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ class PathOutput:
     scores: np.ndarray
     hidden: np.ndarray
 
+    def rows(self, picks: Sequence[int]) -> PathOutput:
+        """The requests at `picks`, in that order."""
+        return PathOutput(self.scores[list(picks)], self.hidden[list(picks)])
+
 
 def padded_batches(lengths: Sequence[int], batch_size: int, sort_by_length: bool) -> list[list[int]]:
     """Request indices per batch: arrival order, or longest-first so each batch pads to similar lengths."""

@@ -8,14 +8,11 @@ and correctness figures, and writes everything to $OUT/w1.json (or --json PATH).
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
-import json
-import math
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,64 +21,33 @@ import torch
 
 from bench import hf_paths, packed_path
 from bench.common import (
-    GpuSampler,
+    W1_QUICK_SHAPES,
+    W1_SHAPES,
     Workload,
-    environment,
+    add_options,
+    argument_parser,
+    build_model,
+    compare,
+    float32_reference,
     flops_per_token,
     layer_gemm_ceiling,
     make_lognormal_workload,
     matmul_tflops,
+    measure,
     non_embedding_params,
-    out_dir,
-    relative_errors,
+    pick_device,
+    report_header,
+    report_path,
+    score_bound,
+    spread_picks,
     timed,
-    token_budget_chunks,
     write_verdict,
 )
 from bench.hf_paths import PathOutput
 from bench.profiling import kernel_breakdown, print_breakdown
 
-# Llama-3-8B shapes (the reference's W1); random weights with the HF default init (normal, std 0.02).
-W1_SHAPES: dict[str, Any] = {
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "intermediate_size": 14336,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-}
-QUICK_SHAPES: dict[str, Any] = {
-    "hidden_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "intermediate_size": 1536,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-}
 HF8 = "hf_sdpa_padded8_arrival"
 HF32S = "hf_sdpa_padded32_sorted"
-
-
-def build_model(shapes: dict[str, Any]) -> torch.nn.Module:
-    """LlamaForSequenceClassification built straight on the GPU in bf16 (no 32 GB float32 detour)."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    settings: dict[str, Any] = {
-        **shapes,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
-        "rms_norm_eps": 1e-5,
-        "num_labels": 1,
-        "pad_token_id": hf_paths.PAD_ID,
-        "initializer_range": 0.02,
-    }
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model: torch.nn.Module = LlamaForSequenceClassification._from_config(  # type: ignore[no-untyped-call]
-            LlamaConfig(**settings), dtype=torch.bfloat16, attn_implementation="sdpa"
-        )
-    return model.eval()
 
 
 def gemm_ceiling(shapes: dict[str, Any], tokens: int) -> dict[str, float]:
@@ -97,29 +63,6 @@ def gemm_ceiling(shapes: dict[str, Any], tokens: int) -> dict[str, float]:
     )
     gemms["tokens_per_s_gemm_only"] = tokens / (shapes["num_hidden_layers"] * gemms["ms_per_layer"] * 1e-3)
     return gemms
-
-
-def measure(name: str, run: Callable[[], Any], warmup: Callable[[], Any], repeats: int) -> dict[str, Any]:
-    """Warm up, then time `repeats` full passes; keeps the last pass's output for the correctness checks."""
-    warmup()
-    torch.cuda.reset_peak_memory_stats()
-    seconds = []
-    output = None
-    gpu = []
-    for _ in range(repeats):
-        with GpuSampler() as sampler:
-            output, elapsed = timed(run)
-        seconds.append(elapsed)
-        gpu.append(sampler.summary())
-        print(f"  {name}: pass {len(seconds)} {elapsed:.2f} s; GPU {gpu[-1]}", flush=True)
-    return {
-        "name": name,
-        "seconds": seconds,
-        "best_seconds": min(seconds),
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "gpu_samples": gpu,
-        "output": output,
-    }
 
 
 def hf_runs(model: torch.nn.Module, work: Workload, repeats: int) -> list[dict[str, Any]]:
@@ -142,6 +85,33 @@ def _path(scorer: Any) -> tuple[str, bool, bool]:
     """What a W1 variant can change of a Scorer's path: its attention kernel, whether its MLPs are fused,
     whether the last layer's row-wise modules run at the pooled rows only."""
     return (scorer.info.attention_kernel, scorer.info.fused_mlp, scorer.config.last_layer_pooled_rows)
+
+
+def time_scorer(
+    name: str,
+    scorer: Any,
+    requests: Sequence[Any],
+    cut: Sequence[Sequence[int]],
+    repeats: int,
+    hidden_size: int,
+    warm_batches: int = 1,
+) -> dict[str, Any]:
+    """`repeats` timed passes of `scorer` over the requests in the batches `cut` (after a warm-up on the
+    first `warm_batches`); the last pass's results as arrays (hidden states where every request asked),
+    with the Scorer's own stage timings. The conversion to arrays is outside the timed region: it is the
+    benchmark's, not the engine's."""
+    run = measure(
+        name,
+        lambda: packed_path.run_scorer(scorer, requests, cut),
+        lambda: packed_path.run_scorer(scorer, requests, cut[:warm_batches]),
+        repeats,
+    )
+    results = run["output"]
+    asked = all(r.return_pooled_hidden_states for r in requests)
+    run["stage_timings"] = packed_path.stage_timings(results)
+    run["output"] = packed_path.results_to_arrays(results, hidden_size, asked=asked)
+    run["batches"] = len(cut)
+    return run
 
 
 def packed_run(
@@ -172,6 +142,8 @@ def packed_run(
     `whole_last_layer`: likewise with the last layer whole: its query and output projections and its
     MLP at every row (last_layer_pooled_rows off).
     """
+    from models.plan import token_runs  # here: the baselines alone (--no-scorer) need no models/
+
     name = "packed_deterministic" if deterministic else "packed_eager" if eager else "packed_varlen"
     model_dir = workdir / "w1-model"
     if not (model_dir / "config.json").is_file():
@@ -186,21 +158,12 @@ def packed_run(
     )
     print(f"  Scorer loaded in {load_s:.1f} s", flush=True)
     requests = packed_path.make_requests(work.token_ids)
-    chunks = token_budget_chunks(work.lengths, max_batch_tokens)
+    chunks = list(token_runs(work.lengths, max_batch_tokens))
     config: Any = model.config
     hidden_size = int(config.hidden_size)
 
-    result = measure(
-        name,
-        lambda: packed_path.run_scorer(scorer, requests, chunks),
-        lambda: packed_path.run_scorer(scorer, requests, chunks[:1]),
-        1 if deterministic else repeats,
-    )
-    # Results become arrays outside the timed region: that conversion is the benchmark's, not the engine's.
-    result["stage_timings"] = packed_path.stage_timings(result["output"])
-    result["output"] = packed_path.results_to_arrays(result["output"], hidden_size)
+    result = time_scorer(name, scorer, requests, chunks, 1 if deterministic else repeats, hidden_size)
     result.update(
-        batches=len(chunks),
         save_seconds=save_s,
         load_seconds=load_s,
         compiled=scorer.executor.compiled,
@@ -216,26 +179,14 @@ def packed_run(
     result["sweep_runs"] = {}
     # What asking for hidden states costs: the same batches, timed alike, with no request asking.
     bare_requests = packed_path.make_requests(work.token_ids, hidden=False)
-    bare = measure(
-        f"{name}_no_hidden",
-        lambda: packed_path.run_scorer(scorer, bare_requests, chunks),
-        lambda: packed_path.run_scorer(scorer, bare_requests, chunks[:1]),
-        repeats,
-    )
-    bare["output"] = packed_path.results_to_arrays(bare["output"], hidden_size, asked=False)
-    bare.update(batches=len(chunks), max_batch_tokens=max_batch_tokens)
+    bare = time_scorer(f"{name}_no_hidden", scorer, bare_requests, chunks, repeats, hidden_size)
+    bare["max_batch_tokens"] = max_batch_tokens
     result["sweep_runs"][bare["name"]] = bare
     if share_min:
         # W1 shares nothing: what looking for shared prefixes costs a batch that has none.
         sharing = packed_path.make_scorer(model_dir, largest, share_prefix_min_tokens=share_min)
-        looked = measure(
-            f"{name}_share{share_min}",
-            lambda: packed_path.run_scorer(sharing, requests, chunks),
-            lambda: packed_path.run_scorer(sharing, requests, chunks[:1]),
-            repeats,
-        )
-        looked["output"] = packed_path.results_to_arrays(looked["output"], hidden_size)
-        looked.update(batches=len(chunks), max_batch_tokens=max_batch_tokens)
+        looked = time_scorer(f"{name}_share{share_min}", sharing, requests, chunks, repeats, hidden_size)
+        looked["max_batch_tokens"] = max_batch_tokens
         result["sweep_runs"][looked["name"]] = looked
         del sharing
     variants = [(kernel, {"attention_kernel": kernel}) for kernel in other_kernels]
@@ -255,15 +206,8 @@ def packed_run(
         if _path(other) == default_path:
             del other  # the default's path after all ("on" where no MLP can be fused)
             continue
-        timed_other = measure(
-            f"{name}_{label}",
-            lambda other=other: packed_path.run_scorer(other, requests, chunks),
-            lambda other=other: packed_path.run_scorer(other, requests, chunks[:1]),
-            repeats,
-        )
-        timed_other["output"] = packed_path.results_to_arrays(timed_other["output"], hidden_size)
+        timed_other = time_scorer(f"{name}_{label}", other, requests, chunks, repeats, hidden_size)
         timed_other.update(
-            batches=len(chunks),
             max_batch_tokens=max_batch_tokens,
             attention_kernel=other.info.attention_kernel,
             fused_mlp=other.info.fused_mlp,
@@ -273,15 +217,9 @@ def packed_run(
         gc.collect()
         torch.cuda.empty_cache()
     for budget in budgets:
-        cut = token_budget_chunks(work.lengths, budget)
-        run = measure(
-            f"{name}@{budget}",
-            lambda cut=cut: packed_path.run_scorer(scorer, requests, cut),
-            lambda cut=cut: packed_path.run_scorer(scorer, requests, cut[:2]),
-            1,
-        )
-        run["output"] = packed_path.results_to_arrays(run["output"], hidden_size)
-        run.update(batches=len(cut), max_batch_tokens=budget)
+        cut = list(token_runs(work.lengths, budget))
+        run = time_scorer(f"{name}@{budget}", scorer, requests, cut, 1, hidden_size, warm_batches=2)
+        run["max_batch_tokens"] = budget
         result["sweep_runs"][run["name"]] = run
     # The worker's start-up self-check on this 8B model: it must cost seconds, not minutes.
     from models.selfcheck import run_self_check
@@ -304,35 +242,11 @@ def packed_run(
     return result
 
 
-def float32_reference(model: torch.nn.Module, work: Workload, count: int) -> tuple[list[int], PathOutput]:
+def float32_subset(model: torch.nn.Module, work: Workload, count: int) -> tuple[list[int], PathOutput]:
     """HF float32 scores and hidden states, one request per forward, on `count` requests of spread lengths."""
-    by_length = sorted(range(len(work.lengths)), key=lambda i: work.lengths[i])
-    picks = sorted({by_length[round(k * (len(by_length) - 1) / max(count - 1, 1))] for k in range(count)})
-    reference = copy.deepcopy(model).to(torch.float32)
-    output = hf_paths.run_reference(reference, [work.token_ids[i] for i in picks])
-    del reference
-    gc.collect()
-    torch.cuda.empty_cache()
+    picks = spread_picks(work.lengths, count)
+    (output,) = float32_reference(model, [work.token_ids[i] for i in picks])
     return picks, output
-
-
-def compare(values: PathOutput, reference: PathOutput) -> dict[str, float]:
-    """Max |score difference| and pooled-hidden relative error (max and median over requests); a run
-    whose requests asked for no hidden states (width 0) is compared on its scores alone."""
-    if values.hidden.shape[1] == 0:
-        return {
-            "max_abs_score_diff": float(np.max(np.abs(values.scores - reference.scores))),
-            "hidden_rel_err_max": math.nan,
-            "hidden_rel_err_median": math.nan,
-            "all_finite": bool(np.isfinite(values.scores).all()),
-        }
-    rel = relative_errors(values.hidden, reference.hidden)
-    return {
-        "max_abs_score_diff": float(np.max(np.abs(values.scores - reference.scores))),
-        "hidden_rel_err_max": float(np.max(rel)),
-        "hidden_rel_err_median": float(np.median(rel)),
-        "all_finite": bool(np.isfinite(values.scores).all() and np.isfinite(values.hidden).all()),
-    }
 
 
 def correctness(runs: dict[str, dict[str, Any]], picks: list[int], ref: PathOutput) -> dict[str, Any]:
@@ -343,8 +257,7 @@ def correctness(runs: dict[str, dict[str, Any]], picks: list[int], ref: PathOutp
         "vs_fp32": {},
     }
     for name, run in runs.items():
-        out: PathOutput = run["output"]
-        report["vs_fp32"][name] = compare(PathOutput(out.scores[picks], out.hidden[picks]), ref)
+        report["vs_fp32"][name] = compare(run["output"].rows(picks), ref)
     if "packed_varlen" in runs and HF8 in runs:
         report["packed_vs_hf8_bf16"] = compare(runs["packed_varlen"]["output"], runs[HF8]["output"])
     if "packed_varlen" in runs and "packed_deterministic" in runs:
@@ -361,8 +274,8 @@ def verdict(checks: dict[str, Any]) -> list[str]:
     results are wrong is no figure."""
     errors = checks["vs_fp32"]
     hf = [v["max_abs_score_diff"] for k, v in errors.items() if k.startswith("hf_")]
-    scale = max(1.0, checks["fp32_score_scale"])
-    bound = 2 * max(hf) + 0.05 * scale if hf else 0.1 * scale
+    scale = checks["fp32_score_scale"]
+    bound = score_bound(max(hf), scale) if hf else score_bound(0.0, scale, share=0.1)
     return [
         f"{name}: max |score - fp32| {v['max_abs_score_diff']:.3g} > {bound:.3g} or non-finite"
         for name, v in errors.items()
@@ -443,15 +356,15 @@ def print_summary(rows: list[dict[str, Any]], roofline: dict[str, Any], checks: 
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny model and 64 requests: a smoke test")
+    parser = argument_parser(__doc__)
+    add_options(
+        parser, "w1", quick=False, max_batch_tokens=16384, fp32_requests=16, profile_top=12,
+        other_whole_last_layer=False,
+    )  # fmt: skip
     parser.add_argument("--requests", type=int, default=None, help="number of requests (default 512)")
     parser.add_argument("--skip-baselines", action="store_true", help="time the packed path only")
     parser.add_argument("--no-scorer", action="store_true", help="skip the packed path (models/ not needed)")
     parser.add_argument("--no-eager", action="store_true", help="skip the packed path with eager layers")
-    parser.add_argument("--max-batch-tokens", type=int, default=16384)
     parser.add_argument(
         "--no-deterministic", action="store_true", help="skip the pass with the deterministic setting"
     )
@@ -468,8 +381,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=32,
         help="also time the default path looking for shared prefixes this long (0: not)",
     )
-    parser.add_argument("--fp32-requests", type=int, default=16, help="requests in the float32 reference")
-    parser.add_argument("--profile-top", type=int, default=12, help="kernels listed in the profile")
     parser.add_argument(
         "--other-kernels",
         type=lambda text: [part for part in text.split(",") if part],
@@ -482,12 +393,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=["off"],
         help="fused_mlp settings also timed at the default budget where they change the path ('' for none)",
     )
-    parser.add_argument(
-        "--other-whole-last-layer",
-        action="store_true",
-        help="also time the default path with the whole last layer (q/o projections and MLP at every row)",
-    )
-    parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/w1.json)")
     return parser.parse_args(argv)
 
 
@@ -538,13 +443,11 @@ def run_paths(args: argparse.Namespace, model: torch.nn.Module, work: Workload) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("W1 needs a CUDA GPU", file=sys.stderr)
+    if pick_device("W1", cpu_allowed=False) is None:
         return 2
-    env = environment()
-    print(json.dumps(env), flush=True)
-    shapes = QUICK_SHAPES if args.quick else W1_SHAPES
-    model = build_model(shapes)
+    report = report_header(args)
+    shapes = W1_QUICK_SHAPES if args.quick else W1_SHAPES
+    model = build_model("llama", shapes)
     work = make_lognormal_workload(args.requests or (64 if args.quick else 512), shapes["vocab_size"])
     attn_width = shapes["num_attention_heads"] * (shapes["hidden_size"] // shapes["num_attention_heads"])
     flops = flops_per_token(
@@ -556,24 +459,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     roofline["layer_gemms"] = gemm_ceiling(shapes, args.max_batch_tokens)
     print(f"model built; {len(work.lengths)} requests, {work.total_tokens} tokens; {roofline}", flush=True)
     runs = run_paths(args, model, work)
-    picks, ref = float32_reference(model, work, args.fp32_requests)
+    picks, ref = float32_subset(model, work, args.fp32_requests)
     checks = correctness(runs, picks, ref)
     rows = table(runs, work.total_tokens, roofline["tokens_per_s"])
     print_summary(rows, roofline, checks)
     extras = {name: {k: v for k, v in run.items() if k != "output"} for name, run in runs.items()}
-    report = {
-        "workload": {"requests": len(work.lengths), "tokens": work.total_tokens, "lengths": work.lengths},
-        "model_shapes": shapes,
-        "non_embedding_params": non_embedding_params(model),
-        "environment": env,
-        "roofline": roofline,
-        "rows": rows,
-        "runs": extras,
-        "correctness": checks,
-        "args": {k: str(v) for k, v in vars(args).items()},
-    }
-    target = args.json or ((out_dir() or Path(".")) / ("w1-quick.json" if args.quick else "w1.json"))
-    return write_verdict(report, verdict(checks), target, "W1")
+    report.update(
+        workload={"requests": len(work.lengths), "tokens": work.total_tokens, "lengths": work.lengths},
+        model_shapes=shapes,
+        non_embedding_params=non_embedding_params(model),
+        roofline=roofline,
+        rows=rows,
+        runs=extras,
+        correctness=checks,
+    )
+    return write_verdict(report, verdict(checks), report_path("w1", args.json, args.quick), "W1")
 
 
 if __name__ == "__main__":

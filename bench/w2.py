@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import multiprocessing
@@ -28,20 +27,23 @@ from pathlib import Path
 from queue import Empty
 from typing import Any
 
-import numpy as np
-import torch
-
-from bench import hf_paths, packed_path, w2_load
+from bench import packed_path, w2_load
 from bench.common import (
-    QWEN3_06B_SHAPES,
+    W2_QUICK_SHAPES,
+    W2_SHAPES,
     GpuSampler,
-    environment,
-    out_dir,
-    relative_errors,
-    token_budget_chunks,
+    add_options,
+    argument_parser,
+    check_sample,
+    pick_device,
+    report_header,
+    report_path,
+    w2_model_dir,
+    write_verdict,
 )
 from bench.w2_observe import GcLog, RecordingScorer, Sampler, slowest_batches, watch_loop, window_stats
 from models import Scorer, ScorerConfig
+from models.plan import token_runs
 from models.warmup import describe, warm_up
 from worker.apache_kafka import LOCAL_BROKERS, start_local_broker
 from worker.app import ScoreWorker
@@ -62,36 +64,6 @@ PHASES = (
     "warmup_low_latency",
     "one_in_flight_low_latency",
 )
-W2_SHAPES = QWEN3_06B_SHAPES
-QUICK_SHAPES: dict[str, Any] = {
-    **W2_SHAPES,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "vocab_size": 1000,
-}
-
-
-def build_model_dir(shapes: dict[str, Any], device: str, workdir: Path) -> Path:
-    """Qwen3ForSequenceClassification with random weights, built on `device`, saved with a tokenizer."""
-    from transformers import Qwen3Config, Qwen3ForSequenceClassification
-
-    settings: dict[str, Any] = {
-        **shapes,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
-        "rms_norm_eps": 1e-6,
-        "num_labels": 1,
-        "pad_token_id": 0,
-        "initializer_range": 0.02,
-    }
-    target = workdir / "w2-qwen3-0.6b-shapes"
-    config = Qwen3Config(**settings)
-    return packed_path.random_model_dir(Qwen3ForSequenceClassification, config, device, target)
-
-
 # The worker restarts the load process asks for, with the settings each changes. Tansu does not answer a
 # waiting fetch when records arrive: it looks again part-way through the wait (a record produced during a
 # 100 ms wait was read 25 ms later at the median, 52 ms at most), so a short wait shows how much of the
@@ -357,10 +329,8 @@ def model_step_overlapped(scorer: Scorer, groups: Sequence[Sequence[Any]], cap_s
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny model, 64 requests, CPU if no GPU")
+    parser = argument_parser(__doc__)
+    add_options(parser, "w2", quick=False, max_batch_tokens=16384)
     parser.add_argument(
         "--broker", choices=LOCAL_BROKERS, default="embedded",
         help="embedded (the default: the GPU machine has no Java) or kafka (Apache Kafka from its jars)",
@@ -369,7 +339,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-metrics", action="store_true", help="the worker records no metrics (to measure their cost)"
     )
     parser.add_argument("--requests", type=int, default=None, help="requests (default 8192; quick 64)")
-    parser.add_argument("--max-batch-tokens", type=int, default=16384)
     parser.add_argument(
         "--max-wait-ms", type=int, default=None, help="the worker's max_wait_ms (default: the worker's own)"
     )
@@ -390,7 +359,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"comma-separated restarts, each followed by saturation again: {', '.join(VARIANTS)}",
     )
     parser.add_argument("--budget-s", type=float, default=370.0, help="wall-clock bound on the whole run")
-    parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/w2.json)")
     return parser.parse_args(argv)
 
 
@@ -415,8 +383,8 @@ def make_settings(args: argparse.Namespace, bootstrap: str, model_dir: Path, dev
 
 def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -> dict[str, Any]:
     """Build the model, serve the load through the broker, then time the model step alone."""
-    shapes = QUICK_SHAPES if args.quick else W2_SHAPES
-    model_dir = build_model_dir(shapes, device, workdir)
+    shapes = W2_QUICK_SHAPES if args.quick else W2_SHAPES
+    model_dir = w2_model_dir(shapes, device, workdir)
     # As the worker configures its scorer: graphs for every batch its budget allows, unless told otherwise.
     graphs = {"graph_max_tokens": args.graph_max_tokens or args.max_batch_tokens}
     scorer = Scorer(
@@ -469,7 +437,7 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
     sat = report["saturation"]
     groups = [r.prepared for r in recorder.batches if sat["t_first_send"] <= r.start <= sat["t_last_result"]]
     flat = [p for group in groups for p in group]
-    chunks = token_budget_chunks([p.num_tokens for p in flat], args.max_batch_tokens)
+    chunks = token_runs([p.num_tokens for p in flat], args.max_batch_tokens)
     cap = max((deadline - time.monotonic() - 10) / 3, 5.0)
     report["model_step_worker_batches"] = model_step(scorer, groups, settings, cap)
     report["model_step_full_batches"] = model_step(
@@ -477,46 +445,6 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
     )
     report["model_step_overlapped"] = model_step_overlapped(scorer, groups, cap)
     return report
-
-
-def check_sample(model_dir: Path, device: str, sample: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Results that came back through the broker at saturation against HF float32, item by item. The bound
-    is twice HF's own bf16 error on the same items plus 5% of the score scale (2% for the hidden states'
-    relative error); a non-finite value or a missing sample fails too."""
-    from transformers import AutoModelForSequenceClassification
-
-    rows = [torch.tensor(item) for entry in sample for item in entry["items"]]
-    scores = np.array([row for entry in sample for row in entry["scores"]], dtype=np.float32)
-    # Items of the requests that asked for hidden states, as indices into `rows`, and their states.
-    owners = [k for k, entry in enumerate(sample) for _ in entry["items"]]
-    hidden_rows = [r for r, k in enumerate(owners) if sample[k]["hidden"] is not None]
-    hidden = np.array([h for entry in sample if entry["hidden"] is not None for h in entry["hidden"]])
-    half = torch.bfloat16 if device == "cuda" else torch.float32
-    outputs = {}
-    for dtype in (torch.float32, half):
-        model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-        outputs[dtype] = hf_paths.run_reference(model, rows)
-        del model
-    reference, hf_half = outputs[torch.float32], outputs[half]
-    scale = max(1.0, float(np.abs(reference.scores).max()))
-    hf_err = float(np.abs(hf_half.scores - reference.scores).max())
-    err = float(np.abs(scores - reference.scores).max())
-    hidden_err = float(relative_errors(hidden, reference.hidden[hidden_rows]).max()) if hidden_rows else 0.0
-    hf_hidden_err = float(relative_errors(hf_half.hidden, reference.hidden).max())
-    bound, hidden_bound = 2 * hf_err + 0.05 * scale, 2 * hf_hidden_err + 0.02
-    finite = bool(np.isfinite(scores).all() and np.isfinite(hidden).all())
-    return {
-        "requests": len(sample),
-        "items": len(rows),
-        "hidden_items": len(hidden_rows),
-        "max_abs_score_diff": err,
-        "hf_bf16_max_abs_score_diff": hf_err,
-        "score_bound": bound,
-        "hidden_rel_err_max": hidden_err,
-        "hf_bf16_hidden_rel_err_max": hf_hidden_err,
-        "hidden_bound": hidden_bound,
-        "ok": finite and len(sample) > 0 and err <= bound and hidden_err <= hidden_bound,
-    }
 
 
 def e2e_rates(sat: dict[str, Any]) -> tuple[float, float]:
@@ -635,23 +563,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget_s
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("worker").setLevel(logging.INFO)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.quick:
-        print("W2 needs a CUDA GPU (or --quick)", file=sys.stderr)
+    device = pick_device("W2 (or --quick)", cpu_allowed=args.quick)
+    if device is None:
         return 2
-    env = environment()
-    print(json.dumps(env), flush=True)
+    header = report_header(args)
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-        report = run(args, device, Path(tmp), deadline)
-    report["environment"] = env
-    report["args"] = {k: str(v) for k, v in vars(args).items()}
+        report = {**header, **run(args, device, Path(tmp), deadline)}
     if "saturation" in report:
         report["e2e_items_per_s"], report["e2e_tokens_per_s"] = e2e_rates(report["saturation"])
         print_summary(report)
-    target = args.json or ((out_dir() or Path(".")) / ("w2-quick.json" if args.quick else "w2.json"))
-    target.write_text(json.dumps(report, indent=2, default=str))
-    print(f"wrote {target}")
     check = report.get("correctness")
+    failures = []
     if check is not None:
         print(
             f"correctness through the broker against float32 HF ({check['items']} items of "
@@ -660,9 +582,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(bound {check['hidden_bound']:.2e})"
         )
     if check is None or not check["ok"]:
-        print("W2 FAILED: the results it timed were not checked, or are wrong", file=sys.stderr)
-        return 1
-    return 1 if "error" in report else 0
+        failures.append("the results it timed were not checked, or are wrong")
+    if "error" in report:
+        failures.append("the run raised (its traceback is the report's error)")
+    return write_verdict(report, failures, report_path("w2", args.json, args.quick), "W2")
 
 
 if __name__ == "__main__":

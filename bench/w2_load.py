@@ -80,6 +80,16 @@ def make_workload(config: LoadConfig, count: int | None = None) -> list[ScoreReq
     return requests
 
 
+def w2_requests(count: int, vocab_size: int, item_tokens: int | None = None) -> list[ScoreRequest]:
+    """`count` of W2's requests (make_workload's), their items cut to `item_tokens` where given (the CPU
+    runs of delivery.py and compression.py cut them: a forward's cost grows with them)."""
+    topics = {"bootstrap": "", "requests_topic": "", "results_topic": ""}
+    requests = make_workload(LoadConfig(**topics, vocab_size=vocab_size, requests=count))
+    if item_tokens is None:
+        return requests
+    return [dataclasses.replace(r, items=tuple(item[:item_tokens] for item in r.items)) for r in requests]
+
+
 def _items(request: ScoreRequest) -> int:
     return len(request.items)
 

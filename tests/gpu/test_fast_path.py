@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import inspect
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from architecture_check import GQA_MODEL
 from tolerances import (
     TENSOR_CORES,
     assert_within,
@@ -39,30 +39,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-GQA_MODEL = "llama-gqa4-d128-3labels"
-
-
-@pytest.fixture(scope="module")
-def gpu_models() -> Iterator[dict[str, Path]]:
-    from bench.gpu_check import write_models
-
-    with tempfile.TemporaryDirectory() as tmp:
-        yield write_models(Path(tmp))
-
-
-@pytest.mark.parametrize("kernel", ["auto", "flash"])
-@pytest.mark.parametrize("name", [*ARCHITECTURES, GQA_MODEL])
-def test_every_architecture_matches_float32_hf(name: str, kernel: str, gpu_models: dict[str, Path]) -> None:
-    """bench/gpu_check.py's checks of one model in bf16 with the worker's defaults (the Triton attention
-    kernel on Hopper), and again with flash: scores and hidden states within twice HF's own bf16 error,
-    batch drift, deterministic mode, the varlen kernel, graph replays."""
-    from bench.gpu_check import check_model
-
-    runs = (("bfloat16", "auto"), ("float16", "varlen")) if kernel == "auto" else (("bfloat16", "varlen"),)
-    outcomes = check_model(name, gpu_models[name], "cuda", runs, kernel)
-    failures = [f"{o.dtype}/{o.attention}: {f}" for o in outcomes for f in o.failures]
-    assert not failures, failures
 
 
 def _requests(count: int, length: int, seed: int, vocab: int = 500) -> list[ScoreRequest]:
@@ -500,7 +476,7 @@ def test_two_flash_passes_merge_into_one_pass_over_gathered_keys(kernel_name: st
 
 @pytest.mark.parametrize("name", [*ARCHITECTURES, GQA_MODEL])
 def test_fp8_projections_agree_with_hf_on_the_same_projections(
-    name: str, gpu_models: dict[str, Path]
+    name: str, architecture_models: dict[str, Path]
 ) -> None:
     """FP8 on the H200's tensor cores (torch._scaled_mm, row-wise scales) with the defaults (varlen kernel,
     compiled layers, graphs): the start-up self-check against HF's own forward with the same FP8 modules
@@ -514,8 +490,8 @@ def test_fp8_projections_agree_with_hf_on_the_same_projections(
     their scale."""
     from models.selfcheck import run_self_check
 
-    fp8 = Scorer(gpu_models[name], ScorerConfig(device="cuda", dtype="bfloat16", quantization="fp8"))
-    bf16 = Scorer(gpu_models[name], ScorerConfig(device="cuda", dtype="bfloat16"))
+    fp8 = Scorer(architecture_models[name], ScorerConfig(device="cuda", dtype="bfloat16", quantization="fp8"))
+    bf16 = Scorer(architecture_models[name], ScorerConfig(device="cuda", dtype="bfloat16"))
     assert fp8.info.quantization == "fp8"
     for _ in range(3):
         report = run_self_check(fp8)
@@ -536,7 +512,7 @@ def test_fp8_projections_agree_with_hf_on_the_same_projections(
             scores, hidden = _arrays(fp8.score(requests))
         moved_scores = max(moved_scores, float(np.abs(scores - fp8_scores).max()))
         moved_angle = max(moved_angle, float(np.arccos(np.clip(cosines(hidden, fp8_hidden), -1, 1)).max()))
-    bf16_part = _bf16_bound(gpu_models[name], 40, 1.0)
+    bf16_part = _bf16_bound(architecture_models[name], 40, 1.0)
     angle = moved_angle + float(np.arcsin(min(1.0, bf16_part)))
     cosine = cosines(fp8_hidden, bf16_hidden)
     assert np.isfinite(fp8_scores).all() and float(cosine.min()) >= np.cos(min(angle, np.pi)), cosine

@@ -1,24 +1,19 @@
-"""GPU correctness check of the packed varlen Scorer against HuggingFace float32, on small local models.
+"""The check of every architecture against HuggingFace float32 that tests/gpu/test_architectures.py runs (on
+the GPU, and on the CPU with the exact reference attention), on small local models.
 
-Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/gpu_check.py
 For each model (every tiny architecture of models.write_tiny_model, plus a llama with 4:1 grouped-query
 attention and head_dim 128) and each dtype, one mixed batch (single items of 1..N tokens, multi-item requests
 with a query, item_first, text items, mixed hidden-state flags and dtypes, apply_softmax, one invalid
 request) is scored in several packs, compared with per-prompt HF float32 forwards, and with the same
 requests scored one at a time. An error is accepted when it is within twice HF's own error in that dtype plus
 a small floor. The Scorer runs with the worker's defaults: compiled decoder layers, and CUDA graphs replaying
-the packs (a varlen check fails when none was replayed). Prints PASS/FAIL lines with the numbers; writes
-$OUT/gpu_check.json; exits 1 on any FAIL.
+the packs (a varlen check fails when none was replayed).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from bench.common import environment, out_dir, relative_errors
+from bench.common import relative_errors
 from models.loading import ENCODER_MODEL_TYPES as ENCODERS
 
 Attention = Literal["auto", "varlen", "reference"]
@@ -47,6 +42,7 @@ HIDDEN_DTYPES = ("float32", "float16", "bfloat16")
 # Relative rounding of a vector stored in a narrower dtype (unit roundoff 2^-11 and 2^-8, with margin).
 NARROW_ROUNDING = {"float16": 1e-3, "bfloat16": 8e-3}
 MAX_BATCH_TOKENS = 700  # small, so the mixed batch is cut into several packs
+GQA_MODEL = "llama-gqa4-d128-3labels"
 
 
 @dataclass
@@ -89,10 +85,10 @@ def write_models(root: Path) -> dict[str, Path]:
         "pad_token_id": 0,
     }
     torch.manual_seed(2)
-    dirs["llama-gqa4-d128-3labels"] = root / "llama-gqa"
+    dirs[GQA_MODEL] = root / "llama-gqa"
     model = LlamaForSequenceClassification(LlamaConfig(**shapes))  # type: ignore[no-untyped-call]
-    model.save_pretrained(dirs["llama-gqa4-d128-3labels"])
-    attach_tokenizer(dirs["llama-gqa4-d128-3labels"])
+    model.save_pretrained(dirs[GQA_MODEL])
+    attach_tokenizer(dirs[GQA_MODEL])
     return dirs
 
 
@@ -268,7 +264,7 @@ class Case:
     prompts: list[tuple[int, ...]]  # every valid request's prompts, in order
     token_types: list[tuple[int, ...]] | None  # their segment ids, for encoders that embed them
     reference: tuple[np.ndarray, np.ndarray]  # HF float32 (scores, hidden) per prompt
-    device: str  # "cuda"; "cpu" only for --cpu-smoke
+    device: str  # "cuda"; "cpu" on the exact reference path
 
 
 def check_one(
@@ -353,12 +349,13 @@ def check_model(
     device: str,
     runs: Sequence[tuple[str, Attention]],
     kernel: str = "auto",
-    report: Callable[[Outcome], None] | None = None,
 ) -> list[Outcome]:
     """float32 HF reference once per model, then every dtype of the packed path against it, the varlen runs
-    through attention `kernel`; `report` sees each outcome as soon as it is known."""
+    through attention `kernel`."""
     from models import Scorer, ScorerConfig
     from schemas import ScoreRequest
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32, not TF32
 
     probe = Scorer(str(model_dir), ScorerConfig(device=device, dtype="float32", attention="reference"))
     # Room for an encoder's template tokens ([CLS] q [SEP] i [SEP]) around the longest generated prompt.
@@ -388,79 +385,7 @@ def check_model(
         except Exception as exc:  # a kernel refusing a dtype is a result to report, not a crash of the check
             failure = f"raised {type(exc).__name__}: {exc}"
             outcomes.append(Outcome(model=name, dtype=dtype, attention=attention, failures=[failure]))
-        if report is not None:
-            report(outcomes[-1])
         del same_model
         if device == "cuda":
             torch.cuda.empty_cache()
     return outcomes
-
-
-def print_outcome(o: Outcome) -> None:
-    """One PASS/FAIL line with the numbers, printed as the check goes (a run cut short still says why)."""
-    status = "PASS" if not o.failures else "FAIL"
-    numbers = " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in o.numbers.items())
-    label = f"{o.dtype}/{o.attention}"
-    print(f"{status} {o.model:<24} {label:<17} {numbers} {'; '.join(o.failures)[:400]}", flush=True)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--cpu-smoke",
-        action="store_true",
-        help="the same checks on the CPU with exact reference attention (tests this script, not the kernel)",
-    )
-    parser.add_argument(
-        "--attention-kernel",
-        default="auto",
-        choices=("auto", "flash", "triton", "fa4"),
-        help="the varlen runs' attention kernel (ScorerConfig.attention_kernel)",
-    )
-    parser.add_argument("--models", default="", help="comma-separated model names to check (default: all)")
-    parser.add_argument(
-        "--runs",
-        default=",".join(f"{d}/{a}" for d, a in GPU_RUNS),
-        help="comma-separated dtype/attention runs per model (default: all of them)",
-    )
-    args = parser.parse_args(argv)
-    device = "cpu" if args.cpu_smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
-        return 2
-    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32, not TF32
-    print(json.dumps(environment()), flush=True)
-    outcomes: list[Outcome] = []
-    # On the CPU only float32 is checked: half-precision CPU kernels are not what this script is about.
-    known_runs = {f"{dtype}/{attention}": (dtype, attention) for dtype, attention in GPU_RUNS}
-    asked_runs = [r for r in args.runs.split(",") if r]
-    unknown_runs = [r for r in asked_runs if r not in known_runs]
-    if unknown_runs or not asked_runs:
-        print(f"unknown runs {unknown_runs or asked_runs}; known: {', '.join(known_runs)}", file=sys.stderr)
-        return 2
-    runs: tuple[tuple[str, Attention], ...] = (("float32", "reference"),)
-    if not args.cpu_smoke:
-        runs = tuple(known_runs[r] for r in asked_runs)
-    wanted = {m for m in args.models.split(",") if m}
-    with tempfile.TemporaryDirectory() as tmp:
-        models = write_models(Path(tmp))
-        unknown = wanted - models.keys()
-        if unknown:
-            print(f"unknown models {sorted(unknown)}; known: {', '.join(models)}", file=sys.stderr)
-            return 2
-        for name, model_dir in models.items():
-            if not wanted or name in wanted:
-                outcomes.extend(
-                    check_model(name, model_dir, device, runs, args.attention_kernel, print_outcome)
-                )
-    failed = sum(bool(o.failures) for o in outcomes)
-    print(f"gpu_check: {len(outcomes) - failed} PASS, {failed} FAIL")
-    target = (out_dir() or Path(".")) / "gpu_check.json"
-    target.write_text(json.dumps([o.__dict__ for o in outcomes], indent=2))
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

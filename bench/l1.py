@@ -1,18 +1,16 @@
-"""Small-batch latency: the model step for 1 and 64 requests of 100 tokens on Qwen3-0.6B shapes.
+"""L1, small-batch latency: the model step for 1 and 64 requests of 100 tokens on Qwen3-0.6B shapes.
 
-Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/latency.py
+Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/l1.py
 
 Times `Scorer.score` (tokens in, results with pooled hidden states out) with eager layers, with compiled
 layers, and with compiled layers replayed from CUDA graphs (the default), and HF's own bf16 forward on the
 same batch, all in one process; checks every path's scores and
-hidden states against a float32 HF reference and exits 1 when they are wrong. Writes $OUT/latency.json.
+hidden states against a float32 HF reference and exits 1 when they are wrong. Writes $OUT/l1.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -23,7 +21,20 @@ import numpy as np
 import torch
 
 from bench import hf_paths, packed_path
-from bench.common import QWEN3_06B_SHAPES, call_percentiles, environment, layer_gemm_ceiling, out_dir
+from bench.common import (
+    QWEN3_06B_SHAPES,
+    add_options,
+    argument_parser,
+    build_model,
+    call_percentiles,
+    compare,
+    layer_gemm_ceiling,
+    pick_device,
+    report_header,
+    report_path,
+    score_bound,
+    write_verdict,
+)
 from bench.hf_paths import PathOutput
 from bench.profiling import kernel_breakdown, print_breakdown
 
@@ -32,30 +43,20 @@ TOKENS = 100
 CASES = (1, 64)  # requests of TOKENS tokens in one batch
 
 
-def build_model(dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForSequenceClassification
-
-    config = Qwen3Config(**QWEN3_06B, num_labels=1, pad_token_id=hf_paths.PAD_ID, initializer_range=0.02)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model: torch.nn.Module = Qwen3ForSequenceClassification._from_config(  # type: ignore[no-untyped-call]
-            config, dtype=dtype, attn_implementation="sdpa"
-        )
-    return model.eval()
-
-
 def hf_forward(model: torch.nn.Module, rows: Sequence[torch.Tensor]) -> PathOutput:
-    with torch.inference_mode():
-        scores, hidden = hf_paths.forward_padded(model, rows)
-    return PathOutput(scores.float().cpu().numpy(), hidden.float().cpu().numpy())
+    """HF's own padded forward of all `rows` in one batch."""
+    return hf_paths.run_padded(model, rows, [list(range(len(rows)))])
 
 
 def check(name: str, got: PathOutput, ref: PathOutput, bound: float) -> dict[str, Any]:
-    score_err = float(np.max(np.abs(got.scores.reshape(-1) - ref.scores.reshape(-1))))
-    rel = np.linalg.norm(got.hidden - ref.hidden, axis=1) / np.linalg.norm(ref.hidden, axis=1)
-    ok = bool(np.isfinite(got.scores).all() and np.isfinite(got.hidden).all() and score_err <= bound)
-    print(f"  {name:<18} max|dscore| {score_err:.4f} (bound {bound:.3f})  hidden rel err max {rel.max():.2e}")
-    return {"max_abs_score_diff": score_err, "hidden_rel_err_max": float(rel.max()), "ok": ok}
+    """`got` against float32: its scores within `bound`, every value finite."""
+    errors = compare(got, ref)
+    ok = errors["all_finite"] and errors["max_abs_score_diff"] <= bound
+    score_err, hidden_err = errors["max_abs_score_diff"], errors["hidden_rel_err_max"]
+    print(
+        f"  {name:<18} max|dscore| {score_err:.4f} (bound {bound:.3f})  hidden rel err max {hidden_err:.2e}"
+    )
+    return {**errors, "ok": ok}
 
 
 def projection_floor(tokens: int) -> dict[str, float]:
@@ -74,22 +75,14 @@ def projection_floor(tokens: int) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=100, help="timed calls per path and case")
-    parser.add_argument("--profile-top", type=int, default=8, help="kernels listed in the profile")
-    parser.add_argument(
-        "--other-whole-last-layer",
-        action="store_true",
-        help="also time the default path with the whole last layer (q/o projections and MLP at every row)",
-    )
+    add_options(parser, profile_top=8, other_whole_last_layer=False)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the latency benchmark needs a CUDA GPU", file=sys.stderr)
+    if pick_device("L1", cpu_allowed=False) is None:
         return 2
-    report: dict[str, Any] = {"environment": environment(), "shapes": QWEN3_06B, "tokens": TOKENS}
-    model = build_model(torch.bfloat16)
+    report = {**report_header(), "shapes": QWEN3_06B, "tokens": TOKENS}
+    model = build_model("qwen3", QWEN3_06B)
     gen = torch.Generator().manual_seed(3)
     rows = [torch.randint(1, QWEN3_06B["vocab_size"], (TOKENS,), generator=gen) for _ in range(max(CASES))]
     requests = packed_path.make_requests(rows)
@@ -145,9 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     graph_counts = {"recorded": counted.recorded, "replays": counted.replays}
     del scorers, graphed, model
     torch.cuda.empty_cache()
-    reference = hf_forward(build_model(torch.float32), rows)
+    reference = hf_forward(build_model("qwen3", QWEN3_06B, dtype=torch.float32), rows)
     hf_err = float(np.max(np.abs(outputs["hf_bf16"].scores.reshape(-1) - reference.scores.reshape(-1))))
-    bound = 2 * hf_err + 0.05 * max(1.0, float(np.max(np.abs(reference.scores))))
+    bound = score_bound(hf_err, float(np.max(np.abs(reference.scores))))
     print(f"\ncorrectness against float32 HF on {len(rows)} requests:")
     checks = {name: check(name, out, reference, bound) for name, out in outputs.items()}
     print(f"\n{'path / requests of 100 tokens':<32}{'p50 ms':>10}{'p90 ms':>10}")
@@ -155,13 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{key:<32}{value['p50_ms']:>10.2f}{value['p90_ms']:>10.2f}")
     report.update(timings=timings, correctness=checks, bound=bound, graphs=graph_counts)
     print(f"CUDA graphs recorded {graph_counts['recorded']}, replayed {graph_counts['replays']}")
-    target = (out_dir() or Path(".")) / "latency.json"
-    target.write_text(json.dumps(report, indent=2))
-    print(f"wrote {target}")
-    failed = [name for name, c in checks.items() if not c["ok"]]
-    for name in failed:
-        print(f"LATENCY FAILED: {name} is further from float32 than the bound", file=sys.stderr)
-    return 1 if failed else 0
+    failed = [f"{name} is further from float32 than the bound" for name, c in checks.items() if not c["ok"]]
+    return write_verdict(report, failed, report_path("l1"), "L1")
 
 
 if __name__ == "__main__":

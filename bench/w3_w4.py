@@ -1,7 +1,7 @@
 """W3 (one query, many items) and W4 (best of N) with shared prefixes computed once, against today's path
 (every prompt packed whole) and against scoring only the distinct tokens, all in one process.
 
-Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/shared.py
+Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/w3_w4.py
 `--quick` runs tiny models on the CPU (a smoke test of the script, not a measurement).
 
 - W3: W2's model (Qwen3-0.6B shapes); 64 requests of 16 items, a 512-token query and 64-token items, half
@@ -23,7 +23,6 @@ error where that is wider); the script exits 1 when either check fails.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -34,11 +33,23 @@ import numpy as np
 import torch
 
 from bench import packed_path
-from bench.common import environment, out_dir, timed, token_budget_chunks, write_verdict
-from bench.w1 import W1_SHAPES
-from bench.w2 import QUICK_SHAPES as W2_QUICK
-from bench.w2 import W2_SHAPES, build_model_dir, check_sample
-from models import PreparedRequest, Scorer, ScorerConfig
+from bench.common import (
+    W1_SHAPES,
+    W2_QUICK_SHAPES,
+    W2_SHAPES,
+    add_options,
+    argument_parser,
+    check_sample,
+    model_dir,
+    pick_device,
+    report_header,
+    report_path,
+    sample_entry,
+    timed,
+    w2_model_dir,
+    write_verdict,
+)
+from models import BatchPlan, PreparedRequest, Scorer, ScorerConfig
 from schemas import ScoreRequest, ScoreResult
 
 VOCAB_LOW = 4  # ids 0..3 are special tokens in the tiny tokenizers
@@ -47,7 +58,7 @@ W4_SHAPES = W1_SHAPES
 TINY_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 W4_QUICK: dict[str, Any] = {
     **W4_SHAPES,
-    **{k: W2_QUICK[k] for k in (*TINY_KEYS, "intermediate_size", "vocab_size")},
+    **{k: W2_QUICK_SHAPES[k] for k in (*TINY_KEYS, "intermediate_size", "vocab_size")},
 }
 
 
@@ -98,23 +109,17 @@ def whole_prompts(request: ScoreRequest) -> list[tuple[int, ...]]:
     return [query + tuple(cast(Sequence[int], item)) for item in request.items]
 
 
-def chunks(requests: Sequence[ScoreRequest], budget: int, scorer: Scorer | None = None) -> list[list[int]]:
-    """Arrival-order batches within the token budget as the worker cuts them: by the prompts' lengths, or
-    by what `scorer` computes for them (a shared prefix counted once, requests sharing one kept together
-    at a cut) when it is given."""
-    prompts = [whole_prompts(r) for r in requests]
-    sizes = [sum(len(p) for p in group) for group in prompts]
-    if scorer is None:
-        return token_budget_chunks(sizes, budget)
-
-    prepared = [
-        PreparedRequest(r, tuple(group), tokenize_s=0.0) for r, group in zip(requests, prompts, strict=True)
-    ]
-    return [list(run) for run in scorer.plan.runs(prepared, budget)]
+def chunks(requests: Sequence[ScoreRequest], budget: int, scorer: Scorer | None = None) -> list[range]:
+    """Arrival-order batches within the token budget as the worker cuts them (models.plan, the project's one
+    rule): by the prompts' lengths, or by what `scorer` computes for them (a shared prefix counted once,
+    requests sharing one kept together at a cut) when it is given."""
+    prepared = [PreparedRequest(r, tuple(whole_prompts(r)), tokenize_s=0.0) for r in requests]
+    plan = BatchPlan() if scorer is None else scorer.plan
+    return list(plan.runs(prepared, budget))
 
 
 def time_path(
-    scorer: Scorer, requests: Sequence[ScoreRequest], cut: list[list[int]], repeats: int
+    scorer: Scorer, requests: Sequence[ScoreRequest], cut: Sequence[range], repeats: int
 ) -> tuple[list[ScoreResult], dict[str, float]]:
     """Best wall time of `repeats` passes after one warm-up pass, two ways: the model step
     (`score_prepared` on requests prepared beforehand, as the worker's intake prepares them beside the
@@ -180,16 +185,7 @@ def sample(
     requests: Sequence[ScoreRequest], results: Sequence[ScoreResult], count: int
 ) -> list[dict[str, Any]]:
     picks = np.linspace(0, len(requests) - 1, count).round().astype(int).tolist()
-    return [
-        {
-            "items": [list(p) for p in whole_prompts(requests[i])],
-            "scores": [list(row) for row in results[i].scores],
-            "hidden": None
-            if results[i].pooled_hidden_states is None
-            else [t.to_numpy().astype(np.float32).tolist() for t in results[i].pooled_hidden_states or ()],
-        }
-        for i in sorted(set(picks))
-    ]
+    return [sample_entry(whole_prompts(requests[i]), results[i]) for i in sorted(set(picks))]
 
 
 def run_case(
@@ -207,12 +203,7 @@ def run_case(
     whole_results, whole_t = time_path(today, requests, cut, args.repeats)
     shared_results, shared_t = time_path(shared, requests, shared_cut, args.repeats)
     distinct_tokens = sum(len(r.items[0]) for r in bare)
-    _, distinct_t = time_path(
-        today,
-        bare,
-        token_budget_chunks([len(r.items[0]) for r in bare], args.max_batch_tokens),
-        args.repeats,
-    )
+    _, distinct_t = time_path(today, bare, chunks(bare, args.max_batch_tokens), args.repeats)
     del today
 
     def rates(timing: str) -> dict[str, float]:
@@ -265,67 +256,40 @@ def run_case(
     return report
 
 
-def build_llama_dir(shapes: dict[str, Any], device: str, workdir: Path) -> Path:
-    """LlamaForSequenceClassification with random weights (W1's model), saved with a tokenizer."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    from bench import hf_paths
-
-    settings = {
-        **shapes,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
-        "rms_norm_eps": 1e-5,
-        "num_labels": 1,
-        "pad_token_id": hf_paths.PAD_ID,
-        "initializer_range": 0.02,
-    }
-    target = workdir / "w4-llama"
-    config = LlamaConfig(**settings)
-    return packed_path.random_model_dir(LlamaForSequenceClassification, config, device, target)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="tiny models and workloads, CPU if no GPU")
+    parser = argument_parser(__doc__)
+    add_options(parser, "w3_w4", quick=False, max_batch_tokens=16384)
     parser.add_argument("--cases", default="w3,w4", help="which of w3, w4 to run")
     parser.add_argument(
         "--min-tokens", type=int, default=32, help="share_prefix_min_tokens of the shared path"
     )
-    parser.add_argument("--max-batch-tokens", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per path; the best is reported")
     parser.add_argument("--sample", type=int, default=6, help="requests checked against HF float32 per case")
-    parser.add_argument("--json", type=Path, default=None, help="output file (default $OUT/shared.json)")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.quick:
-        print("the shared-prefix benchmark needs a CUDA GPU (or --quick)", file=sys.stderr)
+    device = pick_device("the shared-prefix benchmark (or --quick)", cpu_allowed=args.quick)
+    if device is None:
         return 2
-    print(json.dumps(environment()), flush=True)
     rng = np.random.default_rng(0)
-    report: dict[str, Any] = {
-        "environment": environment(),
-        "args": {k: str(v) for k, v in vars(args).items()},
-    }
+    report = report_header(args)
     cases = set(args.cases.split(","))
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         if "w3" in cases:
-            shapes = W2_QUICK if args.quick else W2_SHAPES
-            model_dir = build_model_dir(shapes, device, Path(tmp))
+            shapes = W2_QUICK_SHAPES if args.quick else W2_SHAPES
+            w3_dir = w2_model_dir(shapes, device, Path(tmp))
             sizes = (4, 4, 40, 8) if args.quick else (64, 16, 512, 64)
             report["w3"] = run_case(
-                "W3", model_dir, w3_requests(rng, shapes["vocab_size"], *sizes), args, device
+                "W3", w3_dir, w3_requests(rng, shapes["vocab_size"], *sizes), args, device
             )
         if "w4" in cases:
             shapes = W4_QUICK if args.quick else W4_SHAPES
-            model_dir = build_llama_dir(shapes, device, Path(tmp))
+            w4_dir = model_dir("llama", shapes, device, Path(tmp) / "w4-llama")
             spec = (6, 3, (30, 60), (5, 20)) if args.quick else (256, 8, (300, 1000), (50, 300))
-            report["w4"] = run_case(
-                "W4", model_dir, w4_requests(rng, shapes["vocab_size"], *spec), args, device
-            )
+            w4 = w4_requests(rng, shapes["vocab_size"], *spec)
+            report["w4"] = run_case("W4", w4_dir, w4, args, device)
     failures = [
         f"{name}: {check}"
         for name in ("w3", "w4")
@@ -333,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for check in ("agreement", "vs_fp32")
         if not report[name][check]["ok"]
     ]
-    target = args.json or ((out_dir() or Path(".")) / ("shared-quick.json" if args.quick else "shared.json"))
+    target = report_path("w3_w4", args.json, args.quick)
     return write_verdict(report, failures, target, "the shared-prefix benchmark")
 
 
