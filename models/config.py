@@ -48,7 +48,7 @@ class ScorerConfig(EngineSettings):
     graph_recorder: SkipValidation[Recorder | None] = None
     # A causal decoder's last layer runs its query and output projections and its MLP only at the rows a
     # batch pools (models/pooled_rows.py), on the varlen path; False only to measure what that saves
-    # (bench/w1.py, bench/latency.py).
+    # (bench/w1.py, bench/l1.py).
     last_layer_pooled_rows: bool = True
 
     @classmethod

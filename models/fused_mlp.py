@@ -7,8 +7,9 @@ both products from the same tile of x, applies silu(gate) * up to the float32 ac
 product: nothing of [T, 2I] ever reaches memory. On the H200 at 16,384 tokens it ran 1.05x as fast as the
 two cuBLAS products and inductor's fused activation together at the 8B shapes and 1.10x at 1.5B-3B shapes
 (W1 end to end: +1.2%); at hidden size 1024 (Qwen3-0.6B) 0.9x to par, so `fused_mlp="auto"` takes it only
-from MIN_HIDDEN on (bench/gate_up_probe.py, docs/benchmarks.md). The gate and up results are not rounded to
-the model's dtype before the activation, so the product is, if anything, closer to float32 than HF's.
+from MIN_HIDDEN on (docs/notes/benchmarks-history.md, "What the retired probes found"). The gate and up
+results are not rounded to the model's dtype before the activation, so the product is, if anything, closer
+to float32 than HF's.
 
 Which MLPs: the HF classes whose forward is exactly that (GATED_SILU_MLPS: Llama, Mistral, Qwen2, Qwen3,
 with separate gate and up projections; Phi-3 with one gate_up projection whose halves are gate and up), with
@@ -43,9 +44,9 @@ except ImportError:  # the CPU install may lack Triton; the MLPs then stay HF's
 # Output tile (tokens x MLP columns; each program accumulates a gate and an up tile this size), the depth
 # of one step along the hidden size, warps, pipeline stages, and how many row tiles share a column band
 # (so the weight tiles they read stay in L2): the fastest configurations on the H200 at W1's shapes
-# (bench/gate_up_probe.py). One persistent program per multiprocessor, looping over tiles, ran 1-5% faster
-# than one program per tile with the same loop and about 1.2x as fast as one program per tile without it;
-# warp-specialized and flattened loops were slower.
+# (docs/notes/benchmarks-history.md, "The fused MLP kernel"). One persistent program per multiprocessor,
+# looping over tiles, ran 1-5% faster than one program per tile with the same loop and about 1.2x as fast
+# as one program per tile without it; warp-specialized and flattened loops were slower.
 BLOCK_M = 128
 BLOCK_N = 128
 BLOCK_K = 64

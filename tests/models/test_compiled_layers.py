@@ -1,7 +1,8 @@
 """Decoder layers under torch.compile: the same scores and hidden states as eager HF, on the CPU in float32.
 
-On the GPU the compiled layers run by default with the varlen kernel (bench/gpu_check.py, bench/w1.py); here
-the same wrapping runs through inductor's CPU code generation, so its logic is exercised where CI runs.
+On the GPU the compiled layers run by default with the varlen kernel (tests/gpu/test_architectures.py,
+bench/w1.py); here the same wrapping runs through inductor's CPU code generation, so its logic is
+exercised where CI runs.
 """
 
 from __future__ import annotations

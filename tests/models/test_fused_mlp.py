@@ -1,8 +1,8 @@
 """The fused gate/up/SiLU kernel (models/fused_mlp.py), run in Triton's interpreter on CPU tensors (tests/
 conftest.py turns it on without a GPU): its tiles, edges and epilogue against float32 arithmetic, which MLPs
 it takes, when the setting turns it on, and the engine through it against the exact path. Its speed, and
-bfloat16 (which the interpreter does not compute faithfully), are the GPU's: bench/gate_up_probe.py and
-tests/gpu."""
+bfloat16 (which the interpreter does not compute faithfully), are the GPU's:
+docs/notes/benchmarks-history.md and tests/gpu."""
 
 from __future__ import annotations
 
