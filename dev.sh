@@ -3,7 +3,8 @@
 #   ./dev.sh demo   - embedded broker + tiny local model + one worker + sample requests, results printed
 #   ./dev.sh test   - the whole suite: the static checks (./dev.sh lint), then pytest against Apache Kafka
 #                     (run from its jars; Java and Maven, Prometheus and docker-compose installed with
-#                     apt-get when missing, as root); arguments go to pytest
+#                     apt-get when missing, as root), in $SCORE_WORKER_TEST_PROCESSES processes (3);
+#                     arguments go to pytest: `./dev.sh test -m fast` is the edit loop's tier
 #   ./dev.sh lint   - the static checks alone: ruff (lint, format), mypy, the import layering contract
 #   ./dev.sh kafka  - Apache Kafka in the foreground (--nodes 3 for a cluster), for trials and own runs
 #   ./dev.sh lock   - resolve the dev install afresh and write the pins to constraints.txt
@@ -118,7 +119,9 @@ case "$cmd" in
         lint
         system_tools
         kafka_jars
-        exec "$VENV/bin/python" -m pytest "$@"
+        # In several processes, each test file whole in one (its module fixtures, its brokers): most worker
+        # tests wait on brokers and processes rather than compute. `-n 0` after it runs in this one.
+        exec "$VENV/bin/python" -m pytest -n "${SCORE_WORKER_TEST_PROCESSES:-3}" --dist loadfile "$@"
         ;;
     lint)
         setup

@@ -26,6 +26,44 @@ if os.environ.get("ATEN_CPU_CAPABILITY"):
 
 from models import write_tiny_model
 
+# The tiers of the suite, one marker each, set here from what a test uses (pyproject.toml lists them):
+# - unit: no broker and no worker process; `fast` is the unit tests not marked slow, the edit loop's tier
+#   (`./dev.sh test -m fast`);
+# - integration: a real broker, a worker in the process or beside it;
+# - faults: something breaks on purpose: processes killed, brokers stopped or cut off, poison records;
+# - gpu: needs a CUDA device.
+_BROKER_FIXTURES = frozenset({"kafka_bootstrap", "broker_pool", "own_broker", "live_worker", "spawn"})
+_FAULT_MODULES = frozenset(
+    {
+        "test_faults",
+        "test_broker_failures",
+        "test_broker_outage",
+        "test_exactly_once",
+        "test_graceful_shutdown",
+        "test_gpu_faults",
+    }
+)
+
+
+def tier(item: pytest.Item) -> str:
+    """The tier of one test (see above)."""
+    module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+    if item.get_closest_marker("gpu"):
+        return "gpu"
+    if module in _FAULT_MODULES:
+        return "faults"
+    if _BROKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return "integration"
+    return "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        name = tier(item)
+        item.add_marker(name)
+        if name == "unit" and not item.get_closest_marker("slow"):
+            item.add_marker("fast")
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -15,6 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a process of its own
+
 
 def _run_script(args: list[str], out: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
     """A bench script run from the repository root, as on the GPU machine, its $OUT at `out`."""

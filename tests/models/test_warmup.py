@@ -27,10 +27,13 @@ from models.prepare import PreparedRequest
 from models.warmup import describe, warm_up
 from schemas import ScoreRequest
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available() or not triton_attention.interpreting(),
-    reason="drives the Triton kernel in its interpreter; tests/gpu runs the same check compiled",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        torch.cuda.is_available() or not triton_attention.interpreting(),
+        reason="drives the Triton kernel in its interpreter; tests/gpu runs the same check compiled",
+    ),
+    pytest.mark.slow,  # each warm-up compiles the layers' graphs: tens of seconds on two cores
+]
 
 SWITCH = 24  # the kernel's length switch in these tests (256 on the GPU)
 

@@ -86,9 +86,11 @@ def pytest_runtest_makereport(
     return report
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
+def _broker_lines() -> list[str]:
+    """One line per broker this process started: its version, its tests, and where a failure's files are."""
     if _POOL is None:
-        return
+        return []
+    lines = []
     for broker in _POOL.started():
         modules = len(broker.uses)
         line = (
@@ -97,9 +99,31 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         line += f" in {modules} modules"
         if broker.failures and broker.files:
             line += f"; {broker.failures} failed, its files and logs kept in {broker.files}"
-        terminalreporter.write_line(line)
+        lines.append(line)
     if _POOL.fallback_reason:
-        terminalreporter.write_line(f"not on Apache Kafka: {_POOL.fallback_reason}")
+        lines.append(f"not on Apache Kafka: {_POOL.fallback_reason}")
+    return lines
+
+
+# Lines the test processes of a parallel run (pytest-xdist) sent back as they ended.
+_RELAYED: list[str] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a process of a parallel run: hand this process's broker lines to the one that reports."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["broker_lines"] = _broker_lines()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_testnodedown(node: Any, error: object) -> None:
+    _RELAYED.extend(getattr(node, "workeroutput", {}).get("broker_lines", []))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in _RELAYED + _broker_lines():
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="module")
