@@ -6,9 +6,17 @@ import re
 import socket
 import ssl
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.settings import EngineSettings
@@ -25,6 +33,16 @@ _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 def is_topic_name(name: str) -> bool:
     """Whether Kafka takes `name` as a topic: 1 to 249 letters, digits, '.', '_' or '-', not . or .."""
     return _TOPIC_NAME.fullmatch(name) is not None and name not in {".", ".."}
+
+
+def _topic_name(value: str) -> str:
+    if not is_topic_name(value):
+        raise ValueError(f"{value!r} is not a valid Kafka topic name (letters, digits, '.', '_', '-')")
+    return value
+
+
+# A setting that names a topic: checked against Kafka's rule wherever it is read.
+TopicName = Annotated[str, AfterValidator(_topic_name)]
 
 
 _HOST_PORT = re.compile(r"^[^\s,:]+:\d{1,5}$")
@@ -163,9 +181,9 @@ class KafkaSettings(BaseModel):
     """Where the worker reads and writes, and how it takes part in its consumer group."""
 
     bootstrap_servers: str = Field(description="Kafka bootstrap servers, HOST:PORT[,HOST:PORT...]")
-    requests_topic: str = Field(REQUESTS_TOPIC, description="topic the requests are read from")
-    results_topic: str = Field(RESULTS_TOPIC, description="topic the results are written to")
-    dlq_topic: str = Field(DLQ_TOPIC, description="dead-letter topic for undecodable requests")
+    requests_topic: TopicName = Field(REQUESTS_TOPIC, description="topic the requests are read from")
+    results_topic: TopicName = Field(RESULTS_TOPIC, description="topic the results are written to")
+    dlq_topic: TopicName = Field(DLQ_TOPIC, description="dead-letter topic for undecodable requests")
     reply_topic_pattern: str = Field(
         re.escape(RESULTS_TOPIC) + r"\..+",
         description="reply topics a request may name in its kafka_replyTopic header (a regular expression "
@@ -205,13 +223,6 @@ class KafkaSettings(BaseModel):
         if not servers or bad:
             raise ValueError(f"expected HOST:PORT[,HOST:PORT...], got {value!r}")
         return ",".join(servers)
-
-    @field_validator("requests_topic", "results_topic", "dlq_topic")
-    @classmethod
-    def _check_topic(cls, value: str) -> str:
-        if not is_topic_name(value):
-            raise ValueError(f"{value!r} is not a valid Kafka topic name (letters, digits, '.', '_', '-')")
-        return value
 
     @field_validator("reply_topic_pattern")
     @classmethod
@@ -491,17 +502,10 @@ class ClientEnvironment(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
 
     bootstrap_servers: str | None = Field(None, description="Kafka bootstrap servers, HOST:PORT[,...]")
-    requests_topic: str = Field(REQUESTS_TOPIC, description="topic the requests are sent to")
-    results_topic: str = Field(RESULTS_TOPIC, description="topic the results are read from")
+    requests_topic: TopicName = Field(REQUESTS_TOPIC, description="topic the requests are sent to")
+    results_topic: TopicName = Field(RESULTS_TOPIC, description="topic the results are read from")
     max_record_bytes: int = Field(1_048_576, ge=1, description="largest request record to send")
     requests_compression: Compression = Field(DEFAULT_COMPRESSION, description="codec of request batches")
-
-    @field_validator("requests_topic", "results_topic")
-    @classmethod
-    def _check_topic(cls, value: str) -> str:
-        if not is_topic_name(value):
-            raise ValueError(f"{value!r} is not a valid Kafka topic name (letters, digits, '.', '_', '-')")
-        return value
 
 
 def read_environment(settings: type[SettingsT], command: str) -> SettingsT:
