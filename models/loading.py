@@ -343,13 +343,79 @@ def load_model(
 ) -> LoadedModel:
     """Load weights, head and tokenizer; the model is in eval mode on `device`."""
     config = read_config(model_dir, trust_remote_code)
-    safetensors_only = _safetensors_only(model_dir, allow_pickle_weights)
     judge = is_judge(config)
     remote_code = bool(config.get("auto_map"))
     # A model's own code may ignore our attention, whatever type it claims: it runs the plain path.
     runs_packed = not remote_code and packable(str(config.get("model_type")))
-    if not runs_packed:
-        attn_implementation = "eager"
+    model, info = _from_pretrained(
+        model_dir,
+        config,
+        device=device,
+        dtype=dtype,
+        attn_implementation=attn_implementation if runs_packed else "eager",
+        remote_code=remote_code,
+        safetensors_only=_safetensors_only(model_dir, allow_pickle_weights),
+    )
+    value_head = _value_head(model_dir, model) if judge else None
+    if value_head is not None:
+        # A reward model after all: its score is the value head at the last token, not label logits.
+        judge = False
+        value_head.to(device=device, dtype=dtype)
+    elif not judge:
+        _adapt_head(model, model_dir, info.get("unexpected_keys") or ())
+    model.to(device).eval()
+    base = getattr(model, model.base_model_prefix, None)
+    if not isinstance(base, nn.Module):
+        raise ModelLoadError(
+            f"{type(model).__name__} has no base model attribute {model.base_model_prefix!r}"
+        )
+    embeddings = model.get_input_embeddings()
+    if not isinstance(embeddings, nn.Embedding):
+        raise ModelLoadError(f"{type(model).__name__} has no token embedding table")
+    encoder = config.get("model_type") in ENCODER_MODEL_TYPES
+    tokenizer = _load_tokenizer(model_dir, remote_code)
+    if encoder and tokenizer is None:
+        raise ModelLoadError(
+            f"{str(model_dir)!r} holds a cross-encoder without tokenizer files; its pair template "
+            "([CLS] query [SEP] item [SEP]) comes from the tokenizer, so add them to the directory"
+        )
+    max_positions, position_pad = _positions(config)
+    return LoadedModel(
+        model=model,
+        base=base,
+        head=value_head or _head(model, judge, encoder),
+        value_head=value_head is not None,
+        tokenizer=tokenizer,
+        vocab_size=int(embeddings.num_embeddings),
+        max_position_embeddings=max_positions,
+        name=model_dir.resolve().name or str(config.get("_name_or_path", "")),
+        pad_token_id=_pad_token_id(model),
+        # HF's causal LMs have no pad rule: judges and TRL value heads read the prompt's true last token.
+        default_pooling=(
+            "last_token" if judge or value_head else _default_pooling(config) if encoder else "last"
+        ),
+        encoder=encoder,
+        token_types=encoder and int(config.get("type_vocab_size") or 1) > 1,
+        position_pad=position_pad,
+        packable=runs_packed,
+        judge=judge,
+        final_softcap=_final_softcap(model) if judge else None,
+    )
+
+
+def _from_pretrained(
+    model_dir: Path,
+    config: dict[str, Any],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    remote_code: bool,
+    safetensors_only: bool,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """HF's model with a declared MLP head in place of the linear one HF builds, every weight of the
+    checkpoint loaded (ModelLoadError otherwise); and HF's loading info."""
+    judge = is_judge(config)
     try:
         with quiet_progress_bars():
             auto: Any = AutoModelForCausalLM if judge else AutoModelForSequenceClassification
@@ -377,55 +443,17 @@ def load_model(
             k for k in info.get("unexpected_keys") or () if not k.startswith(f"{name}.")
         ]
     _check_all_weights_loaded(model_dir, info)
-    value_head = _value_head(model_dir, model) if judge else None
-    if value_head is not None:
-        # A reward model after all: its score is the value head at the last token, not label logits.
-        judge = False
-        value_head.to(device=device, dtype=dtype)
-    elif not judge:
-        _adapt_head(model, model_dir, info.get("unexpected_keys") or ())
-    model.to(device).eval()
-    base = getattr(model, model.base_model_prefix, None)
-    if not isinstance(base, nn.Module):
-        raise ModelLoadError(
-            f"{type(model).__name__} has no base model attribute {model.base_model_prefix!r}"
-        )
-    embeddings = model.get_input_embeddings()
-    if not isinstance(embeddings, nn.Embedding):
-        raise ModelLoadError(f"{type(model).__name__} has no token embedding table")
-    encoder = config.get("model_type") in ENCODER_MODEL_TYPES
-    tokenizer = _load_tokenizer(model_dir, remote_code)
-    if encoder and tokenizer is None:
-        raise ModelLoadError(
-            f"{str(model_dir)!r} holds a cross-encoder without tokenizer files; its pair template "
-            "([CLS] query [SEP] item [SEP]) comes from the tokenizer, so add them to the directory"
-        )
+    return model, info
+
+
+def _positions(config: dict[str, Any]) -> tuple[int, int | None]:
+    """The longest prompt the position table holds, and the pad id its positions start after (RoBERTa's
+    family: positions count from pad_token_id + 1), or None."""
     max_positions = int(config.get("max_position_embeddings") or 2**31 - 1)
-    position_pad = None
-    if config.get("model_type") in _PAD_OFFSET_POSITIONS:
-        position_pad = int(config.get("pad_token_id") or 0)
-        max_positions -= position_pad + 1
-    return LoadedModel(
-        model=model,
-        base=base,
-        head=value_head or _head(model, judge, encoder),
-        value_head=value_head is not None,
-        tokenizer=tokenizer,
-        vocab_size=int(embeddings.num_embeddings),
-        max_position_embeddings=max_positions,
-        name=model_dir.resolve().name or str(config.get("_name_or_path", "")),
-        pad_token_id=_pad_token_id(model),
-        # HF's causal LMs have no pad rule: judges and TRL value heads read the prompt's true last token.
-        default_pooling=(
-            "last_token" if judge or value_head else _default_pooling(config) if encoder else "last"
-        ),
-        encoder=encoder,
-        token_types=encoder and int(config.get("type_vocab_size") or 1) > 1,
-        position_pad=position_pad,
-        packable=runs_packed,
-        judge=judge,
-        final_softcap=_final_softcap(model) if judge else None,
-    )
+    if config.get("model_type") not in _PAD_OFFSET_POSITIONS:
+        return max_positions, None
+    position_pad = int(config.get("pad_token_id") or 0)
+    return max_positions - position_pad - 1, position_pad
 
 
 def _final_softcap(model: PreTrainedModel) -> float | None:

@@ -281,19 +281,24 @@ def pack(
     )
 
 
-def _pack_shared(
-    prompts: Sequence[Sequence[int]],
-    groups: Sequence[SharedPrefix],
-    device: torch.device,
-    pooling: Pooling,
-    pad_id: int | None,
-    gather_keys: bool,
-) -> PackedBatch:
+class _SharedLayout(NamedTuple):
+    """Where `_pack_shared` lays each token out (host arrays): ids and positions per attention sequence, each
+    prompt's rows (its prefix's and its own), each sequence's key rows (when keys are gathered), where each
+    group's suffixes end, and the rows in all."""
+
+    ids: list[np.ndarray]
+    positions: list[np.ndarray]
+    rows_of: list[np.ndarray]
+    keys: list[np.ndarray]
+    suffix_ends: list[int]
+    rows: int
+
+
+def _lay_out_shared(
+    prompts: Sequence[Sequence[int]], groups: Sequence[SharedPrefix], gather_keys: bool
+) -> _SharedLayout:
     """Every group's shared prefix once, then every group's suffixes (positions continuing after their
-    prefix), then every other prompt whole: the prefixes, and the suffixes, lie in one run of rows each, so
-    the suffixes' pass over their prefixes (`PrefixCross`) is one varlen call with a sequence per group. A
-    suffix attends to its prefix's rows, then its own: what it would attend to in its whole prompt, so its
-    states are those of the whole prompt."""
+    prefix), then every other prompt whole."""
     ids: list[np.ndarray] = []
     positions: list[np.ndarray] = []
     keys: list[np.ndarray] = []  # per attention sequence: the rows it attends to
@@ -323,6 +328,23 @@ def _pack_shared(
     for index, prompt in enumerate(prompts):
         if index not in grouped:
             rows_of[index] = emit(prompt, 0, none)
+    return _SharedLayout(ids, positions, rows_of, keys, suffix_ends, row)
+
+
+def _pack_shared(
+    prompts: Sequence[Sequence[int]],
+    groups: Sequence[SharedPrefix],
+    device: torch.device,
+    pooling: Pooling,
+    pad_id: int | None,
+    gather_keys: bool,
+) -> PackedBatch:
+    """Every group's shared prefix once, then every group's suffixes (positions continuing after their
+    prefix), then every other prompt whole (`_lay_out_shared`): the prefixes, and the suffixes, lie in one
+    run of rows each, so the suffixes' pass over their prefixes (`PrefixCross`) is one varlen call with a
+    sequence per group. A suffix attends to its prefix's rows, then its own: what it would attend to in its
+    whole prompt, so its states are those of the whole prompt."""
+    ids, positions, rows_of, keys, suffix_ends, row = _lay_out_shared(prompts, groups, gather_keys)
     q_lengths = np.fromiter((len(p) for p in positions), dtype=np.int64, count=len(positions))
     cu = np.concatenate(([0], np.cumsum(q_lengths))).astype(np.int32)
     prefix_lengths = np.fromiter((g.length for g in groups), dtype=np.int64, count=len(groups))
