@@ -363,7 +363,8 @@ def load_model(
         value_head.to(device=device, dtype=dtype)
     elif not judge:
         _adapt_head(model, model_dir, info.get("unexpected_keys") or ())
-    model.to(device).eval()
+    module: nn.Module = model  # PreTrainedModel.to's decorator hides Module.to's signature from mypy
+    module.to(device).eval()
     base = getattr(model, model.base_model_prefix, None)
     if not isinstance(base, nn.Module):
         raise ModelLoadError(
@@ -412,7 +413,7 @@ def _from_pretrained(
     attn_implementation: str,
     remote_code: bool,
     safetensors_only: bool,
-) -> tuple[nn.Module, dict[str, Any]]:
+) -> tuple[PreTrainedModel, dict[str, Any]]:
     """HF's model with a declared MLP head in place of the linear one HF builds, every weight of the
     checkpoint loaded (ModelLoadError otherwise); and HF's loading info."""
     judge = is_judge(config)
