@@ -64,7 +64,14 @@ async def create_topics(
     admin = AIOKafkaAdminClient(**client_kwargs(bootstrap))
     await admin.start()
     try:
-        topics = [NewTopic(n, partitions, replication) for n in (names.requests, names.results, names.dlq)]
+        # Results carry the time the broker appended them (the worker's clock would stamp when it made them,
+        # which on a busy host or through a cut connection can be long before they reached the broker).
+        appended = {"message.timestamp.type": "LogAppendTime"}
+        topics = [
+            NewTopic(names.requests, partitions, replication),
+            NewTopic(names.results, partitions, replication, topic_configs=appended),
+            NewTopic(names.dlq, partitions, replication),
+        ]
         response = await admin.create_topics(topics)
         errors = [e for e in response.topic_errors if e[1] != 0]
         assert not errors, errors
@@ -73,7 +80,11 @@ async def create_topics(
 
 
 class SteadyProducer:
-    """Sends records at a steady rate from a background task, remembering when and where each one landed."""
+    """Sends records at a steady rate from a background task, remembering when and where each one landed.
+
+    It sends every record, or, once `end(after_s)` is called, stops that much later: a stream that must
+    still run when a fault comes runs until the test has made it, on a busy host as on an idle one, with
+    its records only as the cap."""
 
     def __init__(
         self,
@@ -86,8 +97,9 @@ class SteadyProducer:
         """`idempotent`: no second copy of a record from the producer's own retry (a broker failure makes
         it retry; without it a request can land twice, and is then rightly answered twice)."""
         self.topic, self.records, self.rate = topic, list(records), rate_per_s
-        self.acked_at: list[float | None] = [None] * len(records)
-        self.placed: list[tuple[int, int] | None] = [None] * len(records)  # (partition, offset)
+        # One entry per record sent, in order: when the broker acknowledged it, (partition, offset).
+        self.acked_at: list[float | None] = []
+        self.placed: list[tuple[int, int] | None] = []
         self.errors: list[BaseException] = []
         self.finished_at: float | None = None
         # Large enough for the oversized poison records; the broker decides what it accepts.
@@ -97,6 +109,11 @@ class SteadyProducer:
         )  # fmt: skip
         self._task: asyncio.Task[None] | None = None
         self._started = False
+        self._end_at: float | None = None  # on the loop's clock
+
+    @property
+    def sent(self) -> int:
+        return len(self.acked_at)
 
     @property
     def acked(self) -> int:
@@ -108,13 +125,22 @@ class SteadyProducer:
         self._task = asyncio.create_task(self._run())
         return self
 
+    def end(self, after_s: float) -> None:
+        """Send no record later than `after_s` from now (the first call counts)."""
+        if self._end_at is None:
+            self._end_at = asyncio.get_running_loop().time() + after_s
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
         for index, (key, value, headers) in enumerate(self.records):
-            delay = started + index / self.rate - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            due = started + index / self.rate
+            if self._end_at is not None and due > self._end_at:
+                break
+            if due > loop.time():
+                await asyncio.sleep(due - loop.time())
+            self.acked_at.append(None)
+            self.placed.append(None)
             ack = await self._producer.send(self.topic, value=value, key=key, headers=headers)
             ack.add_done_callback(lambda done, i=index: self._on_ack(i, done))
         await self._producer.flush()
@@ -135,7 +161,7 @@ class SteadyProducer:
         assert self._task is not None
         await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
         assert not self.errors, self.errors[:3]
-        assert self.acked == len(self.records)
+        assert self.acked == self.sent
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():
@@ -149,7 +175,7 @@ class Seen:
     """One result record as the watcher saw it."""
 
     request_id: str
-    timestamp_s: float  # the record's timestamp: when the worker published it
+    timestamp_s: float  # the record's timestamp: when the broker appended it (LogAppendTime)
     result: ScoreResult
 
 
@@ -260,14 +286,19 @@ async def wait_until(check: Callable[[], bool], timeout_s: float, what: str, pol
 
 @dataclass
 class Stream:
-    """One test's traffic: its topics, the requests, the steady producer and the live result watcher."""
+    """One test's traffic: its topics, the requests, the steady producer and the live result watcher.
+
+    An open-ended stream (`open(..., open_ended=True)`) runs until `finish`, and `end_s` past it: a fault
+    that a busy host makes late still meets a running stream. Its `count` is only a cap; `requests` are
+    those sent so far."""
 
     bootstrap: str
     names: Names
-    requests: list[ScoreRequest]
+    planned: list[ScoreRequest]
     producer: SteadyProducer
     watcher: ResultWatcher
     isolation_level: str = "read_uncommitted"  # how the watcher and the final read see results
+    open_ended: bool = False
 
     @classmethod
     async def open(
@@ -280,20 +311,32 @@ class Stream:
         replication: int = 1,
         idempotent: bool = False,
         isolation_level: str = "read_uncommitted",
+        open_ended: bool = False,
     ) -> Stream:
         """Topics created (`replication` copies of each partition), the watcher reading; the producer waits
         for `produce()`. `mix` turns the requests into the records to send (other records mixed in); by
         default each request is one record."""
+        assert not (open_ended and mix), "an open-ended stream sends one record per request"
         names = Names.unique(prefix)
         await create_topics(bootstrap, names, replication=replication)
         requests = make_requests(names.group, count)
         records = mix(requests) if mix is not None else [request_record(r) for r in requests]
         producer = SteadyProducer(bootstrap, names.requests, records, rate, idempotent)
         watcher = await ResultWatcher(bootstrap, names.results, isolation_level).start()
-        return cls(bootstrap, names, requests, producer, watcher, isolation_level)
+        return cls(bootstrap, names, requests, producer, watcher, isolation_level, open_ended)
+
+    @property
+    def requests(self) -> list[ScoreRequest]:
+        """The requests of the stream: all of them, or, open-ended, those sent so far (in order, one record
+        each: index i is the producer's record i)."""
+        return self.planned[: self.producer.sent] if self.open_ended else self.planned
 
     async def produce(self) -> None:
         await self.producer.start()
+
+    def running(self) -> bool:
+        """The producer is still sending (an open-ended stream has not reached its cap)."""
+        return self.producer.finished_at is None
 
     def expected(self) -> Counter[str]:
         return Counter(r.request_id for r in self.requests)
@@ -303,11 +346,20 @@ class Stream:
         return len(self.watcher.first) >= self.producer.acked - slack
 
     async def finish(
-        self, expected: Counter[str], live: Sequence[WorkerProcess], timeout_s: float = 60.0
+        self,
+        live: Sequence[WorkerProcess],
+        timeout_s: float = 60.0,
+        end_s: float = 2.0,
+        extra: Counter[str] | None = None,
     ) -> Accounting:
-        """Wait for the whole stream and its answers, then read the results topic back completely.
+        """End an open-ended stream `end_s` from now; wait for the whole stream and its answers (every
+        request, and the `extra` results expected besides), then read the results topic back completely.
 
         Fails at once, with its log, when one of the `live` workers exits meanwhile."""
+        if self.open_ended:
+            self.producer.end(end_s)
+        await self.producer.wait_done(timeout_s)
+        expected = self.expected() + (extra or Counter())
 
         def done() -> bool:
             for worker in live:
@@ -316,7 +368,6 @@ class Stream:
                 )
             return set(expected) <= self.watcher.first.keys()
 
-        await self.producer.wait_done(timeout_s)
         with contextlib.suppress(TimeoutError):
             await wait_until(done, timeout_s, "every answer")  # the accounting below names what is missing
         records = await read_topic(
