@@ -63,6 +63,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(name)
         if name == "unit" and not item.get_closest_marker("slow"):
             item.add_marker("fast")
+    items[:] = longest_files_first(items)
+
+
+def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The files of fault tests first, then those of slow tests, then the rest, each file's tests in their
+    order: in several processes (each file whole in one) the longest files start at once instead of
+    leaving one process running them at the end."""
+    rank: dict[str, tuple[int, int]] = {}
+    for index, item in enumerate(items):
+        path = item.nodeid.split("::")[0]
+        weight = 0 if item.get_closest_marker("faults") else 1 if item.get_closest_marker("slow") else 2
+        first = rank.get(path, (weight, index))
+        rank[path] = (min(first[0], weight), first[1])
+    return sorted(items, key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
 @pytest.fixture(scope="session")
