@@ -201,7 +201,9 @@ def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
             "peak_gib": timing["peak_memory_gib"],
         }
         outputs[quantization] = packed_path.results_to_arrays(timing.pop("output"), shapes["hidden_size"])
-        del scorer, timing
+        # `run`'s default argument holds the scorer too: left alive, one path's weights and graphs would
+        # still be on the GPU while the next is measured, and the next path's peak memory would count both.
+        del scorer, run, timing
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
