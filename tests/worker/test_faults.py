@@ -34,11 +34,17 @@ START_BOUND_S = 60.0
 ALL_FOUR = r"assigned partitions: \[.*\[0\].*\[1\].*\[2\].*\[3\]"
 
 
-def duplicate_bound(kills: int, rate: float) -> int:
-    """Results one kill -9 can duplicate: requests whose results were (partly) published but not yet marked
-    done, at most max_inflight_requests, plus the done ones since the last commit: one commit interval and
-    one fetch-loop wait at the stream's rate, with 0.1 s for the commit's round trip."""
-    return kills * (MAX_INFLIGHT + math.ceil(rate * (COMMIT_INTERVAL_S + POLL_S + 0.1)))
+# A kill waits until the worker answers at no more than this times the stream's rate (`kill_when_steady`):
+# the fastest rate at which answers can pile up uncommitted when it lands.
+PACE = 1.25
+
+
+def duplicate_bound(kills: int, rate: float, pace: float = PACE) -> int:
+    """Results one kill -9 (or other fault) can duplicate: requests whose results were (partly) published
+    but not yet marked done, at most max_inflight_requests, plus the done ones since the last commit: one
+    commit interval and one fetch-loop wait at `pace` times the stream's rate (the most a kill waits for;
+    1 where the fault does not wait), with 0.1 s for the commit's round trip."""
+    return kills * (MAX_INFLIGHT + math.ceil(pace * rate * (COMMIT_INTERVAL_S + POLL_S + 0.1)))
 
 
 @dataclass(frozen=True)
@@ -64,11 +70,13 @@ async def kill_when_steady(worker: WorkerProcess, stream: Stream, answered_at_le
     """kill -9 once the worker keeps pace with the stream and the stream is still running.
 
     Waiting out a backlog keeps the kill from landing while the worker publishes far faster than the stream
-    (after a restart), where one commit interval covers more results than the bound allows for.
+    (after a restart), where one commit interval covers more results than the bound allows for. On a busy
+    host the worker may stay behind the stream by more than its in-flight requests; answering at the
+    stream's pace is then what counts.
     """
     enough = f"{answered_at_least} answers"
     await wait_until(lambda: len(stream.watcher.first) >= answered_at_least, 60, enough)
-    await wait_until(lambda: stream.caught_up(MAX_INFLIGHT), 60, "the worker to catch up")
+    await wait_until(lambda: stream.keeps_pace(MAX_INFLIGHT, PACE), 60, "the worker to keep pace")
     assert stream.running(), "the stream reached its cap before the kill"
     return worker.kill()
 
@@ -240,7 +248,7 @@ def test_cut_broker_connection_for_10_s_loses_nothing_and_the_worker_keeps_runni
         print(f"  {line.level} {line.message[:160]}")
     assert proxy.severed > 0, "the cut closed no connection of the worker"
     assert worker.running(), worker.tail()
-    assert acc.duplicates <= duplicate_bound(1, rate)
+    assert acc.duplicates <= duplicate_bound(1, rate, pace=1.0)
 
 
 async def _cut_scenario(

@@ -345,6 +345,22 @@ class Stream:
         """The workers have answered all but `slack` of what the broker has acknowledged so far."""
         return len(self.watcher.first) >= self.producer.acked - slack
 
+    def answer_rate(self, window_s: float = 2.0, read_delay_s: float = 0.5) -> float:
+        """First answers a second, by the broker's append times, over `window_s` ending `read_delay_s` ago
+        (what the watcher may not have read yet)."""
+        end = time.time() - read_delay_s
+        start = end - window_s
+        return sum(1 for at in self.watcher.first.values() if start <= at < end) / window_s
+
+    def keeps_pace(self, slack: int, factor: float) -> bool:
+        """The workers answer at no more than `factor` times the stream's rate and are answering: caught up
+        (within `slack`), or, on a host too busy for that, behind by a steady amount rather than draining a
+        backlog (which they would answer faster than the stream sends)."""
+        if self.caught_up(slack):
+            return True
+        rate = self.answer_rate()
+        return 0 < rate <= factor * self.producer.rate
+
     async def finish(
         self,
         live: Sequence[WorkerProcess],
