@@ -265,5 +265,9 @@ def test_a_worker_with_intake_processes_answers_every_record_as_one_without(
     for request, expected in zip(requests, scorer.score(requests), strict=True):
         assert_scored_alike(got[expected.request_id], expected, scorer, [request])
     labels = {"model": tiny_llama_dir.name, "worker": settings.worker_id}
-    assert metrics.registry.get_sample_value("score_worker_intake_process_requests_total", labels) == 40
+    # A fetch of a few records while the model idles is prepared on the worker's thread (quicker than a
+    # round trip to a process), so how many of the 40 go through the process depends on how the broker's
+    # fetches split them; that some did, and none more than once, does not.
+    in_process = metrics.registry.get_sample_value("score_worker_intake_process_requests_total", labels)
+    assert in_process is not None and 0 < in_process <= 40
     assert metrics.registry.get_sample_value("score_worker_intake_process_restarts_total", labels) == 0
