@@ -248,8 +248,15 @@ def _adapt_head(model: PreTrainedModel, model_dir: Path, unexpected: Sequence[st
     )
 
 
-def _load_tokenizer(model_dir: Path, trust_remote_code: bool = False) -> Any | None:
+def _load_tokenizer(model_dir: Path, trust_remote_code: bool, *, encoder: bool) -> Any | None:
+    """The directory's tokenizer, or None where it has no tokenizer files (token-id requests only); a
+    cross-encoder must have one."""
     if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        if encoder:
+            raise ModelLoadError(
+                f"{str(model_dir)!r} holds a cross-encoder without tokenizer files; its pair template "
+                "([CLS] query [SEP] item [SEP]) comes from the tokenizer, so add them to the directory"
+            )
         return None
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
@@ -365,21 +372,9 @@ def load_model(
         _adapt_head(model, model_dir, info.get("unexpected_keys") or ())
     module: nn.Module = model  # PreTrainedModel.to's decorator hides Module.to's signature from mypy
     module.to(device).eval()
-    base = getattr(model, model.base_model_prefix, None)
-    if not isinstance(base, nn.Module):
-        raise ModelLoadError(
-            f"{type(model).__name__} has no base model attribute {model.base_model_prefix!r}"
-        )
-    embeddings = model.get_input_embeddings()
-    if not isinstance(embeddings, nn.Embedding):
-        raise ModelLoadError(f"{type(model).__name__} has no token embedding table")
+    base, embeddings = _base_and_embeddings(model)
     encoder = config.get("model_type") in ENCODER_MODEL_TYPES
-    tokenizer = _load_tokenizer(model_dir, remote_code)
-    if encoder and tokenizer is None:
-        raise ModelLoadError(
-            f"{str(model_dir)!r} holds a cross-encoder without tokenizer files; its pair template "
-            "([CLS] query [SEP] item [SEP]) comes from the tokenizer, so add them to the directory"
-        )
+    tokenizer = _load_tokenizer(model_dir, remote_code, encoder=encoder)
     max_positions, position_pad = _positions(config)
     return LoadedModel(
         model=model,
@@ -445,6 +440,19 @@ def _from_pretrained(
         ]
     _check_all_weights_loaded(model_dir, info)
     return model, info
+
+
+def _base_and_embeddings(model: PreTrainedModel) -> tuple[nn.Module, nn.Embedding]:
+    """The transformer under the head and its token embedding table: the parts the engine runs itself."""
+    base = getattr(model, model.base_model_prefix, None)
+    if not isinstance(base, nn.Module):
+        raise ModelLoadError(
+            f"{type(model).__name__} has no base model attribute {model.base_model_prefix!r}"
+        )
+    embeddings = model.get_input_embeddings()
+    if not isinstance(embeddings, nn.Embedding):
+        raise ModelLoadError(f"{type(model).__name__} has no token embedding table")
+    return base, embeddings
 
 
 def _positions(config: dict[str, Any]) -> tuple[int, int | None]:

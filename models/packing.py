@@ -359,16 +359,6 @@ def _pack_shared(
     row_of_token = np.concatenate(rows_of)
     non_blocking = device.type == "cuda"
     mean = pooling == "mean"
-    gathered = None
-    if gather_keys:
-        k_lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=len(keys))
-        cu_k = np.concatenate(([0], np.cumsum(k_lengths))).astype(np.int32)
-        gathered = SharedKeys(
-            key_index=_to_device(np.concatenate(keys), device, non_blocking),
-            cu_seqlens_k=_to_device(cu_k, device, non_blocking),
-            host_cu_seqlens_k=torch.from_numpy(cu_k),
-            max_length_k=int(k_lengths.max()),
-        )
     return PackedBatch(
         input_ids=_to_device(np.concatenate(ids), device, non_blocking).unsqueeze(0),
         position_ids=_to_device(np.concatenate(positions), device, non_blocking).unsqueeze(0),
@@ -393,7 +383,19 @@ def _pack_shared(
             max_k=int(prefix_lengths.max()),
             rows=_to_device(suffix_rows, device, non_blocking),
         ),
-        shared=gathered,
+        shared=_shared_keys(keys, device, non_blocking) if gather_keys else None,
+    )
+
+
+def _shared_keys(keys: Sequence[np.ndarray], device: torch.device, non_blocking: bool) -> SharedKeys:
+    """The rows each suffix sequence reads its keys from (its prefix's, then its own), as one index."""
+    k_lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=len(keys))
+    cu_k = np.concatenate(([0], np.cumsum(k_lengths))).astype(np.int32)
+    return SharedKeys(
+        key_index=_to_device(np.concatenate(keys), device, non_blocking),
+        cu_seqlens_k=_to_device(cu_k, device, non_blocking),
+        host_cu_seqlens_k=torch.from_numpy(cu_k),
+        max_length_k=int(k_lengths.max()),
     )
 
 
