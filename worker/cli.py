@@ -206,10 +206,14 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
 
 
 def torch_threads(settings: WorkerSettings) -> int:
-    """The setting, else every CPU this process may run on (its affinity, which container CPU sets and
-    `taskset` narrow), or 2 when a GPU does the model work and the CPU only tokenizes and encodes."""
+    """The setting, else OMP_NUM_THREADS where the environment sets it (as torch itself reads it), else
+    every CPU this process may run on (its affinity, which container CPU sets and `taskset` narrow), or 2
+    when a GPU does the model work and the CPU only tokenizes and encodes."""
     if settings.torch_threads:
         return settings.torch_threads
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
     if settings.device.startswith("cuda"):
         return 2
     try:

@@ -369,7 +369,10 @@ class BatchingSettings(BaseModel):
         "collector's scans: each full collection otherwise pauses every thread for a tenth of a second",
     )
     torch_threads: int = Field(
-        0, ge=0, description="CPU threads torch may use; 0: every CPU this process may run on (CUDA: 2)"
+        0,
+        ge=0,
+        description="CPU threads torch may use; 0: OMP_NUM_THREADS where set, else every CPU this "
+        "process may run on (CUDA: 2)",
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -107,18 +108,35 @@ def test_a_result_that_fits_is_encoded_once_and_its_smaller_forms_only_when_refu
 
 @pytest.mark.parametrize(("device", "setting", "expected"), [("cuda", 0, 2), ("cpu", 3, 3), ("cuda", 5, 5)])
 def test_torch_threads_default_per_device(
-    device: str, setting: int, expected: int, tiny_llama_dir: Path
+    device: str, setting: int, expected: int, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     names = Names.unique("threads")
     settings = fast_settings("127.0.0.1:9092", tiny_llama_dir, names, device=device, torch_threads=setting)
     assert torch_threads(settings) == expected
 
 
-def test_torch_threads_on_cpu_follow_the_cpus_this_process_may_use(tiny_llama_dir: Path) -> None:
-    import os
-
+def test_torch_threads_on_cpu_follow_the_cpus_this_process_may_use(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     settings = fast_settings("127.0.0.1:9092", tiny_llama_dir, Names.unique("threads"))
     assert torch_threads(settings) == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_torch_threads_take_omp_num_threads_where_set_and_the_setting_over_it(
+    device: str, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    names = Names.unique("threads")
+    assert torch_threads(fast_settings("127.0.0.1:9092", tiny_llama_dir, names, device=device)) == 3
+    explicit = fast_settings("127.0.0.1:9092", tiny_llama_dir, names, device=device, torch_threads=5)
+    assert torch_threads(explicit) == 5
+    monkeypatch.setenv("OMP_NUM_THREADS", "not a number")
+    assert torch_threads(fast_settings("127.0.0.1:9092", tiny_llama_dir, names, device="cpu")) == len(
+        os.sched_getaffinity(0)
+    )
 
 
 class _FakeAdmin:
