@@ -123,7 +123,12 @@ case "$cmd" in
         # test file whole in one, the fault files first). Three on two cores: much of the suite waits on
         # brokers and worker processes rather than the CPU. The fault tests measure against what their
         # producers sent, not against a clock, so slowed processes make them longer, not wrong.
-        exec "$VENV/bin/python" -m pytest -n "${SCORE_WORKER_TEST_PROCESSES:-3}" --dist loadfile "$@"
+        # Each process (and every worker process a test starts) gets its share of the cores for torch's
+        # threads: more threads than cores spin against each other and slow every test down.
+        processes="${SCORE_WORKER_TEST_PROCESSES:-3}"
+        threads=$(( $(nproc) / (processes > 0 ? processes : 1) ))
+        export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}"
+        exec "$VENV/bin/python" -m pytest -n "$processes" --dist loadfile "$@"
         ;;
     lint)
         setup
