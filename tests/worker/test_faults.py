@@ -32,6 +32,8 @@ COMMIT_INTERVAL_S = 0.1  # worker_env's commit_interval_ms
 POLL_S = 0.2  # the longest the worker's fetch loop waits between two looks at its commit timer
 START_BOUND_S = 60.0
 ALL_FOUR = r"assigned partitions: \[.*\[0\].*\[1\].*\[2\].*\[3\]"
+# An open-ended stream runs until its fault has played out; this many seconds of traffic at most.
+STREAM_CAP_S = 150.0
 
 
 # A kill waits until the worker answers at no more than this times the stream's rate (`kill_when_steady`):
@@ -88,8 +90,8 @@ def test_kill9_twice_mid_stream_loses_nothing(
 
     async def scenario() -> tuple[Accounting, list[KillReport], Stream]:
         # Open-ended: the stream runs until the second successor has its partitions, however slowly a busy
-        # host starts the workers (capped at 150 s).
-        stream = await Stream.open(kafka_bootstrap, "kill9", int(150 * rate), rate, open_ended=True)
+        # host starts the workers.
+        stream = await Stream.open(kafka_bootstrap, "kill9", int(STREAM_CAP_S * rate), rate, open_ended=True)
         # max_wait_ms holds each batch open a little, so that a kill finds requests in flight.
         env = worker_env(
             kafka_bootstrap, tiny_llama_dir, stream.names, max_inflight_requests=MAX_INFLIGHT, max_wait_ms=50
@@ -178,7 +180,7 @@ def test_second_worker_joins_under_load_then_the_first_is_killed(
     rate = 120.0
 
     async def scenario() -> tuple[Accounting, KillReport, float, set[int], Stream]:
-        stream = await Stream.open(kafka_bootstrap, "pair", int(150 * rate), rate, open_ended=True)
+        stream = await Stream.open(kafka_bootstrap, "pair", int(STREAM_CAP_S * rate), rate, open_ended=True)
         env = worker_env(
             kafka_bootstrap, tiny_llama_dir, stream.names, max_inflight_requests=MAX_INFLIGHT, max_wait_ms=50
         )
@@ -255,7 +257,7 @@ async def _cut_scenario(
     proxy: ClientCutProxy, broker: OwnBroker, model_dir: Path, spawn: Spawn, outage_s: float, rate: float
 ) -> tuple[Accounting, WorkerProcess, float, float, Stream]:
     direct = f"127.0.0.1:{broker.listen_port}"
-    stream = await Stream.open(direct, "cut", int(150 * rate), rate, open_ended=True)
+    stream = await Stream.open(direct, "cut", int(STREAM_CAP_S * rate), rate, open_ended=True)
     env = worker_env(
         f"127.0.0.1:{proxy.port}",
         model_dir,
@@ -385,7 +387,9 @@ def test_time_to_first_result_at_start_and_after_a_kill(
     rate = 100.0
 
     async def scenario() -> tuple[StartFigures, StartFigures, Accounting, Stream]:
-        stream = await Stream.open(kafka_bootstrap, "first-result", int(150 * rate), rate, open_ended=True)
+        stream = await Stream.open(
+            kafka_bootstrap, "first-result", int(STREAM_CAP_S * rate), rate, open_ended=True
+        )
         # The real start-up, the self-check included.
         env = worker_env(
             kafka_bootstrap, tiny_llama_dir, stream.names, self_check=True, max_inflight_requests=MAX_INFLIGHT
@@ -436,7 +440,7 @@ def test_static_membership_restart_after_kill9(
     rate = 120.0
 
     async def scenario() -> tuple[float, StartFigures, Accounting, Stream]:
-        stream = await Stream.open(kafka_bootstrap, "static", int(150 * rate), rate, open_ended=True)
+        stream = await Stream.open(kafka_bootstrap, "static", int(STREAM_CAP_S * rate), rate, open_ended=True)
         # The session must outlast the restart (imports alone take seconds) for the member to be kept.
         env = worker_env(
             kafka_bootstrap,
