@@ -54,6 +54,10 @@ class JsonLogFormatter(logging.Formatter):
 
     converter = staticmethod(time.gmtime)
 
+    def __init__(self, process: str = "") -> None:
+        super().__init__()
+        self._process = process
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
@@ -61,6 +65,8 @@ class JsonLogFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if self._process:
+            entry["process"] = self._process
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
@@ -69,10 +75,13 @@ class JsonLogFormatter(logging.Formatter):
 def configure_logging(level: str, fmt: str = "text") -> None:
     """Concise logs once per process; the Kafka client's INFO chatter is held back to warnings."""
     handler = logging.StreamHandler(sys.stderr)
+    # Which of a host's worker processes logs (set by the host's supervisor; see worker/supervisor.py).
+    process = os.environ.get(f"{ENV_PREFIX}LOG_TAG", "")
     if fmt == "json":
-        formatter: logging.Formatter = JsonLogFormatter()
+        formatter: logging.Formatter = JsonLogFormatter(process)
     else:
-        formatter = logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+        tag = f"[{process}] " if process else ""
+        formatter = logging.Formatter(f"%(asctime)s %(levelname)-7s {tag}%(name)s: %(message)s")
     handler.setFormatter(formatter)
     # A broker outage makes the Kafka client repeat the same error on every reconnect attempt.
     # Under sustained load the worker pauses and resumes fetching several times a second.
@@ -131,6 +140,8 @@ def run_worker(args: argparse.Namespace) -> int:
     unknown = unknown_variables(os.environ)
     if unknown:  # a misspelt setting would otherwise be ignored without a word
         log.warning("ignoring unknown variables %s: no setting has these names", ", ".join(unknown))
+    if settings.gpus:
+        return run_host(settings, args)
 
     log.info(
         "starting worker %s: group %s, %s -> %s on %s, model %s, metrics port %s",
@@ -159,6 +170,35 @@ def run_worker(args: argparse.Namespace) -> int:
         logging.shutdown()
         os._exit(code or EXIT_FAILURE)
     return code
+
+
+def run_host(settings: WorkerSettings, args: argparse.Namespace) -> int:
+    """`score-worker run --gpus ...`: one worker process per GPU under a supervisor."""
+    from worker.supervisor import (
+        Supervisor,
+        child_environment,
+        flags_as_environment,
+        plan_slots,
+        serve_host,
+        visible_gpus,
+        worker_command,
+    )
+
+    try:
+        slots = plan_slots(settings.gpus, settings.device, [] if settings.device == "cpu" else visible_gpus())
+    except ValueError as error:
+        print(f"score-worker run: gpus {settings.gpus!r}: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    given = flags_as_environment({name: getattr(args, name, None) for name in WorkerSettings.model_fields})
+    supervisor = Supervisor(
+        settings, slots, worker_command(args.log_level, args.log_format),
+        child_environment(settings, given, len(slots)),
+    )  # fmt: skip
+    try:
+        return asyncio.run(serve_host(supervisor))
+    except OSError as error:  # the host's metrics port is taken, ...
+        log.error("the host worker failed: %s", error)
+        return EXIT_FAILURE
 
 
 def _serve(service: WorkerService) -> int:
@@ -194,7 +234,7 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
 
 
 # SCORE_WORKER_* variables that are not settings fields but are read elsewhere (logging, dev.sh, the tests).
-_OTHER_VARIABLES = frozenset({"LOG_LEVEL", "LOG_FORMAT", "VENV", "TEST_BOOTSTRAP"})
+_OTHER_VARIABLES = frozenset({"LOG_LEVEL", "LOG_FORMAT", "LOG_TAG", "VENV", "TEST_BOOTSTRAP"})
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:

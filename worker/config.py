@@ -449,6 +449,48 @@ class ObservabilitySettings(BaseModel):
     )
 
 
+_GPU_LIST = re.compile(r"^\d+(,\d+)*,?$")  # a list; "3," is GPU 3 alone
+
+
+class HostSettings(BaseModel):
+    """How many worker processes one host runs: one per GPU under a supervisor, or one (the default)."""
+
+    gpus: str = Field(
+        "",
+        description="'' runs one worker process on `device`; 'all', a count or a list such as '0,2,3' "
+        "runs one worker process per GPU ('3,' is GPU 3 alone; with device cpu, a count of CPU processes) "
+        "under a supervisor that restarts them and serves one /metrics, /healthz and /readyz for the host",
+    )
+    restart_limit: int = Field(
+        5, ge=0, description="restarts of one worker process within restart_window_s after which the host "
+        "worker stops them all and exits non-zero",
+    )  # fmt: skip
+    restart_window_s: float = Field(600.0, gt=0, description="the window restart_limit counts restarts in")
+    restart_backoff_ms: int = Field(
+        1_000, ge=0, description="wait before the first restart of a worker process; doubles with each "
+        "restart in the window, up to 60 s",
+    )  # fmt: skip
+
+    @field_validator("gpus")
+    @classmethod
+    def _check_gpus(cls, value: str) -> str:
+        value = value.replace(" ", "")
+        if value in ("", "all"):
+            return value
+        if value.isdigit():
+            if int(value) == 0:
+                raise ValueError("a count of 0 GPUs runs nothing; leave gpus empty for one process")
+            return value
+        if not _GPU_LIST.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not a GPU choice: use '', 'all', a count (4) or a list (0,2,3; one GPU: 3,)"
+            )
+        listed = [index for index in value.split(",") if index]
+        if len(set(map(int, listed))) != len(listed):
+            raise ValueError(f"{value!r} names a GPU twice")
+        return value
+
+
 class WorkerSettings(
     KafkaSettings,
     DeliverySettings,
@@ -457,6 +499,7 @@ class WorkerSettings(
     ModelSettings,
     EngineSettings,
     ObservabilitySettings,
+    HostSettings,
     KafkaSecurity,
 ):
     """Everything `score-worker run` needs, in groups (SETTINGS_GROUPS), built once and immutable. Each
@@ -493,6 +536,7 @@ SETTINGS_GROUPS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("model", ModelSettings),
     ("engine", EngineSettings),
     ("observability", ObservabilitySettings),
+    ("host: processes and GPUs", HostSettings),
     ("security (TLS and SASL)", KafkaSecurity),
 )
 

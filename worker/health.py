@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -90,11 +91,12 @@ class HealthServer:
         self,
         host: str,
         port: int,
-        exposition: Callable[[], bytes],
-        checks: Callable[[], dict[str, bool]],
+        exposition: Callable[[], bytes | Awaitable[bytes]],
+        checks: Callable[[], dict[str, bool] | Awaitable[dict[str, bool]]],
         details: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        """`details`: more for /readyz's body beside the checks (why a check fails)."""
+        """`details`: more for /readyz's body beside the checks (why a check fails), asked for after them.
+        `exposition` and `checks` may be coroutines (a host's supervisor asks its processes)."""
         self._host, self._port = host, port
         self._exposition, self._checks = exposition, checks
         self._details = details
@@ -121,7 +123,7 @@ class HealthServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
-            status, content_type, body, method = self._respond(head[:_MAX_HEAD_BYTES])
+            status, content_type, body, method = await self._respond(head[:_MAX_HEAD_BYTES])
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
             writer.close()
             return
@@ -137,7 +139,7 @@ class HealthServer:
         finally:
             writer.close()
 
-    def _respond(self, head: bytes) -> tuple[str, str, bytes, str]:
+    async def _respond(self, head: bytes) -> tuple[str, str, bytes, str]:
         """(status line, content type, body, method) for one request head."""
         parts = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
@@ -146,14 +148,21 @@ class HealthServer:
         if method not in ("GET", "HEAD"):
             return "405 Method Not Allowed", "text/plain", b"GET or HEAD only\n", method
         if target == "/metrics":
-            return "200 OK", CONTENT_TYPE_LATEST, self._exposition(), method
+            return "200 OK", CONTENT_TYPE_LATEST, await _value(self._exposition()), method
         if target == "/healthz":
             return "200 OK", "text/plain", b"ok\n", method
         if target == "/readyz":
-            checks = self._checks()
+            checks = await _value(self._checks())
             ready = all(checks.values())
             extra = self._details() if self._details is not None else {}
             body = json.dumps({"ready": ready, "checks": checks, **extra}).encode() + b"\n"
             status = "200 OK" if ready else "503 Service Unavailable"
             return status, "application/json", body, method
         return "404 Not Found", "text/plain", b"not found: try /metrics, /healthz or /readyz\n", method
+
+
+_T = TypeVar("_T")
+
+
+async def _value(answer: _T | Awaitable[_T]) -> _T:
+    return await answer if inspect.isawaitable(answer) else answer

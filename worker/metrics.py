@@ -36,7 +36,19 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # Label names a worker metric may carry: each has a small, fixed set of values (never a request id).
 BOUNDED_LABELS = frozenset(
-    {"model", "worker", "code", "status", "reason", "dtype", "topic", "partition", "generation", "cause"}
+    {
+        "model",
+        "worker",
+        "code",
+        "status",
+        "reason",
+        "dtype",
+        "topic",
+        "partition",
+        "generation",
+        "cause",
+        "gpu",
+    }
 )
 # Garbage-collector pauses: tens of microseconds for the youngest generation, up to seconds for a full scan.
 GC_PAUSE_BUCKETS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)

@@ -1,0 +1,153 @@
+"""`score-worker run --gpus 2` (two CPU worker processes here, as on a host with two GPUs) against a real
+broker: one process killed mid-stream is restarted under the same static member id without a rebalance of
+its neighbour, nothing is lost, one /metrics shows both processes' series, and SIGTERM drains both."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fault_kit.accounting import Accounting, check_complete
+from fault_kit.common import figures
+from fault_kit.traffic import Stream, wait_until
+from fault_kit.workers import Spawn, WorkerProcess, worker_env
+from prometheus_client.parser import text_string_to_metric_families
+from worker_testkit import committed_offsets, log_ends, read_topic
+
+from models import Scorer
+from worker.broker import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+RATE = 60.0
+MAX_INFLIGHT = 32
+STREAM_CAP_S = 150.0
+DRAIN_TIMEOUT_MS = 10_000
+
+
+def _lines(host: WorkerProcess, process: str) -> list[dict[str, Any]]:
+    """One worker process's JSON log lines, out of the host's log (the supervisor's have no `process`)."""
+    out = []
+    for raw in host.text().splitlines():
+        try:
+            entry = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("process", "") == process:
+            out.append(entry)
+    return out
+
+
+def _assignments(host: WorkerProcess, process: str) -> int:
+    return sum(1 for line in _lines(host, process) if line["message"].startswith("assigned partitions: ["))
+
+
+def _pid(host: WorkerProcess, process: str, nth: int) -> int | None:
+    started = [
+        int(found.group(1))
+        for line in _lines(host, "")
+        if (found := re.fullmatch(rf"started worker process {process} \(pid (\d+)\)", line["message"]))
+    ]
+    return started[nth] if len(started) > nth else None
+
+
+def _metrics(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return {family.name: family for family in text_string_to_metric_families(response.read().decode())}
+
+
+def _by_gpu(families: dict[str, Any], name: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for sample in families[name].samples:
+        if sample.name == name + "_total" or sample.name == name:
+            values[sample.labels["gpu"]] = values.get(sample.labels["gpu"], 0.0) + sample.value
+    return values
+
+
+def test_two_worker_processes_under_the_supervisor(
+    kafka_bootstrap: str, tiny_llama_dir: Path, spawn: Spawn, reference: Scorer
+) -> None:
+    port = free_port()
+
+    async def scenario() -> tuple[Accounting, Stream, dict[str, Any], tuple[int, float], dict[int, int]]:
+        stream = await Stream.open(kafka_bootstrap, "host", int(STREAM_CAP_S * RATE), RATE, open_ended=True)
+        env = worker_env(
+            kafka_bootstrap, tiny_llama_dir, stream.names,
+            gpus="2", worker_id="host-a", metrics_port=port, metrics_host="127.0.0.1",
+            # The session outlasts a restart (imports and the model take seconds): the member is kept.
+            session_timeout_ms=20_000, heartbeat_interval_ms=1000,
+            max_inflight_requests=MAX_INFLIGHT, restart_backoff_ms=100, drain_timeout_ms=DRAIN_TIMEOUT_MS,
+        )  # fmt: skip
+        host = spawn("host", env)
+        try:
+            await wait_until(
+                lambda: _assignments(host, "cpu0") and _assignments(host, "cpu1"), 120, "both joined"
+            )
+            await stream.produce()
+            await wait_until(lambda: len(stream.watcher.first) >= 200, 60, "200 answers")
+            victim = _pid(host, "cpu1", 0)
+            assert victim is not None
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.time()
+            await wait_until(lambda: _pid(host, "cpu1", 1) is not None, 30, "the restart")
+            await wait_until(
+                lambda: _assignments(host, "cpu1") >= 2, 60, "the restarted process's partitions"
+            )
+            assert stream.running(), "the stream reached its cap before the restart"
+            acc = await stream.finish([host], timeout_s=90)
+            families = await asyncio.to_thread(_metrics, port)
+            figures_ = {
+                "rejoin_s": _rejoined_after(host, "cpu1", killed_at),
+                "cpu0_assignments": _assignments(host, "cpu0"),
+                "families": families,
+            }
+            code, seconds = await host.terminate(timeout_s=DRAIN_TIMEOUT_MS / 1000 + 40)
+            requests = await read_topic(
+                kafka_bootstrap, stream.names.requests, len(stream.requests), timeout_s=20
+            )
+            ends = log_ends(requests)
+            committed = await committed_offsets(kafka_bootstrap, stream.names.group, stream.names.requests)
+            assert committed == ends, f"committed {committed}, log ends {ends}"
+            return acc, stream, figures_, (code, seconds), ends
+        finally:
+            await stream.close()
+
+    acc, stream, seen, (code, seconds), _ = asyncio.run(scenario())
+    families = seen["families"]
+    largest = check_complete(acc, stream, reference)
+    figures(
+        "two worker processes, one killed",
+        requests=len(stream.requests),
+        duplicates=acc.duplicates,
+        restarted_assigned_after_s=seen["rejoin_s"],
+        sigterm_exit_s=f"{seconds:.1f}",
+        largest_score_diff=f"{largest:.2g}",
+    )
+    # A kill can duplicate at most what the killed process held uncommitted.
+    assert acc.duplicates <= MAX_INFLIGHT + RATE
+    # Static membership: the restarted process took its partitions back without a rebalance of the other.
+    assert seen["cpu0_assignments"] == 1
+    results = _by_gpu(families, "score_worker_results")
+    assert set(results) == {"cpu0", "cpu1"} and all(value > 0 for value in results.values())
+    restarts = _by_gpu(families, "score_worker_host_process_restarts")
+    assert restarts == {"cpu0": 0.0, "cpu1": 1.0}
+    assert code == 0 and seconds < DRAIN_TIMEOUT_MS / 1000 + 30
+
+
+def _rejoined_after(host: WorkerProcess, process: str, after: float) -> str:
+    """Seconds from the kill to the restarted process's assignment (its log's time)."""
+    from datetime import datetime
+
+    for line in _lines(host, process):
+        at = (datetime.strptime(line["time"], "%Y-%m-%dT%H:%M:%S.%fZ") - datetime(1970, 1, 1)).total_seconds()
+        if at > after and line["message"].startswith("assigned partitions: ["):
+            return f"{at - after:.1f}"
+    return "none"
