@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -26,6 +27,9 @@ from models.prepare import PairTemplate, PreparedRequest, PromptBuilder, PromptE
 from models.results import Head, Scores, batch_stats, failed, request_scores, scored
 from models.transfer import DeviceTimer, HostRows, read_hidden, start_hidden_copy, to_host_async, wants_hidden
 from schemas import ErrorCode, ScoreRequest, ScoreResult, Tensor
+
+if TYPE_CHECKING:
+    from models.tensor_parallel import Shard
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,11 @@ class Scorer:
     head, pooling rules); `model` is what was loaded.
     """
 
-    def __init__(self, model_dir: str | Path, config: ScorerConfig | None = None) -> None:
+    def __init__(
+        self, model_dir: str | Path, config: ScorerConfig | None = None, shard: Shard | None = None
+    ) -> None:
+        """`shard`: this rank's share of a model split across a tensor-parallel group (models/parallel.py),
+        which every rank of the group runs in step; None: the whole model."""
         self.config = config or ScorerConfig()
         name = Path(model_dir).name
         softcap = read_config(Path(model_dir), self.config.trust_remote_code).get("attn_logit_softcapping")
@@ -81,14 +89,27 @@ class Scorer:
                 "attention path, several times slower on long batches", name, softcap,
             )  # fmt: skip
         implementation = register_attention(self.attention, self.config.varlen_kernel, self.attention_kernel)
-        self.model: LoadedModel = load_model(
-            Path(model_dir),
-            device=self.device,
-            dtype=self.dtype,
-            attn_implementation=implementation,
-            trust_remote_code=self.config.trust_remote_code,
-            allow_pickle_weights=self.config.allow_pickle_weights,
-        )
+        # In a tensor-parallel group a batch that fails on one rank cannot be retried in halves there alone:
+        # the other ranks' collectives would wait for a forward it does not run. Such a failure stops the
+        # group (DeviceLostError); the supervisor restarts it.
+        self.shard = shard
+        self.model: LoadedModel
+        if shard is not None:
+            from models.tensor_parallel import load_sharded
+
+            self.model, _ = load_sharded(
+                Path(model_dir), device=self.device, dtype=self.dtype, attn_implementation=implementation,
+                shard=shard, trust_remote_code=self.config.trust_remote_code,
+            )  # fmt: skip
+        else:
+            self.model = load_model(
+                Path(model_dir),
+                device=self.device,
+                dtype=self.dtype,
+                attn_implementation=implementation,
+                trust_remote_code=self.config.trust_remote_code,
+                allow_pickle_weights=self.config.allow_pickle_weights,
+            )
         if not self.model.packable:
             self.attention = "plain"  # the model's own attention on a padded batch (Executor.padded_pooled)
             self.attention_kernel = "none"
@@ -304,6 +325,11 @@ class Scorer:
         if on_batch is not None:
             on_batch(batch_stats(batch, time.perf_counter() - started, 0.0, {}, failed=True))
         self._recover(exc)
+        if self.shard is not None:
+            raise DeviceLostError(
+                f"a batch failed on rank {self.shard.rank} of the tensor-parallel group ({_describe(exc)}): "
+                "the group stops and is restarted"
+            ) from exc
         if len(batch) > 1:
             log.warning(
                 "a batch of %d requests failed (%s); scoring its halves apart", len(batch), _describe(exc)

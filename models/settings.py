@@ -78,6 +78,20 @@ class EngineSettings(BaseModel):
         description="fp8: the transformer layers' projections run in FP8 e4m3 (weights per output channel, "
         "activations per token); Hopper/Ada GPUs in bfloat16, or the CPU",
     )
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="GPUs (CPU processes on the CPU) one model is split across, Megatron's way: each holds a "
+        "share of the attention heads, MLP columns and vocabulary; one worker (rank 0) fetches, plans and "
+        "publishes, the others follow it. Decoder classifiers only; 1: the model on one device",
+    )
+    tensor_parallel_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a tensor-parallel rank that fails or hangs is noticed by the others within this "
+        "(their collectives and the leader's heartbeat time out); the group then exits uncommitted",
+    )
     trust_remote_code: bool = Field(
         False, description="load a model directory that ships its own code (runs that code: opt in knowingly)"
     )

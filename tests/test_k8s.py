@@ -247,7 +247,10 @@ def processes_per_pod(objects: list[dict[str, Any]]) -> int:
     limits = container(one(objects, "StatefulSet", "score-worker"), "worker")["resources"]["limits"]
     gpus = int(limits.get("nvidia.com/gpu", 0))
     assert gpus > 0, "SCORE_WORKER_GPUS is set but the pod asks for no GPU"
-    return len(plan_slots(choice, data.get(f"{ENV_PREFIX}DEVICE", "auto"), [str(i) for i in range(gpus)]))
+    group = int(data.get(f"{ENV_PREFIX}TENSOR_PARALLEL", "1"))
+    return len(
+        plan_slots(choice, data.get(f"{ENV_PREFIX}DEVICE", "auto"), [str(i) for i in range(gpus)], group)
+    )
 
 
 def test_the_pod_monitor_scrapes_the_named_ports(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from worker.config import (
 from worker.logs import PAUSING, RESUMING, RepeatFilter
 
 if TYPE_CHECKING:
-    from models import Scorer
+    from models import ScoringEngine
     from worker.service import WorkerService
 
 log = logging.getLogger("worker")
@@ -185,7 +185,8 @@ def run_host(settings: WorkerSettings, args: argparse.Namespace) -> int:
     )
 
     try:
-        slots = plan_slots(settings.gpus, settings.device, [] if settings.device == "cpu" else visible_gpus())
+        visible = [] if settings.device == "cpu" else visible_gpus()
+        slots = plan_slots(settings.gpus, settings.device, visible, settings.tensor_parallel)
     except ValueError as error:
         print(f"score-worker run: gpus {settings.gpus!r}: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -208,8 +209,10 @@ def _serve(service: WorkerService) -> int:
     return EXIT_OK
 
 
-def _load_scorer(settings: WorkerSettings) -> Scorer:
-    """Load the model and, unless turned off, check it against HF's own forward before any request."""
+def _load_scorer(settings: WorkerSettings) -> ScoringEngine:
+    """Load the model (on one device, or split across a tensor-parallel group whose other ranks this
+    process starts) and, unless turned off, check it against HF's own forward before any request (on every
+    rank of a group, in step)."""
     import torch
 
     from models import Scorer, ScorerConfig
@@ -220,17 +223,29 @@ def _load_scorer(settings: WorkerSettings) -> Scorer:
     torch.set_num_threads(threads)
     log.info("torch uses %d CPU threads (torch_threads)", threads)
     config = ScorerConfig.of(settings.engine)
-    scorer = Scorer(settings.model_dir, config)
+    engine: ScoringEngine
+    if settings.tensor_parallel > 1:
+        import atexit
+
+        from models.parallel import start_group
+
+        leader = start_group(settings.model_dir, config)
+        atexit.register(leader.close)
+        log.info("the model is split across %d ranks (tensor parallel)", settings.tensor_parallel)
+        engine, run = leader, leader.run_everywhere
+    else:
+        scorer = Scorer(settings.model_dir, config)
+        engine, run = scorer, lambda function: function(scorer)
     if settings.self_check:
-        report = run_self_check(scorer)
+        report = run(run_self_check)
         log.info(
             "self-check passed in %.2f s: %d items, largest score difference %.2g (scale %.2g), "
             "smallest hidden-state cosine %.6f",
             report.seconds, report.items, report.max_score_diff, report.score_scale, report.min_hidden_cosine,
         )  # fmt: skip
     if settings.warm_up:
-        log.info(describe(warm_up(scorer)))
-    return scorer
+        log.info(describe(run(warm_up)))
+    return engine
 
 
 # SCORE_WORKER_* variables that are not settings fields but are read elsewhere (logging, dev.sh, the tests).
@@ -257,9 +272,10 @@ def torch_threads(settings: WorkerSettings) -> int:
     if settings.device.startswith("cuda"):
         return 2
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    return max(1, cores // settings.tensor_parallel)  # a CPU tensor-parallel group's ranks share the cores
 
 
 def _chosen_command(argv: Sequence[str]) -> str | None:

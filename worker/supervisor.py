@@ -73,12 +73,24 @@ def visible_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
-def plan_slots(choice: str, device: str, visible: Sequence[str]) -> list[Slot]:
-    """The worker processes of a `gpus` setting ('all', a count, or a list of this host's GPU indices)."""
+def plan_slots(choice: str, device: str, visible: Sequence[str], tensor_parallel: int = 1) -> list[Slot]:
+    """The worker processes of a `gpus` setting ('all', a count, or a list of this host's GPU indices): one
+    per GPU, or per `tensor_parallel` consecutive GPUs (a group's rank 0, which starts the others)."""
     if device == "cpu":
         if not choice.isdigit():
             raise ValueError("with device cpu, gpus is a count of CPU worker processes")
         return [Slot(f"cpu{index}", ()) for index in range(int(choice))]
+    indices = _chosen_gpus(choice, device, visible)
+    if len(indices) % tensor_parallel:
+        raise ValueError(f"{len(indices)} GPUs do not form groups of tensor_parallel {tensor_parallel}")
+    groups = [indices[start : start + tensor_parallel] for start in range(0, len(indices), tensor_parallel)]
+    return [
+        Slot("-".join(str(index) for index in group), tuple(visible[index] for index in group))
+        for group in groups
+    ]
+
+
+def _chosen_gpus(choice: str, device: str, visible: Sequence[str]) -> list[int]:
     if device.startswith("cuda:"):
         raise ValueError(f"device {device} names one GPU; with gpus, leave device at auto or cuda")
     if not visible:
@@ -87,17 +99,16 @@ def plan_slots(choice: str, device: str, visible: Sequence[str]) -> list[Slot]:
             "to cpu and gpus to a count"
         )
     if choice == "all":
-        indices: Iterable[int] = range(len(visible))
-    elif choice.isdigit():
+        return list(range(len(visible)))
+    if choice.isdigit():
         if int(choice) > len(visible):
             raise ValueError(f"{choice} GPUs asked for, {len(visible)} visible")
-        indices = range(int(choice))
-    else:
-        indices = [int(entry) for entry in choice.split(",") if entry]
-        beyond = [index for index in indices if index >= len(visible)]
-        if beyond:
-            raise ValueError(f"GPU {beyond[0]} asked for, {len(visible)} visible (0 to {len(visible) - 1})")
-    return [Slot(str(index), (visible[index],)) for index in indices]
+        return list(range(int(choice)))
+    indices = [int(entry) for entry in choice.split(",") if entry]
+    beyond = [index for index in indices if index >= len(visible)]
+    if beyond:
+        raise ValueError(f"GPU {beyond[0]} asked for, {len(visible)} visible (0 to {len(visible) - 1})")
+    return indices
 
 
 class Restarts:
@@ -410,11 +421,13 @@ def child_environment(
         })  # fmt: skip
         if slot.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpus)
-            env[f"{ENV_PREFIX}DEVICE"] = "cuda:0"
+            # One GPU: cuda:0 of the one visible; a tensor-parallel group's rank r takes cuda:r.
+            env[f"{ENV_PREFIX}DEVICE"] = "cuda:0" if len(slot.gpus) == 1 else "cuda"
         else:
             env[f"{ENV_PREFIX}DEVICE"] = "cpu"
             if not settings.torch_threads and "OMP_NUM_THREADS" not in environ:  # the cores, shared out
-                env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // count))
+                processes = count * settings.tensor_parallel
+                env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // processes))
         return env
 
     return environment

@@ -1,6 +1,8 @@
 """`score-worker run --gpus 2` (two CPU worker processes here, as on a host with two GPUs) against a real
 broker: one process killed mid-stream is restarted under the same static member id without a rebalance of
-its neighbour, nothing is lost, one /metrics shows both processes' series, and SIGTERM drains both."""
+its neighbour, nothing is lost, one /metrics shows both processes' series, and SIGTERM drains both. And a
+tensor-parallel group (two CPU ranks) whose follower is killed mid-stream: rank 0 stops uncommitted within
+the bound, the supervisor starts the group again, and the stream finishes with nothing lost."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import re
 import signal
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -144,10 +147,87 @@ def test_two_worker_processes_under_the_supervisor(
 
 def _rejoined_after(host: WorkerProcess, process: str, after: float) -> str:
     """Seconds from the kill to the restarted process's assignment (its log's time)."""
-    from datetime import datetime
-
     for line in _lines(host, process):
-        at = (datetime.strptime(line["time"], "%Y-%m-%dT%H:%M:%S.%fZ") - datetime(1970, 1, 1)).total_seconds()
+        at = _epoch(line["time"])
         if at > after and line["message"].startswith("assigned partitions: ["):
             return f"{at - after:.1f}"
     return "none"
+
+
+def _children(pid: int) -> list[int]:
+    """A process's children, whichever of its threads started them."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _exit_line(host: WorkerProcess, process: str) -> dict[str, Any] | None:
+    return next(
+        (line for line in _lines(host, "") if line["message"].startswith(f"worker process {process} exited")),
+        None,
+    )
+
+
+def test_a_tensor_parallel_group_that_loses_a_rank_is_restarted_and_loses_nothing(
+    kafka_bootstrap: str, tiny_llama_dir: Path, spawn: Spawn, reference: Scorer
+) -> None:
+    timeout_s = 10.0
+
+    async def scenario() -> tuple[Accounting, Stream, float, str]:
+        stream = await Stream.open(kafka_bootstrap, "tp", int(STREAM_CAP_S * RATE), RATE, open_ended=True)
+        env = worker_env(
+            kafka_bootstrap, tiny_llama_dir, stream.names,
+            gpus="1", tensor_parallel=2, tensor_parallel_timeout_s=timeout_s, worker_id="host-tp",
+            session_timeout_ms=20_000, heartbeat_interval_ms=1000, max_inflight_requests=MAX_INFLIGHT,
+            restart_backoff_ms=100, drain_timeout_ms=DRAIN_TIMEOUT_MS,
+        )  # fmt: skip
+        host = spawn("tp-host", env)
+        try:
+            await wait_until(lambda: _assignments(host, "cpu0") > 0, 120, "the group joined")
+            await stream.produce()
+            await wait_until(lambda: len(stream.watcher.first) >= 150, 60, "150 answers")
+            leader = _pid(host, "cpu0", 0)
+            assert leader is not None
+            (follower,) = _children(leader)  # rank 1, started by rank 0
+            os.kill(follower, signal.SIGKILL)
+            killed = time.time()
+            await wait_until(lambda: _exit_line(host, "cpu0") is not None, timeout_s + 40, "rank 0 to stop")
+            exit_line = _exit_line(host, "cpu0")
+            assert exit_line is not None
+            await wait_until(lambda: _assignments(host, "cpu0") >= 2, 90, "the restarted group's partitions")
+            assert stream.running(), "the stream reached its cap before the restart"
+            acc = await stream.finish([host], timeout_s=90)
+            code, _ = await host.terminate(timeout_s=DRAIN_TIMEOUT_MS / 1000 + 40)
+            assert code == 0
+            requests = await read_topic(
+                kafka_bootstrap, stream.names.requests, len(stream.requests), timeout_s=20
+            )
+            committed = await committed_offsets(kafka_bootstrap, stream.names.group, stream.names.requests)
+            assert committed == log_ends(requests)
+            return acc, stream, _epoch(exit_line["time"]) - killed, exit_line["message"]
+        finally:
+            await stream.close()
+
+    acc, stream, exit_after_s, exit_message = asyncio.run(scenario())
+    largest = check_complete(acc, stream, reference)
+    figures(
+        "tensor-parallel group, rank 1 killed",
+        requests=len(stream.requests),
+        duplicates=acc.duplicates,
+        rank0_exit=exit_message,
+        rank0_exit_after_s=f"{exit_after_s:.1f}",
+        largest_score_diff=f"{largest:.2g}",
+    )
+    assert acc.duplicates <= MAX_INFLIGHT + RATE
+    # Rank 0 saw its follower go (a broken collective, or its process watch) and stopped well within the
+    # collective timeout and its drain.
+    assert exit_after_s < timeout_s + DRAIN_TIMEOUT_MS / 1000
+
+
+def _epoch(stamp: str) -> float:
+    """A log line's time, in seconds since the epoch."""
+    return (datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ") - datetime(1970, 1, 1)).total_seconds()

@@ -137,6 +137,13 @@ def test_gpu_choices_make_one_process_per_gpu() -> None:
     # CUDA_VISIBLE_DEVICES narrowed the host's GPUs: indices count within what is visible.
     assert plan_slots("1", "auto", ["GPU-aaaa", "GPU-bbbb"]) == [Slot("0", ("GPU-aaaa",))]
     assert plan_slots("3", "cpu", []) == [Slot("cpu0", ()), Slot("cpu1", ()), Slot("cpu2", ())]
+    # Tensor-parallel groups of consecutive GPUs, each one worker process (the group's rank 0).
+    assert plan_slots("all", "auto", visible, tensor_parallel=2) == [
+        Slot("0-1", ("0", "1")),
+        Slot("2-3", ("2", "3")),
+    ]
+    assert plan_slots("1,3", "cuda", visible, tensor_parallel=2) == [Slot("1-3", ("1", "3"))]
+    assert plan_slots("all", "auto", visible, tensor_parallel=4)[0].suffix == "gpu0-1-2-3"
 
 
 @pytest.mark.parametrize(
@@ -147,13 +154,14 @@ def test_gpu_choices_make_one_process_per_gpu() -> None:
         ("all", "auto", [], "no GPU is visible"),
         ("all", "cpu", [], "a count of CPU worker processes"),
         ("2", "cuda:1", ["0", "1"], "names one GPU"),
+        ("3", "auto", ["0", "1", "2"], "do not form groups of tensor_parallel 2"),
     ],
 )
 def test_gpu_choices_that_cannot_be_met_say_why(
     choice: str, device: str, visible: list[str], says: str
 ) -> None:
     with pytest.raises(ValueError, match=says):
-        plan_slots(choice, device, visible)
+        plan_slots(choice, device, visible, tensor_parallel=2 if "groups" in says else 1)
 
 
 @pytest.mark.parametrize(
@@ -189,6 +197,13 @@ def test_each_process_is_one_gpu_member_of_the_group(tmp_path: Path) -> None:
     assert cpu_env["SCORE_WORKER_DEVICE"] == "cpu"
     assert cpu_env["SCORE_WORKER_GROUP_INSTANCE_ID"] == "host-a-cpu1"  # no group_instance_id: the host's name
     assert int(cpu_env["OMP_NUM_THREADS"]) >= 1  # the cores shared out among the processes
+    group = _settings(tmp_path, gpus="all", device="auto", tensor_parallel=2)
+    group_env = child_environment(group, {}, 1, {})(Child(Slot("0-1", ("4", "5")), Restarts(1, 1, 1)))
+    assert (group_env["CUDA_VISIBLE_DEVICES"], group_env["SCORE_WORKER_DEVICE"]) == (
+        "4,5",
+        "cuda",
+    )  # rank r: cuda:r
+    assert group_env["SCORE_WORKER_GROUP_INSTANCE_ID"] == "host-a-gpu0-1"
 
 
 def test_restarts_back_off_and_stop_at_the_limit() -> None:

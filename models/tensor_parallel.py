@@ -1,0 +1,361 @@
+"""A decoder reward model split across the ranks of a torch.distributed group (tensor parallelism).
+
+Megatron's split: each rank holds a contiguous share of the attention heads (the query heads, and the
+key-value heads they read; a key-value head is copied to several ranks where there are fewer of them than
+ranks) and of the MLP's intermediate columns. The query, key, value, gate and up projections are cut by
+their output rows (column parallel: each rank computes its heads' and columns' outputs alone), the output
+and down projections by their input columns (row parallel: each rank's partial product is summed across the
+group, then the bias, once); the token embedding by vocabulary rows (each rank looks up the tokens it holds,
+the rows are summed across the group). Norms, rotary tables and the classification head are whole on every
+rank, so every rank ends with the whole hidden state: the scores and the pooled hidden states are those of
+the unsplit model, up to the order of the sums.
+
+Weights are read shard by shard: the model is built with its parameters on the meta device (no storage),
+its modules are cut, and each rank reads only its slices from the safetensors files (`get_slice`), one
+tensor at a time. No rank, and no process, ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
+
+from models.errors import ModelLoadError
+from models.layers import decoder_layers
+from models.loading import (
+    DECODER_MODEL_TYPES,
+    LoadedModel,
+    _base_and_embeddings,
+    _checkpoint_files,
+    _load_tokenizer,
+    _pad_token_id,
+    _positions,
+    declared_head,
+    find_head,
+    is_judge,
+    packable,
+    quiet_progress_bars,
+    read_config,
+)
+
+log = logging.getLogger(__name__)
+
+Ranges = tuple[tuple[int, int], ...]  # [start, end) runs kept along one dimension, concatenated in order
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which rank of how many, and the group whose sums join the ranks' partial results."""
+
+    rank: int
+    world: int
+    group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where a parameter comes from: a checkpoint tensor, and the runs of one of its dimensions kept (none:
+    the whole tensor)."""
+
+    key: str
+    dim: int = 0
+    ranges: Ranges | None = None
+
+
+def _all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+class RowParallelLinear(nn.Module):
+    """The rank's input columns of a projection: its partial product, summed across the group, then the
+    bias (held whole, added once). The projection itself stays an nn.Linear child, so that what swaps
+    projections (FP8) swaps it too."""
+
+    def __init__(self, linear: nn.Linear, bias: nn.Parameter | None, group: Any) -> None:
+        super().__init__()
+        self.linear = linear
+        self.bias = bias
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = _all_reduce(self.linear(hidden), self.group)
+        return out if self.bias is None else out + self.bias
+
+
+def _vocab_parallel_forward(module: nn.Embedding, start: int, end: int, group: Any) -> Any:
+    """The embedding's own forward (a scaled embedding's scale included) over this rank's rows only: other
+    tokens' rows are zero here and come from their rank in the sum."""
+    own = type(module).forward
+
+    def forward(input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - start
+        outside = (local < 0) | (local >= end - start)
+        rows = own(module, local.masked_fill(outside, 0))
+        return _all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
+
+    return forward
+
+
+def shares(total: int, world: int, rank: int) -> tuple[int, int]:
+    """The rank's contiguous run of `total` units (the last runs may be shorter)."""
+    size = -(-total // world)
+    return min(total, rank * size), min(total, (rank + 1) * size)
+
+
+def head_shares(heads: int, kv_heads: int, shard: Shard) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The rank's query heads and the key-value heads they read ([start, end) each)."""
+    world, rank = shard.world, shard.rank
+    if heads % world:
+        raise ModelLoadError(
+            f"{heads} attention heads do not split evenly over {world} tensor-parallel ranks"
+        )
+    if kv_heads >= world:
+        if kv_heads % world:
+            raise ModelLoadError(f"{kv_heads} key-value heads do not split evenly over {world} ranks")
+        per = kv_heads // world
+        return (rank * heads // world, (rank + 1) * heads // world), (rank * per, (rank + 1) * per)
+    if world % kv_heads:
+        raise ModelLoadError(f"{world} ranks cannot share {kv_heads} key-value heads evenly")
+    kv = (
+        rank * kv_heads // world
+    )  # fewer key-value heads than ranks: each is copied to world / kv_heads ranks
+    return (rank * heads // world, (rank + 1) * heads // world), (kv, kv + 1)
+
+
+def _scaled(run: tuple[int, int], unit: int, offset: int = 0) -> tuple[int, int]:
+    return offset + run[0] * unit, offset + run[1] * unit
+
+
+def _column(linear: nn.Linear, ranges: Ranges) -> nn.Linear:
+    rows = sum(end - start for start, end in ranges)
+    return nn.Linear(
+        linear.in_features, rows, bias=linear.bias is not None, device="meta", dtype=linear.weight.dtype
+    )
+
+
+def _row(linear: nn.Linear, ranges: Ranges, group: Any) -> RowParallelLinear:
+    columns = sum(end - start for start, end in ranges)
+    inner = nn.Linear(columns, linear.out_features, bias=False, device="meta", dtype=linear.weight.dtype)
+    return RowParallelLinear(inner, linear.bias, group)
+
+
+class _LocalHeads:
+    """A model's config as one attention module of a rank sees it: the rank's head counts, everything else
+    (the attention implementation a caller switches, the sliding window, ...) read live from the config."""
+
+    def __init__(self, config: Any, heads: int, kv_heads: int) -> None:
+        self._config = config
+        self.num_attention_heads = heads
+        self.num_key_value_heads = kv_heads
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+class _Surgery:
+    """Cuts a model's modules in place and records where each cut parameter's values come from."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        self.cuts: dict[str, Cut] = {}
+
+    def column(self, owner: nn.Module, prefix: str, name: str, ranges: Ranges) -> None:
+        linear = getattr(owner, name)
+        setattr(owner, name, _column(linear, ranges))
+        self.cuts[f"{prefix}{name}.weight"] = Cut(f"{prefix}{name}.weight", 0, ranges)
+        if linear.bias is not None:
+            self.cuts[f"{prefix}{name}.bias"] = Cut(f"{prefix}{name}.bias", 0, ranges)
+
+    def row(self, owner: nn.Module, prefix: str, name: str, ranges: Ranges) -> None:
+        setattr(owner, name, _row(getattr(owner, name), ranges, self.shard.group))
+        self.cuts[f"{prefix}{name}.linear.weight"] = Cut(f"{prefix}{name}.weight", 1, ranges)
+        self.cuts[f"{prefix}{name}.bias"] = Cut(f"{prefix}{name}.bias")
+
+    def attention(self, attention: nn.Module, prefix: str, config: Any) -> None:
+        heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+        head_dim = int(cast(int, attention.head_dim))
+        q, kv = head_shares(heads, kv_heads, self.shard)
+        if hasattr(attention, "qkv_proj"):  # Phi-3: one projection, queries then keys then values
+            keys_at = heads * head_dim
+            values_at = keys_at + kv_heads * head_dim
+            fused = (_scaled(q, head_dim), _scaled(kv, head_dim, keys_at), _scaled(kv, head_dim, values_at))
+            self.column(attention, prefix, "qkv_proj", fused)
+        else:
+            self.column(attention, prefix, "q_proj", (_scaled(q, head_dim),))
+            self.column(attention, prefix, "k_proj", (_scaled(kv, head_dim),))
+            self.column(attention, prefix, "v_proj", (_scaled(kv, head_dim),))
+        self.row(attention, prefix, "o_proj", (_scaled(q, head_dim),))
+        heads_here, kv_here = q[1] - q[0], kv[1] - kv[0]
+        if getattr(attention, "config", None) is config:  # Phi-3 reads the head counts from its config
+            setattr(attention, "config", _LocalHeads(config, heads_here, kv_here))  # noqa: B010
+        for name, value in (("num_key_value_heads", kv_here), ("num_heads", heads_here)):
+            if hasattr(attention, name):
+                setattr(attention, name, value)
+
+    def mlp(self, mlp: nn.Module, prefix: str, intermediate: int) -> None:
+        columns = shares(intermediate, self.shard.world, self.shard.rank)
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate rows, then up rows
+            self.column(
+                mlp, prefix, "gate_up_proj", (columns, (intermediate + columns[0], intermediate + columns[1]))
+            )
+        else:
+            self.column(mlp, prefix, "gate_proj", (columns,))
+            self.column(mlp, prefix, "up_proj", (columns,))
+        self.row(mlp, prefix, "down_proj", (columns,))
+
+    def embedding(self, embedding: nn.Embedding, name: str) -> None:
+        start, end = shares(embedding.num_embeddings, self.shard.world, self.shard.rank)
+        embedding.weight = nn.Parameter(
+            torch.empty(end - start, embedding.embedding_dim, device="meta", dtype=embedding.weight.dtype),
+            requires_grad=False,
+        )
+        embedding.forward = _vocab_parallel_forward(embedding, start, end, self.shard.group)  # type: ignore[method-assign]
+        self.cuts[f"{name}.weight"] = Cut(f"{name}.weight", 0, ((start, end),))
+
+
+def shard_model(model: PreTrainedModel, shard: Shard) -> dict[str, Cut]:
+    """Cut a decoder classifier's layers and embedding for `shard`, in place; the cut parameters' sources."""
+    config = model.config.get_text_config()
+    base, embedding = _base_and_embeddings(model)
+    layers = decoder_layers(base)
+    if layers is None:
+        raise ModelLoadError(f"{type(model).__name__} has no decoder layer list to split")
+    surgery = _Surgery(shard)
+    names = {module: name for name, module in model.named_modules()}
+    for layer in layers:
+        prefix = names[layer] + "."
+        surgery.attention(cast(nn.Module, layer.self_attn), prefix + "self_attn.", config)
+        surgery.mlp(cast(nn.Module, layer.mlp), prefix + "mlp.", int(config.intermediate_size))
+    surgery.embedding(embedding, names[embedding])
+    return surgery.cuts
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build modules whose parameters have no storage (their buffers, such as rotary tables, are real)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _read(files: dict[str, Path], cut: Cut) -> torch.Tensor:
+    """The slice of one checkpoint tensor, read through a mapping of its file that is closed at once: the
+    pages read leave this process's resident memory with it."""
+    from safetensors import safe_open
+
+    path = files.get(cut.key)
+    if path is None:
+        raise ModelLoadError(f"{cut.key} is not in the checkpoint")
+    with safe_open(str(path), framework="pt") as checkpoint:
+        if cut.ranges is None:
+            return checkpoint.get_tensor(cut.key)  # type: ignore[no-any-return]
+        sliced = checkpoint.get_slice(cut.key)
+        index = (slice(None),) * cut.dim
+        return torch.cat([sliced[(*index, slice(start, end))] for start, end in cut.ranges], dim=cut.dim)
+
+
+def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    expected = owner._parameters[leaf]
+    if expected is None or tuple(expected.shape) != tuple(value.shape):
+        shape = None if expected is None else tuple(expected.shape)
+        raise ModelLoadError(
+            f"{name}: the checkpoint's slice is {tuple(value.shape)}, the model wants {shape}"
+        )
+    owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+
+
+def load_weights(
+    model: nn.Module, model_dir: Path, cuts: dict[str, Cut], device: torch.device, dtype: torch.dtype
+) -> int:
+    """Fill every meta parameter from the checkpoint, one tensor at a time (each rank its slices only);
+    the bytes this rank holds."""
+    files = _checkpoint_files(model_dir)
+    held = 0
+    for name, _ in list(model.named_parameters()):
+        value = _read(files, cuts.get(name, Cut(name))).to(device=device, dtype=dtype)
+        _set(model, name, value)
+        held += value.numel() * value.element_size()
+    left = [name for name, param in model.named_parameters() if param.is_meta]
+    if left:
+        raise ModelLoadError(f"parameters without values after loading: {', '.join(left[:5])}")
+    return held
+
+
+def check_splittable(model_dir: Path, config: dict[str, Any], trust_remote_code: bool) -> None:
+    model_type = str(config.get("model_type"))
+    if model_type not in DECODER_MODEL_TYPES or not packable(model_type):
+        raise ModelLoadError(
+            f"tensor parallelism splits decoders of the families {', '.join(DECODER_MODEL_TYPES)}; "
+            f"{model_dir.name} is {model_type!r}"
+        )
+    if trust_remote_code and config.get("auto_map"):
+        raise ModelLoadError("tensor parallelism does not split a model that ships its own code")
+    if is_judge(config) or declared_head(config) is not None:
+        raise ModelLoadError(
+            "tensor parallelism splits *ForSequenceClassification models with HF's linear head; judges "
+            "(causal LMs scored on label tokens) and declared heads run on one device"
+        )
+
+
+def load_sharded(
+    model_dir: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    shard: Shard,
+    trust_remote_code: bool = False,
+) -> tuple[LoadedModel, int]:
+    """This rank's share of a decoder classifier (LoadedModel, as load_model gives the whole one), and the
+    bytes of weights it holds."""
+    config = read_config(model_dir, trust_remote_code)
+    check_splittable(model_dir, config, trust_remote_code)
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    auto: Any = AutoModelForSequenceClassification
+    with quiet_progress_bars(), parameters_on_meta():
+        model = auto.from_config(hf_config, attn_implementation=attn_implementation, dtype=dtype)
+    cuts = shard_model(model, shard)
+    held = load_weights(model, model_dir, cuts, device, dtype)
+    module: nn.Module = model
+    module.to(device).eval()  # the buffers (rotary tables); the parameters are there already
+    base, embedding = _base_and_embeddings(model)
+    max_positions, position_pad = _positions(config)
+    loaded = LoadedModel(
+        model=model,
+        base=base,
+        head=find_head(model),
+        tokenizer=_load_tokenizer(model_dir, False, encoder=False),
+        vocab_size=int(hf_config.get_text_config().vocab_size),
+        max_position_embeddings=max_positions,
+        name=model_dir.resolve().name,
+        pad_token_id=_pad_token_id(model),
+        default_pooling="last",
+        position_pad=position_pad,
+    )
+    log.info(
+        "rank %d of %d holds %.1f MiB of %s's weights (its heads, MLP columns and vocabulary rows)",
+        shard.rank, shard.world, held / 2**20, loaded.name,
+    )  # fmt: skip
+    del embedding
+    return loaded, held
