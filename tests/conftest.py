@@ -41,6 +41,8 @@ _FAULT_MODULES = frozenset(
         "test_exactly_once",
         "test_graceful_shutdown",
         "test_gpu_faults",
+        "test_hosts",
+        "test_supervisor",
     }
 )
 

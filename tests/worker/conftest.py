@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,8 +164,8 @@ def spawn(tmp_path: Path) -> Iterator[Spawn]:
     """Starts worker processes; whatever is still running at the end of the test is killed."""
     started: list[WorkerProcess] = []
 
-    def start(name: str, env: dict[str, str]) -> WorkerProcess:
-        started.append(WorkerProcess(name, env, tmp_path))
+    def start(name: str, env: dict[str, str], prefix: Sequence[str] = ()) -> WorkerProcess:
+        started.append(WorkerProcess(name, env, tmp_path, prefix))
         return started[-1]
 
     yield start

@@ -8,7 +8,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -65,13 +65,14 @@ def _parse_line(line: str) -> LogLine | None:
 class WorkerProcess:
     """One `score-worker run` process, its JSON log file, and the faults a test can inflict on it."""
 
-    def __init__(self, name: str, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, env: dict[str, str], log_dir: Path, prefix: Sequence[str] = ()) -> None:
+        """`prefix`: what the command runs under (`ip netns exec NS`: another host, tests/worker/netns.py)."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self.started_at = time.time()
         with open(self.log_path, "wb") as out:
             self.popen = subprocess.Popen(
-                [str(WORKER_BIN), "run"], env=env, stdout=out, stderr=subprocess.STDOUT
+                [*prefix, str(WORKER_BIN), "run"], env=env, stdout=out, stderr=subprocess.STDOUT
             )
 
     @property
@@ -169,4 +170,4 @@ class RssSampler:
         return max(self.samples)
 
 
-Spawn = Callable[[str, dict[str, str]], WorkerProcess]
+Spawn = Callable[..., WorkerProcess]  # (name, env, prefix=()) -> a started worker process
