@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,7 @@ class Cut:
     key: str
     dim: int = 0
     ranges: Ranges | None = None
+    shape: tuple[int, ...] | None = None  # the whole tensor's (None: the parameter's own)
 
 
 def _all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -81,14 +83,18 @@ class RowParallelLinear(nn.Module):
     bias (held whole, added once). The projection itself stays an nn.Linear child, so that what swaps
     projections (FP8) swaps it too."""
 
-    def __init__(self, linear: nn.Linear, bias: nn.Parameter | None, group: Any) -> None:
+    def __init__(self, linear: nn.Linear, bias: nn.Parameter | None, group: Any, reduce: bool = True) -> None:
+        """`reduce`: sum across the group (False for a group of one: the model whole, cut the same way)."""
         super().__init__()
         self.linear = linear
         self.bias = bias
         self.group = group
+        self.reduce = reduce
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = _all_reduce(self.linear(hidden), self.group)
+        out: torch.Tensor = self.linear(hidden)
+        if self.reduce:
+            out = _all_reduce(out, self.group)
         return out if self.bias is None else out + self.bias
 
 
@@ -143,10 +149,10 @@ def _column(linear: nn.Linear, ranges: Ranges) -> nn.Linear:
     )
 
 
-def _row(linear: nn.Linear, ranges: Ranges, group: Any) -> RowParallelLinear:
+def _row(linear: nn.Linear, ranges: Ranges, shard: Shard) -> RowParallelLinear:
     columns = sum(end - start for start, end in ranges)
     inner = nn.Linear(columns, linear.out_features, bias=False, device="meta", dtype=linear.weight.dtype)
-    return RowParallelLinear(inner, linear.bias, group)
+    return RowParallelLinear(inner, linear.bias, shard.group if shard.world > 1 else None, shard.world > 1)
 
 
 class _LocalHeads:
@@ -172,14 +178,17 @@ class _Surgery:
     def column(self, owner: nn.Module, prefix: str, name: str, ranges: Ranges) -> None:
         linear = getattr(owner, name)
         setattr(owner, name, _column(linear, ranges))
-        self.cuts[f"{prefix}{name}.weight"] = Cut(f"{prefix}{name}.weight", 0, ranges)
+        key = f"{prefix}{name}"
+        self.cuts[f"{key}.weight"] = Cut(f"{key}.weight", 0, ranges, tuple(linear.weight.shape))
         if linear.bias is not None:
-            self.cuts[f"{prefix}{name}.bias"] = Cut(f"{prefix}{name}.bias", 0, ranges)
+            self.cuts[f"{key}.bias"] = Cut(f"{key}.bias", 0, ranges, tuple(linear.bias.shape))
 
     def row(self, owner: nn.Module, prefix: str, name: str, ranges: Ranges) -> None:
-        setattr(owner, name, _row(getattr(owner, name), ranges, self.shard.group))
-        self.cuts[f"{prefix}{name}.linear.weight"] = Cut(f"{prefix}{name}.weight", 1, ranges)
-        self.cuts[f"{prefix}{name}.bias"] = Cut(f"{prefix}{name}.bias")
+        linear = getattr(owner, name)
+        setattr(owner, name, _row(linear, ranges, self.shard))
+        key = f"{prefix}{name}"
+        self.cuts[f"{key}.linear.weight"] = Cut(f"{key}.weight", 1, ranges, tuple(linear.weight.shape))
+        self.cuts[f"{key}.bias"] = Cut(f"{key}.bias")
 
     def attention(self, attention: nn.Module, prefix: str, config: Any) -> None:
         heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
@@ -219,8 +228,10 @@ class _Surgery:
             torch.empty(end - start, embedding.embedding_dim, device="meta", dtype=embedding.weight.dtype),
             requires_grad=False,
         )
-        embedding.forward = _vocab_parallel_forward(embedding, start, end, self.shard.group)  # type: ignore[method-assign]
-        self.cuts[f"{name}.weight"] = Cut(f"{name}.weight", 0, ((start, end),))
+        shape = (embedding.num_embeddings, embedding.embedding_dim)
+        if self.shard.world > 1:
+            embedding.forward = _vocab_parallel_forward(embedding, start, end, self.shard.group)  # type: ignore[method-assign]
+        self.cuts[f"{name}.weight"] = Cut(f"{name}.weight", 0, ((start, end),), shape)
 
 
 def shard_model(model: PreTrainedModel, shard: Shard) -> dict[str, Cut]:
@@ -302,6 +313,48 @@ def load_weights(
     return held
 
 
+# config.json of a model without weight files whose weights are made in memory, each rank its share
+# ({"seed": S, "std": 0.02}): a benchmark's 70B-shaped model then needs no 140 GB on disk.
+RANDOM_WEIGHTS = "score_worker_random_weights"
+
+
+def _random_value(
+    name: str, owner: nn.Module, shape: tuple[int, ...], seed: int, std: float, device: torch.device
+) -> torch.Tensor:
+    """The whole tensor `name` of a random model, the same on every rank and for every split: HF's
+    initialisation (normal(0, std) projections and embeddings, zero biases, unit norms, zero for norms that
+    add one themselves, as Gemma's do), from a generator seeded by the seed and the name."""
+    if "Norm" in type(owner).__name__:
+        gemma = "Gemma" in type(owner).__name__
+        return (torch.zeros if gemma else torch.ones)(shape, device=device)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, device=device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.randn(shape, generator=generator, device=device) * std
+
+
+def random_weights(
+    model: nn.Module, cuts: dict[str, Cut], spec: dict[str, Any], device: torch.device, dtype: torch.dtype
+) -> int:
+    """Fill every meta parameter with its share of a random model's weights (`spec`: RANDOM_WEIGHTS), one
+    whole tensor at a time on `device`; the bytes this rank holds."""
+    seed, std = int(spec.get("seed", 0)), float(spec.get("std", 0.02))
+    held = 0
+    for name, param in list(model.named_parameters()):
+        cut = cuts.get(name, Cut(name))
+        owner = model.get_submodule(name.rpartition(".")[0])
+        whole = _random_value(cut.key, owner, cut.shape or tuple(param.shape), seed, std, device)
+        if cut.ranges is not None:
+            index = (slice(None),) * cut.dim
+            whole = torch.cat([whole[(*index, slice(a, b))] for a, b in cut.ranges], dim=cut.dim)
+        value = whole.to(dtype)
+        del whole
+        _set(model, name, value)
+        held += value.numel() * value.element_size()
+    return held
+
+
 def check_splittable(model_dir: Path, config: dict[str, Any], trust_remote_code: bool) -> None:
     model_type = str(config.get("model_type"))
     if model_type not in DECODER_MODEL_TYPES or not packable(model_type):
@@ -336,7 +389,11 @@ def load_sharded(
     with quiet_progress_bars(), parameters_on_meta():
         model = auto.from_config(hf_config, attn_implementation=attn_implementation, dtype=dtype)
     cuts = shard_model(model, shard)
-    held = load_weights(model, model_dir, cuts, device, dtype)
+    random = config.get(RANDOM_WEIGHTS)
+    if isinstance(random, dict) and not any(model_dir.glob("*.safetensors")):
+        held = random_weights(model, cuts, random, device, dtype)
+    else:
+        held = load_weights(model, model_dir, cuts, device, dtype)
     module: nn.Module = model
     module.to(device).eval()  # the buffers (rotary tables); the parameters are there already
     base, embedding = _base_and_embeddings(model)

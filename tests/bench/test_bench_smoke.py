@@ -202,3 +202,32 @@ def test_delivery_benchmark_runs_both_settings_and_checks_every_answer(tmp_path:
         "latency_p50_ms",
         "latency_p99_ms",
     }
+
+
+def test_parallel_benchmark_quick_run_checks_the_split_against_float32(tmp_path: Path) -> None:
+    """bench/parallel.py on the CPU: tiny shapes, random weights made in memory by each rank, the model on
+    one process and split across two (gloo), both checked against float32; and with --check-layers, the
+    first layer's model checked in place of the timed one."""
+    proc = _run_script(["bench/parallel.py", "--quick"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "parallel-quick.json").read_text())
+    assert report["verdict"] == "ok"
+    assert set(report["runs"]) == {"one device", "tensor parallel"}
+    assert set(report["checks"]) == {"one device", "tensor parallel"}
+    proc = _run_script(["bench/parallel.py", "--quick", "--no-single", "--check-layers", "1"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert set(json.loads((tmp_path / "parallel-quick.json").read_text())["runs"]) == {"tensor parallel"}
+
+
+def test_parallel_benchmark_fails_a_split_off_its_reference() -> None:
+    """Within twice the one-device run's own error plus 5% of the scale; beyond it, or not finite, fails."""
+    sys.path.insert(0, str(ROOT))
+    from bench.parallel import verdict
+
+    def errors(diff: float, finite: bool = True) -> dict[str, object]:
+        return {"max_abs_score_diff": diff, "all_finite": finite}
+
+    assert verdict({"one device": errors(0.2), "tensor parallel": errors(0.3)}, 2.0)[0] == []
+    assert verdict({"one device": errors(0.2), "tensor parallel": errors(0.6)}, 2.0)[0] != []
+    assert verdict({"tensor parallel": errors(0.01, finite=False)}, 2.0)[0] != []
+    assert verdict({"tensor parallel": errors(0.04)}, 0.5)[0] == []  # no one-device run: 5% of the scale
