@@ -231,3 +231,17 @@ def test_parallel_benchmark_fails_a_split_off_its_reference() -> None:
     assert verdict({"one device": errors(0.2), "tensor parallel": errors(0.6)}, 2.0)[0] != []
     assert verdict({"tensor parallel": errors(0.01, finite=False)}, 2.0)[0] != []
     assert verdict({"tensor parallel": errors(0.04)}, 0.5)[0] == []  # no one-device run: 5% of the scale
+
+
+def test_w2_scale_quick_run_compares_one_and_two_worker_processes(tmp_path: Path) -> None:
+    """bench/w2_scale.py on the CPU: the host worker with one and with two CPU worker processes on the
+    embedded broker, saturation through each, half load through two, samples checked against float32."""
+    proc = _run_script(["bench/w2_scale.py", "--quick"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "w2_scale-quick.json").read_text())
+    assert report["verdict"] == "ok"
+    assert set(report["runs"]) == {"1 worker processes", "2 worker processes"}
+    for run in report["runs"].values():
+        assert run["saturation"]["completed"] == run["saturation"]["requests"]
+        assert run["correctness"]["ok"]
+    assert report["runs"]["2 worker processes"]["latency"]["latency"]["p50_ms"] > 0
