@@ -94,12 +94,13 @@ class Scorer:
         # group (DeviceLostError); the supervisor restarts it.
         self.shard = shard
         self.model: LoadedModel
-        if shard is not None:
-            from models.tensor_parallel import load_sharded
+        if shard is not None or self._fp8_layer_by_layer(Path(model_dir)):
+            from models.tensor_parallel import Shard, load_sharded
 
             self.model, _ = load_sharded(
                 Path(model_dir), device=self.device, dtype=self.dtype, attn_implementation=implementation,
-                shard=shard, trust_remote_code=self.config.trust_remote_code,
+                shard=shard or Shard(0, 1), trust_remote_code=self.config.trust_remote_code,
+                quantize=self._fp8_layer_by_layer(Path(model_dir)),
             )  # fmt: skip
         else:
             self.model = load_model(
@@ -121,6 +122,21 @@ class Scorer:
             self.model, self.config, self.device, self.dtype, self.attention, self.pooling
         )
         self.plan = BatchPlan(self._shared_prefix_tokens(name))
+
+    def _fp8_layer_by_layer(self, model_dir: Path) -> bool:
+        """FP8 projections where they run, on a decoder classifier: loaded layer by layer, each quantized as
+        it is read, so that the model's dtype never holds more than one layer (a 70B model's FP8 weights fit
+        one GPU; its bfloat16 ones do not). Elsewhere the Executor refuses FP8 with its reason."""
+        from models.fp8 import fp8_supported
+        from models.tensor_parallel import splittable
+
+        if self.config.quantization != "fp8" or fp8_supported(self.device) is not None:
+            return False
+        if self.device.type == "cuda" and self.dtype != torch.bfloat16:
+            return False
+        return splittable(
+            read_config(model_dir, self.config.trust_remote_code), self.config.trust_remote_code
+        )
 
     def _prompt_builder(self) -> PromptBuilder:
         limit = self.model.max_position_embeddings

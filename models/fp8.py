@@ -141,6 +141,9 @@ def quantize_layers(layers: nn.ModuleList) -> tuple[int, int]:
     for layer in layers:
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
+                if isinstance(child, Fp8Linear):  # quantized already, as its layer was loaded
+                    replaced += 1
+                    continue
                 if type(child) is not nn.Linear:
                     continue
                 if quantizable(child):

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _PR_SET_PDEATHSIG = 1
+JOIN_TIMEOUT_S = 300.0  # longest rank 0 waits for its followers' processes to join the group
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,15 @@ def join(spec: GroupSpec, rank: int) -> tuple[Shard, Any]:
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
-        world_size=spec.world, timeout=timeout,
+    # Joining waits for every rank's process to start (imports take seconds, more on a busy host): a bound of
+    # its own, longer than the collectives' timeout, which is for ranks that are up.
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", spec.port, spec.world, is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=max(JOIN_TIMEOUT_S, spec.timeout_s)),
     )  # fmt: skip
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=store, rank=rank, world_size=spec.world, timeout=timeout
+    )
     control = dist.new_group(backend="gloo", timeout=timeout)
     return Shard(rank, spec.world, dist.group.WORLD), control
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -296,21 +296,13 @@ def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
     owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
 
 
-def load_weights(
-    model: nn.Module, model_dir: Path, cuts: dict[str, Cut], device: torch.device, dtype: torch.dtype
-) -> int:
-    """Fill every meta parameter from the checkpoint, one tensor at a time (each rank its slices only);
-    the bytes this rank holds."""
+ValueOf = Callable[[str, Cut, nn.Parameter], torch.Tensor]  # a parameter's values (this rank's share)
+
+
+def checkpoint_values(model_dir: Path) -> ValueOf:
+    """Values read from the checkpoint's safetensors files, this rank's slices only."""
     files = _checkpoint_files(model_dir)
-    held = 0
-    for name, _ in list(model.named_parameters()):
-        value = _read(files, cuts.get(name, Cut(name))).to(device=device, dtype=dtype)
-        _set(model, name, value)
-        held += value.numel() * value.element_size()
-    left = [name for name, param in model.named_parameters() if param.is_meta]
-    if left:
-        raise ModelLoadError(f"parameters without values after loading: {', '.join(left[:5])}")
-    return held
+    return lambda name, cut, param: _read(files, cut)
 
 
 # config.json of a model without weight files whose weights are made in memory, each rank its share
@@ -334,25 +326,59 @@ def _random_value(
     return torch.randn(shape, generator=generator, device=device) * std
 
 
-def random_weights(
-    model: nn.Module, cuts: dict[str, Cut], spec: dict[str, Any], device: torch.device, dtype: torch.dtype
-) -> int:
-    """Fill every meta parameter with its share of a random model's weights (`spec`: RANDOM_WEIGHTS), one
-    whole tensor at a time on `device`; the bytes this rank holds."""
+def random_values(model: nn.Module, spec: dict[str, Any], device: torch.device) -> ValueOf:
+    """Values of a random model (`spec`: RANDOM_WEIGHTS), each whole tensor made on `device`, then cut."""
     seed, std = int(spec.get("seed", 0)), float(spec.get("std", 0.02))
-    held = 0
-    for name, param in list(model.named_parameters()):
-        cut = cuts.get(name, Cut(name))
+
+    def value(name: str, cut: Cut, param: nn.Parameter) -> torch.Tensor:
         owner = model.get_submodule(name.rpartition(".")[0])
         whole = _random_value(cut.key, owner, cut.shape or tuple(param.shape), seed, std, device)
-        if cut.ranges is not None:
-            index = (slice(None),) * cut.dim
-            whole = torch.cat([whole[(*index, slice(a, b))] for a, b in cut.ranges], dim=cut.dim)
-        value = whole.to(dtype)
-        del whole
-        _set(model, name, value)
-        held += value.numel() * value.element_size()
-    return held
+        if cut.ranges is None:
+            return whole
+        index = (slice(None),) * cut.dim
+        return torch.cat([whole[(*index, slice(a, b))] for a, b in cut.ranges], dim=cut.dim)
+
+    return value
+
+
+def fill(
+    model: nn.Module,
+    cuts: dict[str, Cut],
+    value_of: ValueOf,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantize: bool = False,
+) -> int:
+    """Give every meta parameter its values, one tensor at a time; with `quantize`, each decoder layer's
+    projections become FP8 as soon as the layer is complete, so that no more than one layer is ever held
+    at the model's dtype beside the FP8 ones. The bytes this rank holds."""
+    from models.fp8 import quantize_layers
+
+    layers = decoder_layers(_base_and_embeddings(cast(PreTrainedModel, model))[0]) or nn.ModuleList()
+    names = {module: name for name, module in model.named_modules()}
+    left = {names[layer] + ".": sum(1 for _ in layer.parameters()) for layer in layers}
+    owner = {names[layer] + ".": layer for layer in layers}
+    for name, param in list(model.named_parameters()):
+        _set(model, name, value_of(name, cuts.get(name, Cut(name)), param).to(device=device, dtype=dtype))
+        prefix = next((p for p in left if name.startswith(p)), None)
+        if prefix is not None:
+            left[prefix] -= 1
+            if quantize and left[prefix] == 0:
+                quantize_layers(nn.ModuleList([owner[prefix]]))
+    missing = [name for name, param in model.named_parameters() if param.is_meta]
+    if missing:
+        raise ModelLoadError(f"parameters without values after loading: {', '.join(missing[:5])}")
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def splittable(config: dict[str, Any], trust_remote_code: bool) -> bool:
+    """Whether this loader takes the model (check_splittable raises nothing)."""
+    try:
+        check_splittable(Path("."), config, trust_remote_code)
+    except ModelLoadError:
+        return False
+    return True
 
 
 def check_splittable(model_dir: Path, config: dict[str, Any], trust_remote_code: bool) -> None:
@@ -379,9 +405,10 @@ def load_sharded(
     attn_implementation: str,
     shard: Shard,
     trust_remote_code: bool = False,
+    quantize: bool = False,
 ) -> tuple[LoadedModel, int]:
     """This rank's share of a decoder classifier (LoadedModel, as load_model gives the whole one), and the
-    bytes of weights it holds."""
+    bytes of weights it holds; with `quantize`, its projections in FP8, each layer quantized as it is read."""
     config = read_config(model_dir, trust_remote_code)
     check_splittable(model_dir, config, trust_remote_code)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
@@ -391,9 +418,10 @@ def load_sharded(
     cuts = shard_model(model, shard)
     random = config.get(RANDOM_WEIGHTS)
     if isinstance(random, dict) and not any(model_dir.glob("*.safetensors")):
-        held = random_weights(model, cuts, random, device, dtype)
+        values = random_values(model, random, device)
     else:
-        held = load_weights(model, model_dir, cuts, device, dtype)
+        values = checkpoint_values(model_dir)
+    held = fill(model, cuts, values, device, dtype, quantize)
     module: nn.Module = model
     module.to(device).eval()  # the buffers (rotary tables); the parameters are there already
     base, embedding = _base_and_embeddings(model)

@@ -307,3 +307,35 @@ def test_each_rank_holds_only_its_share_while_loading(tmp_path: Path) -> None:
     print(
         "loading:", [(r["rank"], r["held"] >> 20, (r["peak_kib"] - r["before_kib"]) >> 10) for r in reports]
     )
+
+
+def test_fp8_on_one_device_loads_layer_by_layer(
+    family_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FP8 on one device: each layer's projections are quantized as soon as the layer is read, while the
+    later layers are still unread (no storage), so the model's dtype never holds more than one layer."""
+    import models.fp8
+    import models.tensor_parallel
+    from models.fp8 import Fp8Linear
+
+    filling: list[torch.nn.Module] = []
+    unread_at_each: list[int] = []
+    quantize, fill = models.fp8.quantize_layers, models.tensor_parallel.fill
+
+    def watched_quantize(layers: torch.nn.ModuleList) -> tuple[int, int]:
+        unread_at_each.append(sum(1 for p in filling[0].parameters() if p.is_meta))
+        return quantize(layers)
+
+    def watched_fill(model: torch.nn.Module, *args: Any, **kwargs: Any) -> int:
+        filling.append(model)
+        return fill(model, *args, **kwargs)
+
+    monkeypatch.setattr(models.fp8, "quantize_layers", watched_quantize)
+    monkeypatch.setattr(models.tensor_parallel, "fill", watched_fill)
+    scorer = Scorer(family_dirs["llama"], ScorerConfig(device="cpu", dtype="float32", quantization="fp8"))
+    layers = scorer.hf_model.base_model.layers
+    assert len(unread_at_each) >= len(layers)
+    # Layer i was quantized while the later layers (and the final norm, the head) had no values yet.
+    assert all(unread > 0 for unread in unread_at_each[: len(layers)])
+    assert isinstance(layers[0].self_attn.o_proj.linear, Fp8Linear)
+    assert scorer.info.quantization == "fp8"
