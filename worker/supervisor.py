@@ -22,7 +22,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -33,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from worker.broker import free_port
 from worker.config import ENV_PREFIX, WorkerSettings
 from worker.health import HealthServer
 from worker.metrics import PREFIX
@@ -130,12 +130,6 @@ class Restarts:
         delay = min(BACKOFF_CAP_S, self._backoff_s * 2.0 ** len(self._times))
         self._times.append(now)
         return delay
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def _die_with_parent() -> None:
