@@ -73,7 +73,8 @@ class Scorer:
         which every rank of the group runs in step; None: the whole model."""
         self.config = config or ScorerConfig()
         name = Path(model_dir).name
-        softcap = read_config(Path(model_dir), self.config.trust_remote_code).get("attn_logit_softcapping")
+        model_config = read_config(Path(model_dir), self.config.trust_remote_code)
+        softcap = model_config.get("attn_logit_softcapping")
         try:
             self.device = self.config.resolve_device()
             self.dtype = self.config.resolve_dtype(self.device)
@@ -94,13 +95,14 @@ class Scorer:
         # group (DeviceLostError); the supervisor restarts it.
         self.shard = shard
         self.model: LoadedModel
-        if shard is not None or self._fp8_layer_by_layer(Path(model_dir)):
+        fp8_by_layer = self._fp8_layer_by_layer(Path(model_dir), model_config)
+        if shard is not None or fp8_by_layer:
             from models.tensor_parallel import Shard, load_sharded
 
             self.model, _ = load_sharded(
                 Path(model_dir), device=self.device, dtype=self.dtype, attn_implementation=implementation,
                 shard=shard or Shard(0, 1), trust_remote_code=self.config.trust_remote_code,
-                quantize=self._fp8_layer_by_layer(Path(model_dir)),
+                quantize=fp8_by_layer or (shard is not None and self._fp8_runs()),
             )  # fmt: skip
         else:
             self.model = load_model(
@@ -123,19 +125,25 @@ class Scorer:
         )
         self.plan = BatchPlan(self._shared_prefix_tokens(name))
 
-    def _fp8_layer_by_layer(self, model_dir: Path) -> bool:
-        """FP8 projections where they run, on a decoder classifier: loaded layer by layer, each quantized as
-        it is read, so that the model's dtype never holds more than one layer (a 70B model's FP8 weights fit
-        one GPU; its bfloat16 ones do not). Elsewhere the Executor refuses FP8 with its reason."""
+    def _fp8_runs(self) -> bool:
+        """FP8 projections asked for, on a device and dtype where they run (elsewhere the Executor refuses
+        them with its reason)."""
         from models.fp8 import fp8_supported
-        from models.tensor_parallel import splittable
 
         if self.config.quantization != "fp8" or fp8_supported(self.device) is not None:
             return False
-        if self.device.type == "cuda" and self.dtype != torch.bfloat16:
-            return False
-        return splittable(
-            read_config(model_dir, self.config.trust_remote_code), self.config.trust_remote_code
+        return not (self.device.type == "cuda" and self.dtype != torch.bfloat16)
+
+    def _fp8_layer_by_layer(self, model_dir: Path, model_config: dict[str, object]) -> bool:
+        """FP8 on a decoder classifier with safetensors weights: loaded layer by layer, each quantized as it
+        is read, so that the model's dtype never holds more than one layer (a 70B model's FP8 weights fit
+        one GPU; its bfloat16 ones do not). Pickle-only weights keep HF's own loading."""
+        from models.tensor_parallel import splittable
+
+        return (
+            self._fp8_runs()
+            and splittable(model_config, self.config.trust_remote_code)
+            and any(model_dir.glob("*.safetensors"))
         )
 
     def _prompt_builder(self) -> PromptBuilder:

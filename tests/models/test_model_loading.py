@@ -457,6 +457,20 @@ def test_pickle_weights_load_only_on_opt_in(tiny_llama_dir: Path, tmp_path: Path
     assert_forward_close(scores, same, tiny_llama_dir, longest=longest)
 
 
+def test_pickle_weights_with_fp8_load_through_hf_and_quantize(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """FP8 decoders with safetensors load layer by layer; pickle-only weights (opted into) have no file to
+    read slices from and keep HF's own loading, quantized after it."""
+    from models.fp8 import Fp8Linear
+    from models.tensor_parallel import RowParallelLinear
+
+    pickled = _pickle_only_copy(tiny_llama_dir, tmp_path / "pickled")
+    scorer = Scorer(pickled, ScorerConfig(device="cpu", quantization="fp8", allow_pickle_weights=True))
+    layer = scorer.hf_model.base_model.layers[0]
+    assert not isinstance(layer.self_attn.o_proj, RowParallelLinear)
+    assert isinstance(layer.self_attn.o_proj, Fp8Linear)
+    assert scorer.score([ScoreRequest(request_id="r", items=("The quick brown fox.",))])[0].ok
+
+
 def test_transformers_is_always_told_no_remote_code_and_safetensors_only(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
