@@ -251,7 +251,9 @@ class Supervisor:
             self._up.labels(*labels).set(0)
             child.ready = {}
             if self._stopping.is_set():
-                if code != 0:
+                # SIGTERM before the process set up its handler (still importing) ends it by the signal:
+                # it was asked to stop, had taken nothing yet, and stopped
+                if code not in (0, -signal.SIGTERM):
                     log.warning("worker process %s exited with %d while stopping", child.slot.suffix, code)
                     self._code = self._code or EXIT_FAILURE
                 return

@@ -205,6 +205,15 @@ def sent(stack: Stack, kafka_bootstrap: str) -> Sent:
     return Sent(len(records), len(results), Counter(r.status.value for r in results), hidden)
 
 
+# The counters the dashboards take rate() of, their series made at their first sample.
+RATE_COUNTERS = (
+    "score_worker_results_total",
+    "score_worker_dead_letters_total",
+    "score_worker_hidden_state_copied_bytes_total",
+    "score_worker_hidden_state_published_bytes_total",
+)
+
+
 def _unsettled(stack: Stack, sent: Sent) -> list[str]:
     """Which of the stream's end states Prometheus does not show yet (empty when all are there)."""
     sel = f'worker="{WORKER_ID}"'
@@ -214,8 +223,12 @@ def _unsettled(stack: Stack, sent: Sent) -> list[str]:
         "worker lag 0": stack.value(f"sum(score_worker_consumer_lag{{{sel}}})") == 0,
         "exporter lag 0": stack.value(f"sum(score_worker_group_lag{{{group}}})") == 0,
         "exporter partitions": len(stack.query(f"score_worker_group_lag{{{group}}}")) == 3,
-        # rate() needs two samples after the stream: wait a few scrapes past the last change
-        "scrapes": stack.value(f"count_over_time(score_worker_ready{{{sel}}}[1m])") >= 8,
+        # rate() needs two samples of each series in its window: a series born in the stream's last
+        # scrape (at its final value) has one until the next scrape lands, however long the worker has run
+        **{
+            f"two samples of {name}": stack.value(f"min(count_over_time({name}{{{sel}}}[10m]))") >= 2
+            for name in RATE_COUNTERS
+        },
     }
     return [name for name, ok in checks.items() if not ok]
 

@@ -38,6 +38,7 @@ from worker.supervisor import (
 
 # A worker process in miniature: /metrics with one counter, /readyz ready; on SIGTERM it waits DRAIN_S
 # (its "drain") and exits 0; a file named after its label, when present, makes it exit with that code.
+# START_S is its start-up (a worker's imports) before it handles SIGTERM: LABEL.ready.PID marks the end.
 STAND_IN = r"""
 import http.server, os, pathlib, signal, sys, threading, time
 label = os.environ["SCORE_WORKER_LOG_TAG"]
@@ -57,8 +58,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args): pass
 server = http.server.ThreadingHTTPServer(("127.0.0.1", int(os.environ["SCORE_WORKER_METRICS_PORT"])), Handler)
 threading.Thread(target=server.serve_forever, daemon=True).start()
+time.sleep(float(os.environ.get("START_S", "0")))
 stop = threading.Event()
 signal.signal(signal.SIGTERM, lambda *a: stop.set())
+(control / f"{label}.ready.{os.getpid()}").write_text("")
 while not stop.wait(0.02):
     exit_file = control / f"{label}.exit"
     if exit_file.exists():
@@ -84,9 +87,12 @@ def _settings(tmp_path: Path, **values: Any) -> WorkerSettings:
     return WorkerSettings(**{**defaults, **values})
 
 
-def _supervisor(tmp_path: Path, settings: WorkerSettings, drain_s: float = 0.2) -> Supervisor:
+def _supervisor(
+    tmp_path: Path, settings: WorkerSettings, drain_s: float = 0.2, start_s: float = 0.0
+) -> Supervisor:
     slots = plan_slots(settings.gpus, settings.device, [])
-    environ = {"PATH": "/usr/bin:/bin", "STAND_IN_DIR": str(tmp_path), "DRAIN_S": str(drain_s)}
+    environ = {"PATH": "/usr/bin:/bin", "STAND_IN_DIR": str(tmp_path)}
+    environ |= {"DRAIN_S": str(drain_s), "START_S": str(start_s)}
     environment = child_environment(settings, {}, len(slots), environ)
     return Supervisor(settings, slots, [sys.executable, "-c", STAND_IN], environment)
 
@@ -253,7 +259,7 @@ async def _a_process_that_dies_is_restarted_with_the_same_member_id(tmp_path: Pa
     await _until(lambda: len(_pids(tmp_path, "cpu1")) == 2, 30, "the restart")
     assert len(_pids(tmp_path, "cpu0")) == 1  # its neighbour ran on undisturbed
     assert _members(tmp_path, "cpu1") == {"host-a-cpu1"}
-    await _until(lambda: supervisor.children[1].running, 10, "the restarted process")
+    await _until(lambda: _count(tmp_path, "cpu1.ready.*") == 2, 10, "the restarted process")
     assert supervisor.children[1].restarted == 1
     supervisor.stop()
     assert await asyncio.wait_for(run, 30) == EXIT_OK
@@ -268,12 +274,27 @@ async def _sigterm_waits_for_every_process_to_drain(tmp_path: Path) -> None:
     supervisor = _supervisor(tmp_path, _settings(tmp_path, gpus="3"), drain_s=1.5)
     run = asyncio.create_task(supervisor.run())
     await _until(lambda: all(child.running for child in supervisor.children), 30, "start")
-    await _until(lambda: _count(tmp_path, "*.pid.*") == 3, 30, "the processes' start")
+    await _until(lambda: _count(tmp_path, "*.ready.*") == 3, 30, "the processes' start")
     started = asyncio.get_running_loop().time()
     supervisor.stop()
     assert await asyncio.wait_for(run, 30) == EXIT_OK
     assert asyncio.get_running_loop().time() - started >= 1.4  # it waited for their drain
     assert _count(tmp_path, "*.drained.*") == 3
+
+
+def test_sigterm_during_start_up_is_a_clean_stop(tmp_path: Path) -> None:
+    asyncio.run(_sigterm_during_start_up_is_a_clean_stop(tmp_path))
+
+
+async def _sigterm_during_start_up_is_a_clean_stop(tmp_path: Path) -> None:
+    """A process stopped while it still imports ends by the signal itself (-15): it had taken no request,
+    so the host's exit is still a clean one."""
+    supervisor = _supervisor(tmp_path, _settings(tmp_path), start_s=30)
+    run = asyncio.create_task(supervisor.run())
+    await _until(lambda: _count(tmp_path, "*.pid.*") == 2, 30, "the processes' start")
+    supervisor.stop()
+    assert await asyncio.wait_for(run, 20) == EXIT_OK
+    assert _count(tmp_path, "*.ready.*") == 0  # both were stopped before their handler was there
 
 
 def test_the_restart_limit_stops_the_host_with_a_failure(tmp_path: Path) -> None:
