@@ -24,8 +24,26 @@ from models.loading import LoadedModel, load_model, read_config
 from models.packing import saved_tokens
 from models.plan import BatchPlan
 from models.prepare import PairTemplate, PreparedRequest, PromptBuilder, PromptError
-from models.results import Head, Scores, batch_stats, failed, request_scores, scored
-from models.transfer import DeviceTimer, HostRows, read_hidden, start_hidden_copy, to_host_async, wants_hidden
+from models.results import (
+    Head,
+    Scores,
+    TokenOutputs,
+    batch_positions,
+    batch_stats,
+    failed,
+    request_scores,
+    scored,
+    token_outputs,
+)
+from models.transfer import (
+    DeviceTimer,
+    HostRows,
+    read_hidden,
+    start_hidden_copy,
+    start_position_copy,
+    to_host_async,
+    wants_hidden,
+)
 from schemas import ErrorCode, ScoreRequest, ScoreResult, Tensor
 
 if TYPE_CHECKING:
@@ -48,6 +66,10 @@ class LaunchedBatch:
     hidden_bytes: dict[str, int]
     packed_tokens: int
     compiled_graphs: int = 0  # see BatchStats
+    # Token outputs: the logits at every position read [M, L] on their way to the host, and the asked
+    # hidden states there (None where the batch reads no position).
+    token_logits: torch.Tensor | None = None
+    token_rows: HostRows | None = None
 
 
 Finished = LaunchedBatch | list[ScoreResult]  # a batch on the device, or its results already
@@ -159,6 +181,7 @@ class Scorer:
             judge=self.model.judge,
             max_request_items=self.config.max_request_items,
             max_request_tokens=self.config.max_request_tokens,
+            step_separator=self.model.step_separator,
         )
 
     def _shared_prefix_tokens(self, name: str) -> int:
@@ -321,7 +344,7 @@ class Scorer:
             return launched
         batch = launched.batch
         try:
-            scores, hidden, forward_s, copy_s = self._collect(launched)
+            scores, hidden, tokens, forward_s, copy_s = self._collect(launched)
         except DeviceLostError:
             raise
         except Exception as exc:  # a kernel error surfaces where the host waits for the device
@@ -338,7 +361,7 @@ class Scorer:
                     compiled_graphs=launched.compiled_graphs,
                 )
             )  # fmt: skip
-        return scored(batch, scores, hidden, self.model_name, forward_s, copy_s)
+        return scored(batch, scores, hidden, self.model_name, forward_s, copy_s, tokens)
 
     def _after_failure(
         self, batch: list[PreparedRequest], exc: Exception, on_batch: BatchObserver | None, started: float
@@ -385,28 +408,41 @@ class Scorer:
                 for types in (p.token_types or tuple((0,) * len(prompt) for prompt in p.prompts))
             ]
         shared = self.plan.shared_prefixes(prompts)  # none where nothing is shared
-        pooled = self.executor.pooled(prompts, token_types, shared)  # [N, H]
+        positions = batch_positions(batch)
+        pooled, at = self.executor.pooled(prompts, token_types, shared, positions)  # [N, H], [M, H]
         logits, columns = self.head.logits(pooled, batch)
+        token_logits = None
+        if at is not None and any(p.request.return_token_scores for p in batch if p.positions):
+            token_logits, _ = self.head.logits(at, batch)  # the same label columns as the pooled rows'
         timer.mark()  # the forward's end
         # A few bytes per item: softmax on the host needs no extra upload.
         host_logits = to_host_async(logits)
         rows, hidden_bytes = start_hidden_copy(batch, item_counts, pooled)
+        token_rows, token_bytes = start_position_copy(batch, at)
+        for dtype, size in token_bytes.items():
+            hidden_bytes[dtype] = hidden_bytes.get(dtype, 0) + size
         timer.mark()  # the copies' end
         packed_tokens = sum(len(p) for p in prompts) - saved_tokens(shared)
         return LaunchedBatch(
-            batch, item_counts, started, timer, host_logits, columns, rows, hidden_bytes, packed_tokens
-        )
+            batch, item_counts, started, timer, host_logits, columns, rows, hidden_bytes, packed_tokens,
+            token_logits=None if token_logits is None else to_host_async(token_logits), token_rows=token_rows,
+        )  # fmt: skip
 
     def _collect(
         self, launched: LaunchedBatch
-    ) -> tuple[Scores, list[tuple[Tensor, ...] | None], float, float]:
-        """Wait for a launched batch: per-request scores and hidden states, forward and copy seconds."""
+    ) -> tuple[Scores, list[tuple[Tensor, ...] | None], list[TokenOutputs | None], float, float]:
+        """Wait for a launched batch: per-request scores, hidden states and token outputs, forward and copy
+        seconds."""
         forward_s, copy_s = launched.timer.wait(launched.started)
         batch = launched.batch
         if launched.logits is None:
-            return [[] for _ in batch], [() if wants_hidden(p) else None for p in batch], 0.0, 0.0
+            hidden: list[tuple[Tensor, ...] | None] = [() if wants_hidden(p) else None for p in batch]
+            return [[] for _ in batch], hidden, token_outputs(batch, None, {}, None, 0), 0.0, 0.0
         scores = request_scores(launched.logits, launched.columns, batch, launched.item_counts)
-        return scores, read_hidden(batch, launched.rows), forward_s, copy_s
+        tokens = token_outputs(
+            batch, launched.token_logits, launched.columns, launched.token_rows, self.head.width
+        )
+        return scores, read_hidden(batch, launched.rows), tokens, forward_s, copy_s
 
     def _recover(self, error: BaseException) -> None:
         """After a failed forward: free the cached blocks (an out-of-memory retry needs them), and raise

@@ -35,6 +35,7 @@ from models.packing import (
     pack,
     pool,
     pooled_positions,
+    position_rows,
 )
 from models.pooled_rows import LastLayerAtPooledRows, last_layer_row_wise, padded_rows
 from models.prepare import Prompt
@@ -164,28 +165,43 @@ class Executor:
             return self.graphs.record_ahead(max_tokens)
 
     def pooled(
-        self, prompts: list[Prompt], token_types: list[Prompt] | None, shared: Sequence[SharedPrefix]
-    ) -> torch.Tensor:
-        """Each prompt's pooled hidden state [N, H] (float32 for MEAN); the prefixes of `shared` once."""
+        self,
+        prompts: list[Prompt],
+        token_types: list[Prompt] | None,
+        shared: Sequence[SharedPrefix],
+        positions: Sequence[Sequence[int]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each prompt's pooled hidden state [N, H] (float32 for MEAN), the prefixes of `shared` once; and,
+        with `positions` (per prompt, token positions), the hidden states at them [M, H], prompt by prompt
+        (None without)."""
         if self._config.deterministic:
             forward = self.packed_pooled if self._loaded.packable else self.padded_pooled
             # Every item alone: no result depends on what else shares the batch (kernels pick their tiling
             # by the matrix shapes, so a row's rounding can change with the batch).
-            return torch.cat(
-                [
-                    forward([prompt], None if token_types is None else [token_types[index]])
-                    for index, prompt in enumerate(prompts)
-                ]
-            )
+            outputs = [
+                forward(
+                    [prompt],
+                    None if token_types is None else [token_types[index]],
+                    positions=None if positions is None else [positions[index]],
+                )
+                for index, prompt in enumerate(prompts)
+            ]
+            pooled = torch.cat([one for one, _ in outputs])
+            at = [rows for _, rows in outputs if rows is not None]
+            return pooled, torch.cat(at) if at else None
         if self._loaded.packable:
-            return self.packed_pooled(prompts, token_types, shared)
-        return self.padded_pooled(prompts, token_types)
+            return self.packed_pooled(prompts, token_types, shared, positions)
+        return self.padded_pooled(prompts, token_types, positions)
 
     def packed_pooled(
-        self, prompts: list[Prompt], token_types: list[Prompt] | None, groups: Sequence[SharedPrefix] = ()
-    ) -> torch.Tensor:
+        self,
+        prompts: list[Prompt],
+        token_types: list[Prompt] | None,
+        groups: Sequence[SharedPrefix] = (),
+        positions: Sequence[Sequence[int]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the base model on the packed row, the prefixes of shared `groups` once, and pool each item:
-        [N, H] (float32 for MEAN)."""
+        [N, H] (float32 for MEAN); and the rows at `positions` [M, H] where given."""
         packed = pack(
             prompts,
             self.device,
@@ -195,10 +211,12 @@ class Executor:
             position_pad=self._loaded.position_pad,
             shared=groups,
             gather_keys=bool(groups) and self._gathers_keys(prompts),
+            read_at=positions,
         )
         # A replayed graph runs no Python forward: the layers are swapped in only where one runs (in the
-        # graphs' own forward when they record, and below).
-        hidden = None if self.graphs is None else self.graphs.run(packed)
+        # graphs' own forward when they record, and below). Graphs hold the pooled rows' count of their
+        # shape: a batch that also reads positions runs the ordinary forward.
+        hidden = None if self.graphs is None or positions is not None else self.graphs.run(packed)
         if hidden is None:
             # The varlen kernel reads the bounds on the device; the exact path loops over items in
             # Python, and reading them from a device tensor would stall on a copy in every layer.
@@ -219,7 +237,8 @@ class Executor:
                 cross=packed.cross,
                 pooled_rows=self._pooled_rows(packed),
             )
-        return pool(hidden, packed)  # [N, H]; float32 for MEAN pooling
+        at = None if packed.position_rows is None else hidden.index_select(0, packed.position_rows)
+        return pool(hidden, packed), at  # [N, H], float32 for MEAN pooling; [M, H]
 
     def _fast_packed_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """`packed_forward` with the compiled layers and the fused MLPs in place (where they are set) for the
@@ -233,6 +252,8 @@ class Executor:
         its shape pads them), or None: the whole layer."""
         if self.pooled_layer is None:
             return None
+        if packed.rows_read is not None:  # the positions read are computed too
+            return padded_rows(packed.rows_read, pooled_row_slots(packed.rows_read.shape[0]))
         return padded_rows(packed.pooled_rows, pooled_row_slots(len(packed.host_cu_seqlens) - 1))
 
     def _gathers_keys(self, prompts: Sequence[Prompt]) -> bool:
@@ -283,9 +304,14 @@ class Executor:
         hidden: torch.Tensor = output.last_hidden_state[0]
         return hidden
 
-    def padded_pooled(self, prompts: list[Prompt], token_types: list[Prompt] | None) -> torch.Tensor:
+    def padded_pooled(
+        self,
+        prompts: list[Prompt],
+        token_types: list[Prompt] | None,
+        positions: Sequence[Sequence[int]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Models whose attention cannot be packed: HF's own forward on a right-padded batch, then the same
-        pooling as the packed path: [N, H] (float32 for MEAN)."""
+        pooling as the packed path: [N, H] (float32 for MEAN); and the rows at `positions` [M, H]."""
         count, width = len(prompts), max(len(p) for p in prompts)
         pad = self._loaded.pad_token_id or 0
         ids = np.full((count, width), pad, dtype=np.int64)
@@ -303,10 +329,14 @@ class Executor:
             **extra,
         )
         hidden: torch.Tensor = output.last_hidden_state  # [N, W, H]
+        starts = np.arange(count, dtype=np.int64) * width
+        flat = hidden.reshape(count * width, -1)
+        at = None
+        if positions is not None:
+            at = flat.index_select(0, torch.from_numpy(position_rows(positions, starts)).to(self.device))
         if self.pooling == "mean":
             weights = torch.from_numpy(mask).to(self.device, torch.float32).unsqueeze(-1)  # [N, W, 1]
-            return (hidden.float() * weights).sum(1) / weights.sum(1)
+            return (hidden.float() * weights).sum(1) / weights.sum(1), at
         lengths = np.array([len(p) for p in prompts], dtype=np.int64)
-        starts = np.arange(count, dtype=np.int64) * width
         rows = pooled_positions(prompts, starts, starts + lengths, self.pooling, self._loaded.pad_token_id)
-        return hidden.reshape(count * width, -1).index_select(0, torch.from_numpy(rows).to(self.device))
+        return flat.index_select(0, torch.from_numpy(rows).to(self.device)), at

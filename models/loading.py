@@ -70,6 +70,7 @@ class LoadedModel:
     judge: bool = False  # a causal LM: `head` is its lm_head, scored on label tokens only
     final_softcap: float | None = None  # a judge's cap on its logits, tanh(x / cap) * cap (Gemma 2)
     value_head: bool = False  # a TRL value head on a causal LM: HF's own forward does not compute the score
+    step_separator: int | str | None = None  # config.json's score_worker_step_separator (process rewards)
 
 
 def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -94,7 +95,11 @@ def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, A
         raise ModelLoadError(f"cannot read {str(config_path)!r}: {exc}") from exc
     architectures = config.get("architectures") or []
     judge = is_judge(config)
-    if not judge and not any(str(arch).endswith("ForSequenceClassification") for arch in architectures):
+    if is_process_reward_model(config):
+        # Qwen2.5-Math-PRM's layout: transformers' own classes with its two-layer head; its remote code,
+        # which only defines that head, is never run.
+        config.pop("auto_map", None)
+    elif not judge and not any(str(arch).endswith("ForSequenceClassification") for arch in architectures):
         raise ModelLoadError(
             f"{str(model_dir)!r} holds {architectures or 'no declared architecture'}, not a "
             "*ForSequenceClassification model (classification or reward head) nor a *ForCausalLM judge of "
@@ -113,6 +118,29 @@ def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, A
             f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return config
+
+
+def is_process_reward_model(config: dict[str, Any]) -> bool:
+    """A `*ForProcessRewardModel` of a supported decoder type (Qwen2.5-Math-PRM's layout): the decoder, then
+    `score` = Linear(H, H), ReLU, Linear(H, 2) at every token; its scores are read at step separators."""
+    architectures = [str(arch) for arch in config.get("architectures") or []]
+    return (
+        any(arch.endswith("ForProcessRewardModel") for arch in architectures)
+        and config.get("model_type") in DECODER_MODEL_TYPES
+    )
+
+
+def step_separator(config: dict[str, Any]) -> int | str | None:
+    """The step separator config.json declares (`score_worker_step_separator`: a token id or its text)."""
+    value = config.get("score_worker_step_separator")
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    if isinstance(value, str) and value:
+        return value
+    raise ModelLoadError(
+        f"score_worker_step_separator in config.json is {value!r}; declare the step separator's token id "
+        "(an integer >= 0) or its text, or remove the key"
+    )
 
 
 def is_judge(config: dict[str, Any]) -> bool:
@@ -176,7 +204,7 @@ def declared_head(config: dict[str, Any]) -> dict[str, Any] | None:
     """The head declared in config.json, checked: {"type": "mlp", "activation": one of _ACTIVATIONS}."""
     declared = config.get("score_worker_head")
     if declared is None:
-        return None
+        return {"type": "mlp", "activation": "relu"} if is_process_reward_model(config) else None
     if not isinstance(declared, dict) or declared.get("type") != "mlp":
         raise ModelLoadError(
             f'score_worker_head in config.json is {declared!r}; declare {{"type": "mlp", "activation": '
@@ -396,6 +424,7 @@ def load_model(
         packable=runs_packed,
         judge=judge,
         final_softcap=_final_softcap(model) if judge else None,
+        step_separator=step_separator(config),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -87,6 +87,11 @@ class PackedBatch:
     row_of_token: torch.Tensor | None = None
     cross: PrefixCross | None = None  # with shared prefixes: the suffixes' pass over their prefixes
     shared: SharedKeys | None = None  # with shared prefixes, where asked: each sequence's keys gathered
+    # [M] int64: the row of every position token outputs read (`positions` of `pack`), item by item
+    position_rows: torch.Tensor | None = None
+    # With positions: the pooled rows and the positions' rows, each once, in order (what a last layer
+    # restricted to the rows read computes: models/pooled_rows.py)
+    rows_read: torch.Tensor | None = None
 
 
 def find_shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int) -> list[SharedPrefix]:
@@ -231,8 +236,11 @@ def pack(
     position_pad: int | None = None,
     shared: Sequence[SharedPrefix] = (),
     gather_keys: bool = False,
+    read_at: Sequence[Sequence[int]] | None = None,
 ) -> PackedBatch:
     """Pack non-empty prompts; built on the host with numpy, then moved to `device` in one go each.
+
+    `read_at`: per prompt, the token positions whose rows token outputs read (PackedBatch.position_rows).
 
     `token_types`: segment ids per prompt (BERT). `position_pad`: RoBERTa-style positions, which start at
     the pad id + 1 and leave pad tokens at the pad id, as HF computes them from unpacked input ids.
@@ -242,7 +250,7 @@ def pack(
     if shared:
         if token_types is not None or position_pad is not None:
             raise ValueError("shared prefixes are packed for causal decoders only")
-        return _pack_shared(prompts, shared, device, pooling, pad_id, gather_keys)
+        return _pack_shared(prompts, shared, device, pooling, pad_id, gather_keys, read_at)
     lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
     ends = np.cumsum(lengths)
     starts = ends - lengths
@@ -278,7 +286,36 @@ def pack(
         item_of_token=item_of_token,
         lengths=_to_device(lengths, device, non_blocking),
         max_length=int(lengths.max()),
+        **_rows_read(
+            None if read_at is None else position_rows(read_at, starts),
+            None if pooling == "mean" else pooled_positions(prompts, starts, ends, pooling, pad_id),
+            device,
+            non_blocking,
+        ),
     )
+
+
+def _rows_read(
+    rows: np.ndarray | None, pooled: np.ndarray | None, device: torch.device, non_blocking: bool
+) -> dict[str, Any]:
+    """PackedBatch's position_rows and rows_read, from the host rows of the positions read (None: none)
+    and of the pooled tokens (None for MEAN, which reads every row)."""
+    if rows is None:
+        return {"position_rows": None, "rows_read": None}
+    read = None if pooled is None else np.unique(np.concatenate((pooled, rows)))
+    return {
+        "position_rows": _to_device(rows, device, non_blocking),
+        "rows_read": None if read is None else _to_device(read, device, non_blocking),
+    }
+
+
+def position_rows(positions: Sequence[Sequence[int]], starts: np.ndarray) -> np.ndarray:
+    """The rows of every prompt's `positions`, prompt i's tokens laid out from row starts[i] (a virtual
+    row, for shared prefixes, that `row_of_token` maps to its packed row)."""
+    counts = np.fromiter((len(at) for at in positions), dtype=np.int64, count=len(positions))
+    flat = np.fromiter(itertools.chain.from_iterable(positions), dtype=np.int64, count=int(counts.sum()))
+    rows: np.ndarray = flat + np.repeat(starts, counts)
+    return rows
 
 
 class _SharedLayout(NamedTuple):
@@ -338,6 +375,7 @@ def _pack_shared(
     pooling: Pooling,
     pad_id: int | None,
     gather_keys: bool,
+    read_at: Sequence[Sequence[int]] | None = None,
 ) -> PackedBatch:
     """Every group's shared prefix once, then every group's suffixes (positions continuing after their
     prefix), then every other prompt whole (`_lay_out_shared`): the prefixes, and the suffixes, lie in one
@@ -384,6 +422,13 @@ def _pack_shared(
             rows=_to_device(suffix_rows, device, non_blocking),
         ),
         shared=_shared_keys(keys, device, non_blocking) if gather_keys else None,
+        # A position inside a shared prefix reads the prefix's one row: its state is every member's.
+        **_rows_read(
+            None if read_at is None else row_of_token[position_rows(read_at, starts)],
+            None if mean else row_of_token[pooled_positions(prompts, starts, ends, pooling, pad_id)],
+            device,
+            non_blocking,
+        ),
     )
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from schemas import ErrorCode, ScoreRequest, Truncation
+from schemas import ErrorCode, ScoreRequest, TokenOutputs, Truncation
 from schemas._checks import Input
 
 Prompt = tuple[int, ...]
@@ -25,11 +25,18 @@ class PreparedRequest:
     token_types: tuple[Prompt, ...] | None = None
     # Tokens truncation removed from each prompt; None when the request asked no truncation.
     truncated: tuple[int, ...] | None = None
+    # With token_outputs: per prompt, the positions read (step separators, or the token range), in order.
+    positions: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def num_tokens(self) -> int:
         """Total prompt tokens of the request (what it costs in a batch's token budget)."""
         return sum(len(prompt) for prompt in self.prompts)
+
+    @property
+    def num_positions(self) -> int:
+        """Positions its token outputs read, over all its prompts (0 without token_outputs)."""
+        return sum(len(at) for at in self.positions or ())
 
 
 class PromptError(Exception):
@@ -125,6 +132,8 @@ class PromptBuilder:
     judge: bool = False
     max_request_items: int | None = None
     max_request_tokens: int | None = None
+    # The model's own step separator (config.json): a token id or its text; None: requests must name one.
+    step_separator: int | str | None = None
 
     def prepare(self, request: ScoreRequest) -> PreparedRequest:
         """Build and check every item's prompt; raises PromptError for the first bad item."""
@@ -137,6 +146,7 @@ class PromptBuilder:
                 f"{self.max_request_items} (max_request_items); split it into several requests.",
             )
         self._check_labels(request)
+        self._check_token_outputs(request)
         token_types = None
         if request.messages is not None:
             prompts = self._build_chat(request)
@@ -162,7 +172,58 @@ class PromptBuilder:
             tokenize_s=time.perf_counter() - started,
             token_types=token_types,
             truncated=truncated,
+            positions=self._positions(request, prompts),
         )
+
+    def _check_token_outputs(self, request: ScoreRequest) -> None:
+        if request.token_outputs is None or not request.return_token_scores or self.template is None:
+            return
+        raise PromptError(
+            ErrorCode.TOKEN_OUTPUTS_NOT_SUPPORTED,
+            "This model is a cross-encoder: its head reads the first token through a pooler and means "
+            "nothing at other tokens, so it has no per-token scores; send return_token_scores false "
+            "(hidden states at tokens are available), or use a decoder model.",
+        )
+
+    def _positions(
+        self, request: ScoreRequest, prompts: tuple[Prompt, ...]
+    ) -> tuple[tuple[int, ...], ...] | None:
+        """The positions each prompt's token outputs read: its step separators, or its token range."""
+        if request.token_outputs is None:
+            return None
+        if request.token_outputs is TokenOutputs.STEPS:
+            separator = self.separator_id(request.step_separator)
+            return tuple(tuple(i for i, token in enumerate(p) if token == separator) for p in prompts)
+        start, stop = request.token_range or (None, None)
+        return tuple(tuple(range(len(p))[start:stop]) for p in prompts)
+
+    def separator_id(self, asked: int | str | None) -> int:
+        """The step separator's token id: the request's, else the model's; PromptError when there is none,
+        when it is outside the vocabulary, or when its text is not exactly one token."""
+        separator = asked if asked is not None else self.step_separator
+        if separator is None:
+            raise PromptError(
+                ErrorCode.STEP_SEPARATOR_INVALID,
+                "This model declares no step separator (score_worker_step_separator in its config.json); "
+                "send step_separator, the token id or text that ends each step.",
+            )
+        if isinstance(separator, str):
+            tokenizer = self._text_tokenizer()
+            ids = list(tokenizer(separator, add_special_tokens=False)["input_ids"])
+            if len(ids) != 1:
+                raise PromptError(
+                    ErrorCode.STEP_SEPARATOR_INVALID,
+                    f"step_separator {separator[:64]!r} is {len(ids)} tokens in this model's tokenizer, not "
+                    "one; send the token id of the separator, or a text that is a single token.",
+                )
+            separator = int(ids[0])
+        if separator >= self.vocab_size:
+            raise PromptError(
+                ErrorCode.STEP_SEPARATOR_INVALID,
+                f"step_separator {separator} is outside the model's vocabulary of {self.vocab_size}; send a "
+                "token id of this model's tokenizer.",
+            )
+        return separator
 
     def _check_labels(self, request: ScoreRequest) -> None:
         labels = request.label_token_ids

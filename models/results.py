@@ -4,6 +4,7 @@ result per request, scored or failed."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -12,10 +13,20 @@ from models.interface import BatchStats
 from models.loading import LoadedModel
 from models.packing import Pooling, pooled_positions
 from models.prepare import PreparedRequest
-from models.transfer import item_ranges, wants_hidden
+from models.transfer import HostRows, item_ranges, wants_hidden
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
 
 Scores = list[list[tuple[float, ...]]]  # per request, per item
+
+
+@dataclass(frozen=True)
+class TokenOutputs:
+    """One request's token outputs: per item, the positions read, their scores and hidden states (each
+    None where not asked)."""
+
+    positions: tuple[tuple[int, ...], ...]
+    scores: tuple[Tensor, ...] | None
+    hidden: tuple[Tensor, ...] | None
 
 
 class Head:
@@ -109,6 +120,64 @@ def request_scores(
     return per_request
 
 
+def batch_positions(batch: Sequence[PreparedRequest]) -> list[tuple[int, ...]] | None:
+    """Per prompt of the batch, the positions its token outputs read (() for a request without them); None
+    when no request of the batch reads any."""
+    if not any(p.positions for p in batch):
+        return None
+    return [at for p in batch for at in (p.positions or ((),) * len(p.prompts))]
+
+
+def token_outputs(
+    batch: Sequence[PreparedRequest],
+    logits: torch.Tensor | None,
+    columns: dict[int, int],
+    rows: HostRows | None,
+    width: int,
+) -> list[TokenOutputs | None]:
+    """Each request's token outputs from the batch's host logits at every position read [M, L] and the
+    copied hidden states there (one block per item of the requests that asked), in the batch's order."""
+    blocks = iter(rows.read_blocks() if rows is not None else [])
+    out: list[TokenOutputs | None] = []
+    start = 0
+    for p in batch:
+        if p.positions is None:
+            out.append(None)
+            continue
+        request = p.request
+        scores: list[Tensor] | None = [] if request.return_token_scores else None
+        for at in p.positions:
+            if scores is not None:
+                scores.append(_token_scores(logits, columns, request, start, len(at), width))
+            start += len(at)
+        hidden = None
+        if request.return_token_hidden_states:
+            hidden = tuple(next(blocks) for _ in p.positions)
+        out.append(TokenOutputs(p.positions, None if scores is None else tuple(scores), hidden))
+    return out
+
+
+def _token_scores(
+    logits: torch.Tensor | None,
+    columns: dict[int, int],
+    request: ScoreRequest,
+    start: int,
+    count: int,
+    width: int,
+) -> Tensor:
+    """One item's scores at its positions [P, L] in float32: a judge's in the order of its label ids, with
+    softmax where the request asked."""
+    labels = request.label_token_ids
+    if logits is None or count == 0:
+        return Tensor.from_numpy(np.zeros((count, len(labels) if labels else width), dtype=np.float32))
+    scores = logits[start : start + count]
+    if columns:
+        scores = scores[:, [columns[label] for label in labels or ()]]
+    if request.apply_softmax:
+        scores = torch.softmax(scores, dim=-1)
+    return Tensor.from_numpy(scores.numpy().astype(np.float32, copy=False))
+
+
 def scored(
     batch: Sequence[PreparedRequest],
     scores: Scores,
@@ -116,6 +185,7 @@ def scored(
     model: str,
     forward_s: float,
     copy_s: float,
+    tokens: Sequence[TokenOutputs | None] | None = None,
 ) -> list[ScoreResult]:
     """One OK result per request of a batch, with the batch's timings."""
     tokenize_s = sum(p.tokenize_s for p in batch)
@@ -132,8 +202,13 @@ def scored(
             error=None,
             metadata=p.request.metadata,
             truncated_tokens=p.truncated,
+            token_positions=None if outputs is None else outputs.positions,
+            token_scores=None if outputs is None else outputs.scores,
+            token_hidden_states=None if outputs is None else outputs.hidden,
         )
-        for p, item_scores, rows in zip(batch, scores, hidden, strict=True)
+        for p, item_scores, rows, outputs in zip(
+            batch, scores, hidden, tokens or [None] * len(batch), strict=True
+        )
     ]
 
 

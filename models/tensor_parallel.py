@@ -46,6 +46,7 @@ from models.loading import (
     packable,
     quiet_progress_bars,
     read_config,
+    step_separator,
 )
 
 log = logging.getLogger(__name__)
@@ -437,6 +438,7 @@ def load_sharded(
         pad_token_id=_pad_token_id(model),
         default_pooling="last",
         position_pad=position_pad,
+        step_separator=step_separator(config),
     )
     log.info(
         "rank %d of %d holds %.1f MiB of %s's weights (its heads, MLP columns and vocabulary rows)",

@@ -174,26 +174,59 @@ def _encoder_config(architecture: str, vocab_size: int, num_labels: int) -> Pret
     return config
 
 
+# The two process reward model families (`prm`): "head", Qwen2.5-Math-PRM's layout (a two-class MLP head at
+# every token, read at a special separator token); "lm", Math-Shepherd's (a causal LM read at a step tag
+# through the logits of a "good" and a "bad" token).
+PRM_KINDS = ("head", "lm")
+PRM_SEPARATORS = {"head": "<extra_0>", "lm": " ки"}
+PRM_LABELS = ("+", "-")  # Math-Shepherd's good and bad tokens
+
+
 def write_tiny_model(
-    path: str | Path, architecture: str = "llama", seed: int = 0, num_labels: int = 1, judge: bool = False
+    path: str | Path,
+    architecture: str = "llama",
+    seed: int = 0,
+    num_labels: int = 1,
+    judge: bool = False,
+    prm: str | None = None,
 ) -> Path:
     """Write a random-weight model (safetensors) and its tokenizer to `path`; deterministic from `seed`.
 
     `judge`: a *ForCausalLM of a decoder architecture instead of a classifier (scored on label tokens).
+    `prm`: a process reward model of a decoder architecture (PRM_KINDS), its step separator one token of its
+    tokenizer and declared in config.json (`score_worker_step_separator`).
     Decoders' tokenizers carry a small chat template, so `messages` can be tried on them.
     """
-    if judge and architecture not in DECODERS:
-        raise ValueError(f"a judge is a causal LM: pick a decoder architecture, not {architecture!r}")
+    if prm is not None and prm not in PRM_KINDS:
+        raise ValueError(f"prm must be one of {', '.join(PRM_KINDS)}, not {prm!r}")
+    judge = judge or prm == "lm"
+    if (judge or prm) and architecture not in DECODERS:
+        raise ValueError(f"a judge or PRM is a decoder: pick a decoder architecture, not {architecture!r}")
     target = Path(path)
     target.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(seed, architecture=architecture)
-    config = tiny_config(architecture, tokenizer.get_vocab_size(), num_labels)
+    if prm == "head":
+        tokenizer.add_special_tokens([PRM_SEPARATORS[prm]])  # one id after the trained vocabulary
+    elif prm == "lm":
+        tokenizer.add_tokens([PRM_SEPARATORS[prm]])
+    config = tiny_config(architecture, tokenizer.get_vocab_size(), 2 if prm == "head" else num_labels)
+    prefix = type(config).__name__.removesuffix("Config")
     if judge:
-        config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+        config.architectures = [f"{prefix}ForCausalLM"]
     auto: Any = AutoModelForCausalLM if judge else AutoModelForSequenceClassification
     with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG state
         torch.manual_seed(seed)
         model = auto.from_config(config, dtype=torch.float32)
+        if prm == "head":
+            hidden = config.hidden_size
+            model.score = torch.nn.Sequential(
+                torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2)
+            )
+    if prm == "head":
+        config.architectures = [f"{prefix}ForProcessRewardModel"]
+    architectures = list(
+        config.architectures or ()
+    )  # save_pretrained writes the class's own name into config
     _fill_zero_initialised(model, seed)
     with quiet_progress_bars():
         model.save_pretrained(str(target))
@@ -213,8 +246,21 @@ def write_tiny_model(
         **({} if encoder else {"chat_template": CHAT_TEMPLATE}),
     )
     fast.save_pretrained(str(target))
-    _fix_architectures(target, config)
+    _fix_architectures(target, architectures)
+    if prm is not None:
+        _declare_step_separator(target, prm)
     return target
+
+
+def _declare_step_separator(target: Path, prm: str) -> None:
+    """config.json names the separator; the "head" family's also carries the auto_map of the real model
+    (whose code this directory does not ship: score-worker loads the layout with transformers' classes)."""
+    config_path = target / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved["score_worker_step_separator"] = PRM_SEPARATORS[prm]
+    if prm == "head":
+        saved["auto_map"] = {"AutoModel": "modeling_prm.ProcessRewardModel"}
+    config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
 def _fill_zero_initialised(model: torch.nn.Module, seed: int) -> None:
@@ -229,11 +275,11 @@ def _fill_zero_initialised(model: torch.nn.Module, seed: int) -> None:
                 parameter.copy_(base + noise)
 
 
-def _fix_architectures(target: Path, config: PretrainedConfig) -> None:
+def _fix_architectures(target: Path, architectures: list[str]) -> None:
     """from_config models record their own class; make sure config.json names the classification class."""
     config_path = target / "config.json"
     saved = json.loads(config_path.read_text())
-    saved["architectures"] = config.architectures
+    saved["architectures"] = architectures
     config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
@@ -246,6 +292,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--judge", action="store_true", help="a causal LM scored on label tokens instead of a classifier"
     )
+    parser.add_argument(
+        "--prm",
+        choices=PRM_KINDS,
+        help="a process reward model: 'head' (Qwen2.5-Math-PRM's two-class head at a separator token) or "
+        "'lm' (Math-Shepherd's causal LM read at a step tag)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -253,10 +305,14 @@ def run(args: argparse.Namespace) -> int:
     if args.num_labels < 1:
         print("--num-labels must be at least 1")
         return 2
-    if args.judge and args.architecture not in DECODERS:
-        print(f"--judge needs a decoder architecture ({', '.join(DECODERS)})")
+    if (args.judge or args.prm) and args.architecture not in DECODERS:
+        print(f"--judge and --prm need a decoder architecture ({', '.join(DECODERS)})")
         return 2
-    target = write_tiny_model(args.directory, args.architecture, args.seed, args.num_labels, args.judge)
+    target = write_tiny_model(
+        args.directory, args.architecture, args.seed, args.num_labels, args.judge, args.prm
+    )
     kind = "judge (causal LM)" if args.judge else f"model ({args.num_labels} label(s))"
+    if args.prm:
+        kind = f"process reward model ({args.prm}), step separator {PRM_SEPARATORS[args.prm]!r}"
     print(f"wrote a tiny {args.architecture} {kind}, seed {args.seed}, to {target}")
     return 0

@@ -69,11 +69,26 @@ class HostRows:
             out.append(tuple(row(entry.dtype, begin, begin + width) for begin in range(start, stop, width)))
         return out
 
+    def read_blocks(self) -> list[Tensor]:
+        """One schemas.Tensor [rows, H] per entry of `wanted` (its rows in order; [0, H] for none)."""
+        out: list[Tensor] = []
+        raw = b"" if self.buffer is None else self.buffer.numpy().tobytes()
+        for entry, start in zip(self.wanted, self.offsets, strict=True):
+            shape = (len(entry.rows), self.hidden)
+            stop = start + len(entry.rows) * hidden_row_bytes(self.hidden, entry.dtype)
+            if sys.byteorder == "little":
+                out.append(Tensor(entry.dtype.value, shape, raw[start:stop]))
+            else:
+                out.append(_to_tensor(np.frombuffer(raw[start:stop], dtype=np.uint8), entry.dtype, shape))
+        return out
 
-def _to_tensor(raw: np.ndarray, dtype: HiddenDType) -> Tensor:
+
+def _to_tensor(raw: np.ndarray, dtype: HiddenDType, shape: tuple[int, ...] = (-1,)) -> Tensor:
+    """Host-order bytes as a tensor of `shape`."""
     if dtype is HiddenDType.BFLOAT16:
-        return Tensor.from_bfloat16_bits(raw.view(np.uint16).copy())
-    return Tensor.from_numpy(raw.view(np.float32 if dtype is HiddenDType.FLOAT32 else np.float16).copy())
+        return Tensor.from_bfloat16_bits(raw.view(np.uint16).reshape(shape).copy())
+    values = raw.view(np.float32 if dtype is HiddenDType.FLOAT32 else np.float16)
+    return Tensor.from_numpy(values.reshape(shape).copy())
 
 
 def start_rows_copy(pooled: torch.Tensor, wanted: Sequence[RowRequest]) -> HostRows:
@@ -128,6 +143,28 @@ def start_hidden_copy(
         size = len(entry.rows) * hidden_row_bytes(pooled.shape[1], entry.dtype)
         copied_bytes[entry.dtype.value] = copied_bytes.get(entry.dtype.value, 0) + size
     return start_rows_copy(pooled, [w for w in wanted if w.rows]), copied_bytes
+
+
+def start_position_copy(
+    batch: Sequence[PreparedRequest], at: torch.Tensor | None
+) -> tuple[HostRows | None, dict[str, int]]:
+    """Queue the copy of the hidden states at token positions [M, H] that requests asked for
+    (return_token_hidden_states), one block per item, and count the bytes per dtype."""
+    if at is None:
+        return None, {}
+    wanted: list[RowRequest] = []
+    copied_bytes: dict[str, int] = {}
+    start = 0
+    for p in batch:
+        for item in p.positions or ():
+            rows = tuple(range(start, start + len(item)))
+            start += len(item)
+            if p.request.return_token_hidden_states:
+                dtype = p.request.hidden_states_dtype
+                wanted.append(RowRequest(rows, dtype))
+                size = len(rows) * hidden_row_bytes(at.shape[1], dtype)
+                copied_bytes[dtype.value] = copied_bytes.get(dtype.value, 0) + size
+    return start_rows_copy(at, wanted), copied_bytes
 
 
 def read_hidden(batch: Sequence[PreparedRequest], rows: HostRows | None) -> list[tuple[Tensor, ...] | None]:

@@ -25,7 +25,7 @@ from schemas.headers import (
     request_headers,
     result_headers,
 )
-from schemas.request import ChatMessage, ScoreRequest, Truncation
+from schemas.request import ChatMessage, ScoreRequest, TokenOutputs, Truncation
 from schemas.result import ErrorInfo, ResultStatus, ScoreResult
 from schemas.tensor import HiddenDType, Tensor
 from schemas.topics import DLQ_TOPIC, REQUESTS_TOPIC, RESULTS_TOPIC
@@ -61,6 +61,7 @@ __all__ = [
     "ScoreRequest",
     "ScoreResult",
     "Tensor",
+    "TokenOutputs",
     "Truncation",
     "decode_request",
     "decode_result",

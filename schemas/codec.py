@@ -40,6 +40,11 @@ _REQUEST_FIELDS: dict[str, object] = {
     "requires": None,
     "deadline_ms": None,
     "ttl_ms": None,
+    "token_outputs": None,
+    "step_separator": None,
+    "token_range": None,
+    "return_token_scores": True,
+    "return_token_hidden_states": False,
 }
 _RESULT_FIELDS: dict[str, object] = {
     "request_id": _REQUIRED,
@@ -52,6 +57,9 @@ _RESULT_FIELDS: dict[str, object] = {
     "error": None,
     "metadata": None,
     "truncated_tokens": None,
+    "token_positions": None,
+    "token_scores": None,
+    "token_hidden_states": None,
 }
 
 
@@ -180,6 +188,11 @@ def _result_from_map(message: dict[Any, Any]) -> ScoreResult:
         fields["pooled_hidden_states"] = [
             _tensor_from_wire(tensor, f"pooled_hidden_states[{index}]") for index, tensor in enumerate(pooled)
         ]
+    for name in ("token_scores", "token_hidden_states"):
+        if isinstance(fields[name], list):
+            fields[name] = [
+                _tensor_from_wire(tensor, f"{name}[{i}]") for i, tensor in enumerate(fields[name])
+            ]
     if fields["error"] is not None:
         fields["error"] = _error_from_wire(fields["error"])
     return ScoreResult(version=version, **fields)
@@ -226,6 +239,11 @@ def encode_request(request: ScoreRequest) -> bytes:
         "requires": request.requires,
         "deadline_ms": request.deadline_ms,
         "ttl_ms": request.ttl_ms,
+        "token_outputs": None if request.token_outputs is None else request.token_outputs.value,
+        "step_separator": request.step_separator,
+        "token_range": request.token_range,
+        "return_token_scores": request.return_token_scores,
+        "return_token_hidden_states": request.return_token_hidden_states,
     }
     return _pack(body, request.request_id)
 
@@ -250,8 +268,15 @@ def encode_result(result: ScoreResult) -> bytes:
         "error": None if error is None else {"code": error.code.value, "message": error.message},
         "metadata": result.metadata,
         "truncated_tokens": result.truncated_tokens,
+        "token_positions": result.token_positions,
+        "token_scores": _tensors_to_wire(result.token_scores),
+        "token_hidden_states": _tensors_to_wire(result.token_hidden_states),
     }
     return _pack(body, result.request_id)
+
+
+def _tensors_to_wire(tensors: tuple[Tensor, ...] | None) -> list[dict[str, Any]] | None:
+    return None if tensors is None else [_tensor_to_wire(t) for t in tensors]
 
 
 # Per-part upper bounds of msgpack encodings (bytes): an array or bin header, a float64, an integer, and a
@@ -281,14 +306,20 @@ def _packed_size(value: object) -> int:
 
 
 def result_size_bound(
-    request: ScoreRequest, model: str, items: int, floats_per_item: int, hidden_size: int
+    request: ScoreRequest,
+    model: str,
+    items: int,
+    floats_per_item: int,
+    hidden_size: int,
+    token_positions: int = 0,
 ) -> int:
     """An upper bound of the encoded size of `request`'s OK result, computed without scoring it.
 
     `items` prompts, `floats_per_item` scores each and, when the request asks for them, pooled hidden states
     of `hidden_size` values in its dtype. The metadata and ids are encoded for real; only the parts that
     grow with the items are bounded. Lets a worker refuse a result that cannot fit its record limit before
-    spending model time on it.
+    spending model time on it. `token_positions`: the positions of all items the request's token_outputs
+    read (each a position, a score row and a hidden state where asked).
     """
     # Every field of a result is always written, so swapping one value changes the encoding by exactly the
     # difference of that value's own encodings: the skeleton of this model is encoded once, not per request.
@@ -302,4 +333,11 @@ def result_size_bound(
         size += items * (_TENSOR_MAP + hidden_size * ITEMSIZE[request.hidden_states_dtype.value])
     if request.truncate is not Truncation.NONE:
         size += items * _INT
+    if request.token_outputs is not None:
+        size += 3 * _HEADER + items * _HEADER + token_positions * _INT  # token_positions
+        if request.return_token_scores:
+            size += items * _TENSOR_MAP + token_positions * floats_per_item * ITEMSIZE["float32"]
+        if request.return_token_hidden_states:
+            width = ITEMSIZE[request.hidden_states_dtype.value]
+            size += items * _TENSOR_MAP + token_positions * hidden_size * width
     return size

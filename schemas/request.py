@@ -28,6 +28,7 @@ MAX_LABEL_TOKEN_IDS = 256
 MAX_MESSAGES = 256
 MAX_ROLE_CHARS = 32
 MAX_REQUIRES = 64
+MAX_STEP_SEPARATOR_CHARS = 64
 _SHOWN_UNKNOWN = 3  # unknown names quoted in one sentence; an error result echoes it, so it stays short
 
 
@@ -42,6 +43,84 @@ class Truncation(StrEnum):
 
 
 _TRUNCATIONS = frozenset(truncation.value for truncation in Truncation)
+
+
+class TokenOutputs(StrEnum):
+    """Which tokens of each item get their own outputs beside the item's pooled one."""
+
+    STEPS = "steps"  # every step separator token (process reward models)
+    TOKENS = "tokens"  # every token, or those of `token_range`
+
+
+_TOKEN_OUTPUTS = frozenset(kind.value for kind in TokenOutputs)
+
+
+def check_token_outputs(value: object) -> TokenOutputs | None:
+    """nil, or "steps" or "tokens"."""
+    if value is None or isinstance(value, TokenOutputs):
+        return value
+    if isinstance(value, str) and value in _TOKEN_OUTPUTS:
+        return TokenOutputs(value)
+    shown = quoted(value) if isinstance(value, str) else describe(value)
+    raise invalid(f'token_outputs is {shown}; send nil, "steps" (at each step separator) or "tokens".')
+
+
+def check_step_separator(value: object) -> int | str | None:
+    """nil, a token id, or a string of 1 to 64 characters (which must be one token of the model's)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not 1 <= len(value) <= MAX_STEP_SEPARATOR_CHARS:
+            raise invalid(
+                f"step_separator has {len(value)} characters; send the separator's token id, or its text of "
+                f"1 to {MAX_STEP_SEPARATOR_CHARS} characters."
+            )
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise invalid(
+            f"step_separator must be nil, a token id (an integer >= 0) or the separator's text, not "
+            f"{describe(value)}."
+        )
+    return int(value)
+
+
+def check_token_range(value: object) -> tuple[int | None, int | None] | None:
+    """nil, or [start, stop] as a Python slice of each prompt's tokens: negative counts from the end, nil
+    is the start or the end."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise invalid(
+            f"token_range must be nil or an array [start, stop], not {describe(value)}; e.g. [0, nil] for "
+            f"every token, [-16, nil] for the last 16."
+        )
+    bounds: list[int | None] = []
+    for name, bound in zip(("start", "stop"), value, strict=True):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
+            raise invalid(f"token_range's {name} must be an integer or nil, not {describe(bound)}.")
+        bounds.append(None if bound is None else int(bound))
+    return bounds[0], bounds[1]
+
+
+def _check_token_output_fields(request: ScoreRequest) -> None:
+    """The token-output fields go together: each of them only with the kind that reads it."""
+    kind = request.token_outputs
+    if request.step_separator is not None and kind is not TokenOutputs.STEPS:
+        raise invalid('step_separator is set but token_outputs is not "steps"; send both, or neither.')
+    if request.token_range is not None and kind is not TokenOutputs.TOKENS:
+        raise invalid('token_range is set but token_outputs is not "tokens"; send both, or neither.')
+    if kind is None:
+        if request.return_token_hidden_states:
+            raise invalid(
+                'return_token_hidden_states is true but token_outputs is nil; send token_outputs "steps" or '
+                '"tokens" to say at which tokens.'
+            )
+        return
+    if not (request.return_token_scores or request.return_token_hidden_states):
+        raise invalid(
+            "token_outputs is set but return_token_scores and return_token_hidden_states are both false; ask "
+            "for one of them, or send token_outputs nil."
+        )
 
 
 def check_version(value: object) -> int:
@@ -263,6 +342,12 @@ class ScoreRequest:
     deadline_ms: int | None = None
     # Milliseconds the request stays wanted, counted from its record's timestamp.
     ttl_ms: int | None = None
+    # Outputs at chosen tokens of each item (process rewards at step separators, token-level outputs).
+    token_outputs: TokenOutputs | None = None
+    step_separator: int | str | None = None  # nil: the model's own (config.json score_worker_step_separator)
+    token_range: tuple[int | None, int | None] | None = None  # nil: every token of the prompt
+    return_token_scores: bool = True
+    return_token_hidden_states: bool = False
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -280,7 +365,10 @@ class ScoreRequest:
         query = None if self.query is None else check_input(self.query, "query")
         object.__setattr__(self, "query", query)
         object.__setattr__(self, "items", check_items(self.items, query))
-        for field in ("item_first", "apply_softmax", "return_pooled_hidden_states"):
+        for field in (
+            "item_first", "apply_softmax", "return_pooled_hidden_states", "return_token_scores",
+            "return_token_hidden_states",
+        ):  # fmt: skip
             check_bool(getattr(self, field), field)
         dtype = HiddenDType(check_dtype(self.hidden_states_dtype, "hidden_states_dtype"))
         object.__setattr__(self, "hidden_states_dtype", dtype)
@@ -293,6 +381,10 @@ class ScoreRequest:
             value = getattr(self, field)
             if value is not None:
                 object.__setattr__(self, field, check_int(value, field, minimum))
+        object.__setattr__(self, "token_outputs", check_token_outputs(self.token_outputs))
+        object.__setattr__(self, "step_separator", check_step_separator(self.step_separator))
+        object.__setattr__(self, "token_range", check_token_range(self.token_range))
+        _check_token_output_fields(self)
         check_metadata(self.metadata)
 
     def expires_at_ms(self, record_timestamp_ms: int, default_ttl_ms: int = 0) -> int | None:

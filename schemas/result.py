@@ -78,6 +78,32 @@ def _check_pooled(value: object) -> tuple[Tensor, ...] | None:
     return tuple(value)
 
 
+def _check_positions(value: object) -> tuple[tuple[int, ...], ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise invalid(
+            f"token_positions must be nil or an array of arrays of integers, not {describe(value)}."
+        )
+    rows: list[tuple[int, ...]] = []
+    for index, row in enumerate(value):
+        if isinstance(row, tuple) and set(map(type, row)) <= PLAIN_INT_TYPES and min(row, default=0) >= 0:
+            rows.append(row)  # what the engine builds
+            continue
+        if not isinstance(row, list | tuple):
+            raise invalid(f"token_positions[{index}] must be an array of integers, not {describe(row)}.")
+        rows.append(tuple(check_int(p, f"token_positions[{index}][{j}]", 0) for j, p in enumerate(row)))
+    return tuple(rows)
+
+
+def _check_tensors(value: object, field: str) -> tuple[Tensor, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not all(isinstance(t, Tensor) for t in value):
+        raise invalid(f"{field} must be nil or an array of tensors, not {describe(value)}.")
+    return tuple(value)
+
+
 def _check_truncated(value: object) -> tuple[int, ...] | None:
     if value is None:
         return None
@@ -113,6 +139,11 @@ class ScoreResult:
     error: ErrorInfo | None = None
     metadata: object = None
     truncated_tokens: tuple[int, ...] | None = None
+    # With the request's token_outputs: per item, the positions read (in its prompt, in order), their
+    # scores [P, L] (float32) and hidden states [P, H] (the request's dtype), where asked.
+    token_positions: tuple[tuple[int, ...], ...] | None = None
+    token_scores: tuple[Tensor, ...] | None = None
+    token_hidden_states: tuple[Tensor, ...] | None = None
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -138,6 +169,10 @@ class ScoreResult:
             raise invalid(f"error must be nil or a map {{code, message}}, not {describe(self.error)}.")
         check_metadata(self.metadata)
         object.__setattr__(self, "truncated_tokens", _check_truncated(self.truncated_tokens))
+        object.__setattr__(self, "token_positions", _check_positions(self.token_positions))
+        object.__setattr__(self, "token_scores", _check_tensors(self.token_scores, "token_scores"))
+        hidden = _check_tensors(self.token_hidden_states, "token_hidden_states")
+        object.__setattr__(self, "token_hidden_states", hidden)
         self._check_consistency()
 
     def _check_consistency(self) -> None:
@@ -156,6 +191,7 @@ class ScoreResult:
                     f"truncated_tokens has {len(truncated)} counts for {len(self.scores)} items; send one "
                     f"count per item, or nil."
                 )
+            self._check_token_outputs()
             return
         if self.error is None:
             raise invalid('An "error" result has no error; send error as a map {code, message}.')
@@ -163,6 +199,40 @@ class ScoreResult:
             raise invalid('An "error" result carries scores or hidden states; send scores [] and nil states.')
         if self.truncated_tokens is not None:
             raise invalid('An "error" result carries truncated_tokens; send truncated_tokens nil.')
+        if (self.token_positions, self.token_scores, self.token_hidden_states) != (None, None, None):
+            raise invalid(
+                'An "error" result carries token outputs; send token_positions and its tensors nil.'
+            )
+
+    def _check_token_outputs(self) -> None:
+        """Token outputs come with their positions: one entry per item, one row per position."""
+        positions = self.token_positions
+        tensors = {"token_scores": self.token_scores, "token_hidden_states": self.token_hidden_states}
+        if positions is None:
+            for name, value in tensors.items():
+                if value is not None:
+                    raise invalid(
+                        f"{name} is set without token_positions; send the positions it was read at."
+                    )
+            return
+        if len(positions) != len(self.scores):
+            raise invalid(
+                f"token_positions has {len(positions)} entries for {len(self.scores)} items; send one per "
+                "item."
+            )
+        for name, value in tensors.items():
+            if value is None:
+                continue
+            if len(value) != len(positions):
+                raise invalid(
+                    f"{name} has {len(value)} tensors for {len(positions)} items; send one per item."
+                )
+            for index, (tensor, at) in enumerate(zip(value, positions, strict=True)):
+                if len(tensor.shape) != 2 or tensor.shape[0] != len(at):
+                    raise invalid(
+                        f"{name}[{index}] has shape {list(tensor.shape)} for {len(at)} positions; send "
+                        f"[positions, width]."
+                    )
 
     @property
     def ok(self) -> bool:

@@ -142,7 +142,7 @@ class Intake:
             answer = self.expired(request, expires_at_ms)  # before tokenizing: it costs nothing more
         elif ready is not None:
             prepared = ready[0]
-            answer = self._too_large(request, record.key, len(prepared.prompts))
+            answer = self._too_large(request, record.key, prepared)
         else:
             answer, prepared = self._prepare(request, record.key)
         self._metrics.tokenized(time.perf_counter() - started + (0.0 if ready is None else ready[1]))
@@ -164,23 +164,26 @@ class Intake:
             return self.failure(request, ErrorCode.INTERNAL_ERROR, message), None
         if isinstance(prepared, ScoreResult):
             return prepared, None
-        return self._too_large(request, key, len(prepared.prompts)), prepared
+        return self._too_large(request, key, prepared), prepared
 
-    def _too_large(self, request: ScoreRequest, key: bytes | None, items: int) -> ScoreResult | None:
-        """RESULT_TOO_LARGE before any model time, when the result's size bound breaks the record limit."""
+    def _too_large(self, request: ScoreRequest, key: bytes | None, prepared: Any) -> ScoreResult | None:
+        """RESULT_TOO_LARGE before any model time, when the result's size bound breaks the record limit
+        (token outputs counted at every position the request reads)."""
         floats = self._engine.num_labels
         if request.label_token_ids is not None:
             floats = len(request.label_token_ids)
         hidden = self._engine.hidden_size
-        bound = result_size_bound(request, self._engine.model_name, items, floats, hidden)
+        items = len(prepared.prompts)
+        positions = prepared.num_positions
+        bound = result_size_bound(request, self._engine.model_name, items, floats, hidden, positions)
         size = out_record_size(key, None, result_headers(request.request_id)) + bound
         limit = self._settings.max_record_bytes
         if size <= limit:
             return None
         message = (
-            f"the result of {items} items would be up to {size} bytes, above the record limit of {limit} "
-            "bytes (max_record_bytes); send fewer items or less metadata per request, ask for "
-            "float16/bfloat16 hidden states, or raise the limit"
+            f"the result of {items} items ({positions} token positions) would be up to {size} bytes, above "
+            f"the record limit of {limit} bytes (max_record_bytes); send fewer items or less metadata per "
+            "request, a shorter token_range, ask for float16/bfloat16 hidden states, or raise the limit"
         )
         return self.failure(request, ErrorCode.RESULT_TOO_LARGE, message)
 

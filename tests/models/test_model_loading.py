@@ -149,6 +149,21 @@ def test_make_tiny_model_command(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert result.ok and len(result.scores[0]) == 2
     bad = parser.parse_args([str(tmp_path / "n"), "--num-labels", "0"])
     assert tiny.run(bad) == 2
+    # A process reward model of each family: its step separator declared, its steps scored.
+    for kind in tiny.PRM_KINDS:
+        assert (
+            tiny.run(parser.parse_args([str(tmp_path / kind), "--architecture", "qwen2", "--prm", kind])) == 0
+        )
+        assert "process reward model" in capsys.readouterr().out
+        prm = Scorer(tmp_path / kind, ScorerConfig(device="cpu"))
+        labels = prm.prompt_builder.tokenizer.convert_tokens_to_ids(list(tiny.PRM_LABELS))
+        item = f"one{tiny.PRM_SEPARATORS[kind]} two{tiny.PRM_SEPARATORS[kind]}"
+        request = ScoreRequest(
+            "p", items=(item,), token_outputs="steps", label_token_ids=labels if kind == "lm" else None
+        )
+        (stepped,) = prm.score([request])
+        assert stepped.ok and stepped.token_positions is not None and len(stepped.token_positions[0]) == 2
+    assert tiny.run(parser.parse_args([str(tmp_path / "e"), "--architecture", "bert", "--prm", "head"])) == 2
 
 
 def test_attention_choice_follows_device_and_dtype() -> None:

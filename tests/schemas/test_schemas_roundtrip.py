@@ -124,6 +124,11 @@ def test_wire_form_is_a_plain_map_with_every_field() -> None:
         "requires": None,
         "deadline_ms": None,
         "ttl_ms": None,
+        "token_outputs": None,
+        "step_separator": None,
+        "token_range": None,
+        "return_token_scores": True,
+        "return_token_hidden_states": False,
     }
 
 
@@ -169,7 +174,9 @@ def test_request_without_the_new_keys_decodes_exactly_as_before() -> None:
     assert (decoded.label_token_ids, decoded.messages, decoded.requires) == (None, None, None)
     assert decoded.truncate is Truncation.NONE
     # Nil is the default too, so a producer that writes every key as nil gets the same request.
-    nils = dict.fromkeys(("label_token_ids", "messages", "truncate", "requires", "deadline_ms", "ttl_ms"))
+    nils = dict.fromkeys(
+        ("label_token_ids", "messages", "truncate", "requires", "deadline_ms", "ttl_ms", "token_outputs")
+    ) | dict.fromkeys(("step_separator", "token_range", "return_token_scores", "return_token_hidden_states"))
     assert decode_request(msgpack.packb({**OLD_REQUEST_MAP, **nils})) == decoded
     # Re-encoding adds the new keys with their defaults and changes nothing else.
     wire = msgpack.unpackb(encode_request(decoded))
@@ -181,6 +188,11 @@ def test_request_without_the_new_keys_decodes_exactly_as_before() -> None:
         "requires": None,
         "deadline_ms": None,
         "ttl_ms": None,
+        "token_outputs": None,
+        "step_separator": None,
+        "token_range": None,
+        "return_token_scores": True,
+        "return_token_hidden_states": False,
     }
 
 
@@ -550,3 +562,54 @@ def test_result_size_bound_counts_each_requests_id_and_metadata_exactly(
     )
     expected = len(encode_result(skeleton)) + _INT + 3 * _HEADER
     assert result_size_bound(request, skeleton.model, 0, 1, 8) == expected
+
+
+def test_token_output_fields_round_trip_and_go_together() -> None:
+    request = ScoreRequest(
+        "steps",
+        items=("a",),
+        token_outputs="steps",
+        step_separator="<extra_0>",
+        return_token_hidden_states=True,
+    )
+    assert roundtrip_request(request) == request
+    ranged = ScoreRequest("range", items=((1, 2, 3),), token_outputs="tokens", token_range=[-2, None])
+    assert roundtrip_request(ranged).token_range == (-2, None)
+    bad: list[dict[str, Any]] = [
+        {"token_outputs": "words"},
+        {"token_outputs": "steps", "step_separator": -1},
+        {"token_outputs": "steps", "step_separator": ""},
+        {"token_outputs": "tokens", "token_range": [0]},
+        {"token_outputs": "tokens", "token_range": [0, 1.5]},
+        {"step_separator": 5},  # without "steps"
+        {"token_range": [0, 1]},  # without "tokens"
+        {"return_token_hidden_states": True},  # at no token
+        {"token_outputs": "tokens", "return_token_scores": False},  # asks for nothing
+    ]
+    for fields in bad:
+        with pytest.raises(SchemaError) as error:
+            ScoreRequest("r", items=("a",), **fields)
+        assert error.value.code is ErrorCode.INVALID_REQUEST, fields
+
+
+def test_token_outputs_of_a_result_round_trip_and_are_checked() -> None:
+    scores = (Tensor.from_numpy(np.ones((2, 2), np.float32)), Tensor.from_numpy(np.zeros((0, 2), np.float32)))
+    hidden = (Tensor.from_numpy(np.ones((2, 4), np.float16)), Tensor.from_numpy(np.zeros((0, 4), np.float16)))
+    fields: dict[str, Any] = {
+        "scores": ((0.5,), (0.25,)),
+        "token_positions": ((3, 9), ()),
+        "token_scores": scores,
+        "token_hidden_states": hidden,
+    }
+    result = ScoreResult("r", ResultStatus.OK, **fields)
+    assert roundtrip_result(result) == result
+    wrong: list[dict[str, Any]] = [
+        {**fields, "token_positions": ((3, 9),)},  # one entry for two items
+        {**fields, "token_scores": scores[::-1]},  # rows that do not match the positions
+        {**fields, "token_positions": None},  # tensors without positions
+    ]
+    for bad in wrong:
+        with pytest.raises(SchemaError):
+            ScoreResult("r", ResultStatus.OK, **bad)
+    with pytest.raises(SchemaError):
+        ScoreResult("r", ResultStatus.ERROR, error=ErrorInfo(ErrorCode.MODEL_ERROR, "x"), token_positions=())
