@@ -182,6 +182,7 @@ class Scorer:
             max_request_items=self.config.max_request_items,
             max_request_tokens=self.config.max_request_tokens,
             step_separator=self.model.step_separator,
+            adapters=tuple(self.config.adapter_dirs),
         )
 
     def _shared_prefix_tokens(self, name: str) -> int:
@@ -407,13 +408,21 @@ class Scorer:
                 for p in batch
                 for types in (p.token_types or tuple((0,) * len(prompt) for prompt in p.prompts))
             ]
-        shared = self.plan.shared_prefixes(prompts)  # none where nothing is shared
+        adapters = self._adapters_of(batch)  # per prompt, or None: the base model throughout
+        shared = self.plan.shared_prefixes(prompts, adapters)  # none where nothing is shared
         positions = batch_positions(batch)
-        pooled, at = self.executor.pooled(prompts, token_types, shared, positions)  # [N, H], [M, H]
+        pooled, at = self.executor.pooled(prompts, token_types, shared, positions, adapters)  # [N, H], [M, H]
         logits, columns = self.head.logits(pooled, batch)
         token_logits = None
         if at is not None and any(p.request.return_token_scores for p in batch if p.positions):
             token_logits, _ = self.head.logits(at, batch)  # the same label columns as the pooled rows'
+        if adapters is not None and self.executor.adapters is not None and self.executor.adapters.heads:
+            # Adapters trained with their own head (PEFT's modules_to_save) score their rows with it.
+            per_row = self.config.deterministic
+            self.executor.adapters.apply_heads(logits, pooled, adapters, per_row)
+            if token_logits is not None and at is not None and positions is not None:
+                per_position = [a for a, read in zip(adapters, positions, strict=True) for _ in read]
+                self.executor.adapters.apply_heads(token_logits, at, per_position, per_row)
         timer.mark()  # the forward's end
         # A few bytes per item: softmax on the host needs no extra upload.
         host_logits = to_host_async(logits)
@@ -427,6 +436,12 @@ class Scorer:
             batch, item_counts, started, timer, host_logits, columns, rows, hidden_bytes, packed_tokens,
             token_logits=None if token_logits is None else to_host_async(token_logits), token_rows=token_rows,
         )  # fmt: skip
+
+    def _adapters_of(self, batch: Sequence[PreparedRequest]) -> list[int] | None:
+        """Each prompt's LoRA adapter index (-1: the base model), or None when no request names one."""
+        if not any(p.request.adapter for p in batch):
+            return None
+        return [self._prompts.adapter_index(p.request) for p in batch for _ in p.prompts]
 
     def _collect(
         self, launched: LaunchedBatch

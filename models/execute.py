@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from models.adapters import AdapterSet, load_adapters
 from models.config import ScorerConfig
 from models.errors import ModelLoadError
 from models.fp8 import fp8_supported, quantize_layers
@@ -25,7 +26,7 @@ from models.layers import (
     traced_graphs,
     transformer_layers,
 )
-from models.loading import LoadedModel
+from models.loading import LoadedModel, head_name
 from models.packing import (
     KeyLayout,
     PackedBatch,
@@ -75,6 +76,7 @@ class Executor:
         if config.quantization == "fp8":
             self._quantize_fp8()
         self.fused_mlps = self._fuse_mlps()
+        self.adapters = self._load_adapters()
         self.pooled_layer = self._last_layer_at_pooled_rows()
         self.compiled_layers: CompiledLayers | None = None
         if config.resolve_compile(attention, device):
@@ -113,6 +115,12 @@ class Executor:
             "%s: %d projections of its %d layers run in FP8 e4m3 (%d of other shapes do not)",
             self._loaded.name, replaced, len(layers), kept,
         )  # fmt: skip
+
+    def _load_adapters(self) -> AdapterSet | None:
+        """The LoRA adapters of the `adapters` setting, on the (possibly FP8) projections; None without."""
+        loaded = self._loaded
+        head = None if loaded.judge or loaded.value_head else head_name(loaded.model)
+        return load_adapters(self._config.adapter_dirs, loaded.model, head, self.device, self.dtype)
 
     def _last_layer_at_pooled_rows(self) -> LastLayerAtPooledRows | None:
         """The last layer's row-wise modules restricted to the pooled rows (models/pooled_rows.py), where set,
@@ -170,10 +178,11 @@ class Executor:
         token_types: list[Prompt] | None,
         shared: Sequence[SharedPrefix],
         positions: Sequence[Sequence[int]] | None = None,
+        adapters: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each prompt's pooled hidden state [N, H] (float32 for MEAN), the prefixes of `shared` once; and,
         with `positions` (per prompt, token positions), the hidden states at them [M, H], prompt by prompt
-        (None without)."""
+        (None without). `adapters`: each prompt's LoRA adapter index (-1: the base model)."""
         if self._config.deterministic:
             forward = self.packed_pooled if self._loaded.packable else self.padded_pooled
             # Every item alone: no result depends on what else shares the batch (kernels pick their tiling
@@ -183,6 +192,7 @@ class Executor:
                     [prompt],
                     None if token_types is None else [token_types[index]],
                     positions=None if positions is None else [positions[index]],
+                    adapters=None if adapters is None else [adapters[index]],
                 )
                 for index, prompt in enumerate(prompts)
             ]
@@ -190,8 +200,8 @@ class Executor:
             at = [rows for _, rows in outputs if rows is not None]
             return pooled, torch.cat(at) if at else None
         if self._loaded.packable:
-            return self.packed_pooled(prompts, token_types, shared, positions)
-        return self.padded_pooled(prompts, token_types, positions)
+            return self.packed_pooled(prompts, token_types, shared, positions, adapters)
+        return self.padded_pooled(prompts, token_types, positions, adapters)
 
     def packed_pooled(
         self,
@@ -199,6 +209,7 @@ class Executor:
         token_types: list[Prompt] | None,
         groups: Sequence[SharedPrefix] = (),
         positions: Sequence[Sequence[int]] | None = None,
+        adapters: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the base model on the packed row, the prefixes of shared `groups` once, and pool each item:
         [N, H] (float32 for MEAN); and the rows at `positions` [M, H] where given."""
@@ -212,11 +223,13 @@ class Executor:
             shared=groups,
             gather_keys=bool(groups) and self._gathers_keys(prompts),
             read_at=positions,
+            adapters=self._adapted(adapters),
         )
         # A replayed graph runs no Python forward: the layers are swapped in only where one runs (in the
         # graphs' own forward when they record, and below). Graphs hold the pooled rows' count of their
         # shape: a batch that also reads positions runs the ordinary forward.
-        hidden = None if self.graphs is None or positions is not None else self.graphs.run(packed)
+        plain = positions is not None or packed.adapter_rows is not None
+        hidden = None if self.graphs is None or plain else self.graphs.run(packed)
         if hidden is None:
             # The varlen kernel reads the bounds on the device; the exact path loops over items in
             # Python, and reading them from a device tensor would stall on a copy in every layer.
@@ -227,16 +240,27 @@ class Executor:
                 shared = packed.shared
                 cu_k = shared.cu_seqlens_k if on_device else shared.host_cu_seqlens_k
                 keys = KeyLayout(shared.key_index, cu_k, shared.max_length_k)
-            hidden = self._fast_packed_forward(
-                packed.input_ids,
-                packed.position_ids,
-                cu_seqlens,
-                packed.max_length,
-                packed.token_type_ids,
-                keys=keys,
-                cross=packed.cross,
-                pooled_rows=self._pooled_rows(packed),
-            )
+            if packed.adapter_rows is not None:
+                # Adapters: HF's modules (FP8 ones included) with each adapted projection's delta, every
+                # row computed (the row-restricted last layer, the fused MLP and the compiled layers would
+                # bypass or re-trace the adapted projections).
+                assert self.adapters is not None
+                with self.adapters.active(packed.adapter_rows):
+                    hidden = self.packed_forward(
+                        packed.input_ids, packed.position_ids, cu_seqlens, packed.max_length,
+                        packed.token_type_ids, keys=keys, cross=packed.cross,
+                    )  # fmt: skip
+            else:
+                hidden = self._fast_packed_forward(
+                    packed.input_ids,
+                    packed.position_ids,
+                    cu_seqlens,
+                    packed.max_length,
+                    packed.token_type_ids,
+                    keys=keys,
+                    cross=packed.cross,
+                    pooled_rows=self._pooled_rows(packed),
+                )
         at = None if packed.position_rows is None else hidden.index_select(0, packed.position_rows)
         return pool(hidden, packed), at  # [N, H], float32 for MEAN pooling; [M, H]
 
@@ -246,6 +270,12 @@ class Executor:
         path). Swapping them costs host time, which a replayed graph does not spend."""
         with self.compiled_layers or contextlib.nullcontext(), self.fused_mlps or contextlib.nullcontext():
             return self.packed_forward(*args, **kwargs)
+
+    def _adapted(self, adapters: Sequence[int] | None) -> Sequence[int] | None:
+        """`adapters` where some prompt has one (None: the base model throughout)."""
+        if adapters is None or self.adapters is None or max(adapters, default=-1) < 0:
+            return None
+        return adapters
 
     def _pooled_rows(self, packed: PackedBatch) -> torch.Tensor | None:
         """The rows at which a batch's last layer computes its row-wise modules (padded as a CUDA graph of
@@ -309,6 +339,7 @@ class Executor:
         prompts: list[Prompt],
         token_types: list[Prompt] | None,
         positions: Sequence[Sequence[int]] | None = None,
+        adapters: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Models whose attention cannot be packed: HF's own forward on a right-padded batch, then the same
         pooling as the packed path: [N, H] (float32 for MEAN); and the rows at `positions` [M, H]."""
@@ -323,11 +354,16 @@ class Executor:
             if token_types is not None:
                 types[row, : len(prompt)] = token_types[row]
         extra = {} if token_types is None else {"token_type_ids": torch.from_numpy(types).to(self.device)}
-        output = self._loaded.base(
-            input_ids=torch.from_numpy(ids).to(self.device),
-            attention_mask=torch.from_numpy(mask).to(self.device),
-            **extra,
-        )
+        adapted: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if (chosen := self._adapted(adapters)) is not None and self.adapters is not None:
+            rows = np.repeat(np.asarray(chosen, dtype=np.int64), width)  # every padded row of each prompt
+            adapted = self.adapters.active(torch.from_numpy(rows).to(self.device))
+        with adapted:
+            output = self._loaded.base(
+                input_ids=torch.from_numpy(ids).to(self.device),
+                attention_mask=torch.from_numpy(mask).to(self.device),
+                **extra,
+            )
         hidden: torch.Tensor = output.last_hidden_state  # [N, W, H]
         starts = np.arange(count, dtype=np.int64) * width
         flat = hidden.reshape(count * width, -1)

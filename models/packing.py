@@ -92,6 +92,8 @@ class PackedBatch:
     # With positions: the pooled rows and the positions' rows, each once, in order (what a last layer
     # restricted to the rows read computes: models/pooled_rows.py)
     rows_read: torch.Tensor | None = None
+    # [T] int64: the LoRA adapter of every row (-1: the base model); None when no prompt has one
+    adapter_rows: torch.Tensor | None = None
 
 
 def find_shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int) -> list[SharedPrefix]:
@@ -237,8 +239,12 @@ def pack(
     shared: Sequence[SharedPrefix] = (),
     gather_keys: bool = False,
     read_at: Sequence[Sequence[int]] | None = None,
+    adapters: Sequence[int] | None = None,
 ) -> PackedBatch:
     """Pack non-empty prompts; built on the host with numpy, then moved to `device` in one go each.
+
+    `adapters`: per prompt, its LoRA adapter's index (-1: none), for PackedBatch.adapter_rows; a shared
+    prefix must be shared by prompts of one adapter.
 
     `read_at`: per prompt, the token positions whose rows token outputs read (PackedBatch.position_rows).
 
@@ -250,7 +256,7 @@ def pack(
     if shared:
         if token_types is not None or position_pad is not None:
             raise ValueError("shared prefixes are packed for causal decoders only")
-        return _pack_shared(prompts, shared, device, pooling, pad_id, gather_keys, read_at)
+        return _pack_shared(prompts, shared, device, pooling, pad_id, gather_keys, read_at, adapters)
     lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
     ends = np.cumsum(lengths)
     starts = ends - lengths
@@ -292,6 +298,9 @@ def pack(
             device,
             non_blocking,
         ),
+        adapter_rows=None
+        if adapters is None
+        else _to_device(np.repeat(np.asarray(adapters, dtype=np.int64), lengths), device, non_blocking),
     )
 
 
@@ -376,6 +385,7 @@ def _pack_shared(
     pad_id: int | None,
     gather_keys: bool,
     read_at: Sequence[Sequence[int]] | None = None,
+    adapters: Sequence[int] | None = None,
 ) -> PackedBatch:
     """Every group's shared prefix once, then every group's suffixes (positions continuing after their
     prefix), then every other prompt whole (`_lay_out_shared`): the prefixes, and the suffixes, lie in one
@@ -429,7 +439,18 @@ def _pack_shared(
             device,
             non_blocking,
         ),
+        adapter_rows=None
+        if adapters is None
+        else _to_device(_row_adapters(rows_of, adapters, row), device, non_blocking),
     )
+
+
+def _row_adapters(rows_of: Sequence[np.ndarray], adapters: Sequence[int], rows: int) -> np.ndarray:
+    """The adapter of every packed row: its prompt's (a shared prefix's rows, its members' one adapter)."""
+    out = np.full(rows, -1, dtype=np.int64)
+    for prompt_rows, adapter in zip(rows_of, adapters, strict=True):
+        out[prompt_rows] = adapter
+    return out
 
 
 def _shared_keys(keys: Sequence[np.ndarray], device: torch.device, non_blocking: bool) -> SharedKeys:

@@ -213,7 +213,9 @@ class BatchPlan:
         """`joins`, where requests can share a prefix; else None."""
         return self.joins if self.shares_prefixes else None
 
-    def shared_prefixes(self, prompts: Sequence[Prompt]) -> list[SharedPrefix]:
+    def shared_prefixes(
+        self, prompts: Sequence[Prompt], keys: Sequence[int] | None = None
+    ) -> list[SharedPrefix]:
         """The prefixes a batch of these prompts computes once (models.packing.find_shared_prefixes; none
         without sharing), remembered for the last prompts asked about: the batch a caller has just measured
         (the worker's batcher, the engine's split) is the batch launched next, and finding a large batch's
@@ -222,9 +224,22 @@ class BatchPlan:
         intake thread while the model thread launches)."""
         if not self.shares_prefixes:
             return []
+        if keys is not None and len(set(keys)) > 1:
+            return _keyed_prefixes(prompts, keys, self.min_shared_tokens)
         memo = self._memo
         if memo is not None and len(memo[0]) == len(prompts) and all(map(operator.is_, memo[0], prompts)):
             return list(memo[1])
         groups = find_shared_prefixes(prompts, self.min_shared_tokens)
         self._memo = (tuple(prompts), tuple(groups))
         return groups
+
+
+def _keyed_prefixes(prompts: Sequence[Prompt], keys: Sequence[int], min_tokens: int) -> list[SharedPrefix]:
+    """Shared prefixes only among prompts of one key (one LoRA adapter: the same tokens give other states
+    under another adapter), in the batch's prompt indices."""
+    groups: list[SharedPrefix] = []
+    for key in sorted(set(keys)):
+        members = [index for index, k in enumerate(keys) if k == key]
+        for group in find_shared_prefixes([prompts[i] for i in members], min_tokens):
+            groups.append(SharedPrefix(tuple(members[i] for i in group.members), group.length))
+    return sorted(groups, key=lambda g: g.members[0])

@@ -134,6 +134,11 @@ class PromptBuilder:
     max_request_tokens: int | None = None
     # The model's own step separator (config.json): a token id or its text; None: requests must name one.
     step_separator: int | str | None = None
+    adapters: tuple[str, ...] = ()  # the LoRA adapters served, by name
+
+    def adapter_index(self, request: ScoreRequest) -> int:
+        """The index of the request's adapter among those served (-1: the base model)."""
+        return -1 if request.adapter is None else self.adapters.index(request.adapter)
 
     def prepare(self, request: ScoreRequest) -> PreparedRequest:
         """Build and check every item's prompt; raises PromptError for the first bad item."""
@@ -147,6 +152,7 @@ class PromptBuilder:
             )
         self._check_labels(request)
         self._check_token_outputs(request)
+        self._check_adapter(request)
         token_types = None
         if request.messages is not None:
             prompts = self._build_chat(request)
@@ -173,6 +179,16 @@ class PromptBuilder:
             token_types=token_types,
             truncated=truncated,
             positions=self._positions(request, prompts),
+        )
+
+    def _check_adapter(self, request: ScoreRequest) -> None:
+        if request.adapter is None or request.adapter in self.adapters:
+            return
+        served = ", ".join(repr(name) for name in self.adapters[:8]) or "none"
+        raise PromptError(
+            ErrorCode.ADAPTER_NOT_FOUND,
+            f"This worker serves no adapter named {request.adapter[:128]!r} (it serves {served}); send one "
+            "of those names, or adapter nil for the base model.",
         )
 
     def _check_token_outputs(self, request: ScoreRequest) -> None:

@@ -3,9 +3,10 @@ in code takes them in models.config.ScorerConfig. Pydantic alone, no torch: the 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 CompileChoice = Literal["auto", "on", "off"]
 GraphChoice = Literal["auto", "on", "off"]
@@ -100,6 +101,11 @@ class EngineSettings(BaseModel):
         description="load weights from pickle files (pytorch_model.bin) when a model has no safetensors; "
         "unpickling can run code: opt in knowingly",
     )
+    adapters: str = Field(
+        "",
+        description="LoRA adapters served beside the model, as name=directory,name2=directory2 (PEFT "
+        "directories); a request names one in its adapter field, and a batch mixing them runs as one forward",
+    )
     max_batch_tokens: int = Field(8192, gt=0, description="token budget of one model batch")
     # Limits: each checked before any model work, each with its own error code (schemas/README.md).
     max_request_items: int | None = Field(
@@ -124,6 +130,26 @@ class EngineSettings(BaseModel):
             raise ValueError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N")
         return value
 
+    @field_validator("adapters")
+    @classmethod
+    def _check_adapters(cls, value: str) -> str:
+        parse_adapters(value)
+        return value
+
+    @model_validator(mode="after")
+    def _adapters_on_one_device(self) -> EngineSettings:
+        if self.adapters and self.tensor_parallel > 1:
+            raise ValueError(
+                "adapters run on a model on one device: tensor_parallel splits the base projections, not "
+                "their adapters; serve adapters with tensor_parallel 1, or merge them into the weights"
+            )
+        return self
+
+    @property
+    def adapter_dirs(self) -> dict[str, Path]:
+        """`adapters` by name."""
+        return parse_adapters(self.adapters)
+
     @property
     def graph_tokens(self) -> int:
         """The largest batch CUDA graphs replay: graph_max_tokens, or the whole budget when unset."""
@@ -132,3 +158,17 @@ class EngineSettings(BaseModel):
     def engine_settings(self) -> dict[str, Any]:
         """These settings by name (of a model that embeds them, only theirs)."""
         return {name: getattr(self, name) for name in EngineSettings.model_fields}
+
+
+def parse_adapters(value: str) -> dict[str, Path]:
+    """`name=directory,name2=directory2` as a mapping; ValueError for a malformed entry or a repeated name."""
+    adapters: dict[str, Path] = {}
+    for entry in filter(None, (part.strip() for part in value.split(","))):
+        name, equals, directory = entry.partition("=")
+        name = name.strip()
+        if not equals or not name or not directory.strip():
+            raise ValueError(f"{entry!r} is not name=directory; list adapters as name=dir,name2=dir2")
+        if name in adapters:
+            raise ValueError(f"adapter {name!r} is listed twice")
+        adapters[name] = Path(directory.strip())
+    return adapters

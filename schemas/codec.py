@@ -45,6 +45,7 @@ _REQUEST_FIELDS: dict[str, object] = {
     "token_range": None,
     "return_token_scores": True,
     "return_token_hidden_states": False,
+    "adapter": None,
 }
 _RESULT_FIELDS: dict[str, object] = {
     "request_id": _REQUIRED,
@@ -244,6 +245,7 @@ def encode_request(request: ScoreRequest) -> bytes:
         "token_range": request.token_range,
         "return_token_scores": request.return_token_scores,
         "return_token_hidden_states": request.return_token_hidden_states,
+        "adapter": request.adapter,
     }
     return _pack(body, request.request_id)
 

@@ -102,6 +102,21 @@ def check_token_range(value: object) -> tuple[int | None, int | None] | None:
     return bounds[0], bounds[1]
 
 
+MAX_ADAPTER_CHARS = 128
+
+
+def check_adapter(value: object) -> str | None:
+    """nil, or an adapter's name of 1 to 128 characters."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ADAPTER_CHARS:
+        raise invalid(
+            f"adapter must be nil or an adapter's name of 1 to {MAX_ADAPTER_CHARS} characters, not "
+            f"{describe(value)}."
+        )
+    return value
+
+
 def _check_token_output_fields(request: ScoreRequest) -> None:
     """The token-output fields go together: each of them only with the kind that reads it."""
     kind = request.token_outputs
@@ -348,6 +363,8 @@ class ScoreRequest:
     token_range: tuple[int | None, int | None] | None = None  # nil: every token of the prompt
     return_token_scores: bool = True
     return_token_hidden_states: bool = False
+    # The LoRA adapter (by the name a worker serves it under) to score with; nil: the base model.
+    adapter: str | None = None
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -385,6 +402,7 @@ class ScoreRequest:
         object.__setattr__(self, "step_separator", check_step_separator(self.step_separator))
         object.__setattr__(self, "token_range", check_token_range(self.token_range))
         _check_token_output_fields(self)
+        object.__setattr__(self, "adapter", check_adapter(self.adapter))
         check_metadata(self.metadata)
 
     def expires_at_ms(self, record_timestamp_ms: int, default_ttl_ms: int = 0) -> int | None:

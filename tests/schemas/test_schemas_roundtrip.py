@@ -129,6 +129,7 @@ def test_wire_form_is_a_plain_map_with_every_field() -> None:
         "token_range": None,
         "return_token_scores": True,
         "return_token_hidden_states": False,
+        "adapter": None,
     }
 
 
@@ -176,7 +177,9 @@ def test_request_without_the_new_keys_decodes_exactly_as_before() -> None:
     # Nil is the default too, so a producer that writes every key as nil gets the same request.
     nils = dict.fromkeys(
         ("label_token_ids", "messages", "truncate", "requires", "deadline_ms", "ttl_ms", "token_outputs")
-    ) | dict.fromkeys(("step_separator", "token_range", "return_token_scores", "return_token_hidden_states"))
+    ) | dict.fromkeys(
+        ("step_separator", "token_range", "return_token_scores", "return_token_hidden_states", "adapter")
+    )
     assert decode_request(msgpack.packb({**OLD_REQUEST_MAP, **nils})) == decoded
     # Re-encoding adds the new keys with their defaults and changes nothing else.
     wire = msgpack.unpackb(encode_request(decoded))
@@ -193,6 +196,7 @@ def test_request_without_the_new_keys_decodes_exactly_as_before() -> None:
         "token_range": None,
         "return_token_scores": True,
         "return_token_hidden_states": False,
+        "adapter": None,
     }
 
 

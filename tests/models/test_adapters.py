@@ -1,0 +1,201 @@
+"""LoRA adapters: a batch mixing several adapters and the base model equals, request by request, the model
+with that adapter merged into its weights by PEFT (float32, HF's own forward), on every decoder family;
+adapters with their own trained head; prefixes shared only within an adapter; token outputs and the
+deterministic setting under adapters; the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from scoring_testkit import assert_forward_close, hf_reference, hidden_of, load_reference_model, scores_of
+from transformers import AutoModelForSequenceClassification
+
+from models import ModelLoadError, Scorer, ScorerConfig
+from models.tiny import DECODERS
+from schemas import ErrorCode, ScoreRequest, ScoreResult
+
+# Adapter name -> (rank, which projections, rsLoRA, its own trained head)
+ADAPTERS = {
+    "full": (4, "all", False, True),
+    "attn": (8, "attention", True, False),
+    "mlp": (2, "mlp", False, True),
+}
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+
+
+def _targets(model: Any, which: str) -> list[str]:
+    """The names of the decoder layers' linear projections to adapt (Phi-3's fused ones included)."""
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and ".layers." in name
+    }
+    if which == "attention":
+        names &= set(_ATTENTION)
+    elif which == "mlp":
+        names -= set(_ATTENTION)
+    return sorted(names)
+
+
+def _write_adapter(base_dir: Path, target: Path, name: str, seed: int) -> Path:
+    """A PEFT LoRA adapter of the tiny model with random factors (PEFT initialises B to zero: no effect)."""
+    rank, which, rslora, own_head = ADAPTERS[name]
+    model = AutoModelForSequenceClassification.from_pretrained(str(base_dir))
+    config = LoraConfig(
+        task_type="SEQ_CLS",
+        r=rank,
+        lora_alpha=2 * rank,
+        use_rslora=rslora,
+        target_modules=_targets(model, which),
+    )
+    if not own_head:
+        config.modules_to_save = None
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, parameter in peft_model.named_parameters():
+            if "lora_" in key or "modules_to_save" in key:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    peft_model.save_pretrained(str(target))
+    return target
+
+
+@functools.cache
+def _adapters(base_dir: Path, root: str) -> dict[str, Path]:
+    return {
+        name: _write_adapter(base_dir, Path(root) / f"{base_dir.name}-{name}", name, seed)
+        for seed, name in enumerate(ADAPTERS)
+    }
+
+
+@functools.cache
+def _merged(base_dir: Path, adapter_dir: Path) -> Any:
+    """PEFT's merge of the adapter into a float32 copy of the model (eager attention): the reference."""
+    return (
+        PeftModel.from_pretrained(load_reference_model(base_dir), str(adapter_dir)).merge_and_unload().eval()
+    )
+
+
+@pytest.fixture(scope="module")
+def adapter_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("adapters"))
+
+
+def _setting(adapters: dict[str, Path]) -> str:
+    return ",".join(f"{name}={directory}" for name, directory in adapters.items())
+
+
+def _ids(seed: int, count: int, length: int, vocab: int = 500) -> list[tuple[int, ...]]:
+    generator = np.random.default_rng(seed)
+    return [tuple(int(t) for t in generator.integers(4, vocab, size=length - i)) for i in range(count)]
+
+
+@pytest.mark.parametrize("architecture", DECODERS)
+def test_a_mixed_adapter_batch_equals_each_adapter_merged(
+    model_dirs: dict[str, Path], adapter_root: str, architecture: str
+) -> None:
+    base_dir = model_dirs[architecture]
+    adapters = _adapters(base_dir, adapter_root)
+    scorer = Scorer(base_dir, ScorerConfig(device="cpu", adapters=_setting(adapters)))
+    chosen = [None, "full", "attn", "mlp", "full", None]
+    requests = [
+        ScoreRequest(
+            f"r{index}",
+            items=_ids(index, 3, 20),
+            query=(5, 6, 7),
+            adapter=name,
+            return_pooled_hidden_states=True,
+        )
+        for index, name in enumerate(chosen)
+    ]
+    results = scorer.score(requests)  # one batch: every adapter and the base model together
+    for request, result, name in zip(requests, results, chosen, strict=True):
+        assert result.ok, result.error
+        prompts = [(5, 6, 7, *item) for item in request.items]
+        model = None if name is None else _merged(base_dir, adapters[name])
+        reference = hf_reference(base_dir, prompts, model=model)
+        assert_forward_close(scores_of(result), reference.logits, base_dir, longest=23)
+        assert_forward_close(hidden_of(result), reference.hidden, base_dir, longest=23)
+    # An adapter's delta and its head move the scores: equal scores would prove nothing above.
+    (plain,) = scorer.score([ScoreRequest("b", items=requests[1].items, query=(5, 6, 7))])
+    assert not np.allclose(scores_of(plain), scores_of(results[1]), atol=1e-3)
+
+
+def test_prefixes_are_shared_only_within_an_adapter(tiny_llama_dir: Path, adapter_root: str) -> None:
+    adapters = _adapters(tiny_llama_dir, adapter_root)
+    scorer = Scorer(
+        tiny_llama_dir, ScorerConfig(device="cpu", adapters=_setting(adapters), share_prefix_min_tokens=4)
+    )
+    query = tuple(range(10, 40))
+    chosen = ["full", "full", "attn", None]
+    requests = [
+        ScoreRequest(f"s{i}", items=_ids(i, 2, 6), query=query, adapter=a) for i, a in enumerate(chosen)
+    ]
+    prompts = [(*query, *item) for request in requests for item in request.items]
+    keys = [scorer.prompt_builder.adapter_index(r) for r in requests for _ in r.items]
+    groups = scorer.plan.shared_prefixes(prompts, keys)
+    assert groups and all(len({keys[m] for m in group.members}) == 1 for group in groups)
+    assert {keys[group.members[0]] for group in groups} == set(keys)  # every adapter shares within itself
+    results = scorer.score(requests)
+    for request, result, name in zip(requests, results, chosen, strict=True):
+        model = None if name is None else _merged(tiny_llama_dir, adapters[name])
+        item_prompts = [(*query, *item) for item in request.items]
+        reference = hf_reference(tiny_llama_dir, item_prompts, model=model)
+        assert_forward_close(scores_of(result), reference.logits, tiny_llama_dir, longest=36)
+
+
+def test_token_outputs_and_the_deterministic_setting_under_adapters(
+    tiny_qwen3_dir: Path, adapter_root: str
+) -> None:
+    adapters = _adapters(tiny_qwen3_dir, adapter_root)
+    scorer = Scorer(
+        tiny_qwen3_dir, ScorerConfig(device="cpu", adapters=_setting(adapters), deterministic=True)
+    )
+    request = ScoreRequest(
+        "tokens", items=_ids(3, 2, 12), adapter="mlp", token_outputs="tokens", token_range=(-4, None),
+        return_token_hidden_states=True,
+    )  # fmt: skip
+    alone = scorer.score([request])[0]
+    beside = scorer.score([ScoreRequest("other", items=_ids(9, 4, 30), adapter="full"), request])[1]
+    # bit-identical whatever shares its batch (the batch's timings aside)
+    assert dataclasses.replace(alone, timings={}) == dataclasses.replace(beside, timings={})
+    merged = _merged(tiny_qwen3_dir, adapters["mlp"])
+    for index, item in enumerate(request.items):
+        with torch.inference_mode():
+            out = merged(input_ids=torch.tensor([item]), output_hidden_states=True)
+        hidden = out.hidden_states[-1][0][-4:].numpy()
+        logits = merged.score(out.hidden_states[-1][0][-4:]).numpy()  # the adapter's own head, per token
+        assert alone.token_hidden_states is not None and alone.token_scores is not None
+        assert_forward_close(alone.token_hidden_states[index].to_numpy(), hidden, tiny_qwen3_dir, longest=12)
+        assert_forward_close(alone.token_scores[index].to_numpy(), logits, tiny_qwen3_dir, longest=12)
+
+
+def test_unknown_adapters_and_adapters_that_cannot_run_are_refused(
+    tiny_llama_dir: Path, adapter_root: str, tmp_path: Path
+) -> None:
+    adapters = _adapters(tiny_llama_dir, adapter_root)
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", adapters=_setting(adapters)))
+    refused = scorer.prepare(ScoreRequest("x", items=["a"], adapter="nope"))
+    assert isinstance(refused, ScoreResult) and refused.error is not None
+    assert refused.error.code is ErrorCode.ADAPTER_NOT_FOUND and "'full'" in refused.error.message
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (dora / name).write_bytes((adapters["full"] / name).read_bytes())
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ModelLoadError, match="use_dora"):
+        Scorer(tiny_llama_dir, ScorerConfig(device="cpu", adapters=f"d={dora}"))
+    other = adapters["attn"]
+    with pytest.raises(ValueError, match="twice"):
+        ScorerConfig(adapters=f"a={other},a={other}")
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        ScorerConfig(adapters=f"a={other}", tensor_parallel=2)
