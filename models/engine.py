@@ -18,6 +18,7 @@ from models.attention import register_attention
 from models.config import ScorerConfig
 from models.errors import DeviceLostError, ModelLoadError
 from models.execute import Executor
+from models.heads import HeadScores, NamedHeads, head_scores
 from models.interface import BatchObserver, ModelInfo, PendingScores
 from models.layers import is_causal_decoder
 from models.loading import LoadedModel, load_model, read_config
@@ -70,6 +71,8 @@ class LaunchedBatch:
     # hidden states there (None where the batch reads no position).
     token_logits: torch.Tensor | None = None
     token_rows: HostRows | None = None
+    # The extra heads the batch's requests name: per head, its rows and scores on their way to the host.
+    head_outputs: dict[str, tuple[list[int], torch.Tensor]] | None = None
 
 
 Finished = LaunchedBatch | list[ScoreResult]  # a batch on the device, or its results already
@@ -139,6 +142,10 @@ class Scorer:
             self.attention = "plain"  # the model's own attention on a padded batch (Executor.padded_pooled)
             self.attention_kernel = "none"
             log.info("%s cannot run packed: it takes the plain padded path", name)
+        self.named_heads: NamedHeads | None = None
+        if self.config.head_dirs:
+            hidden = int(self.model.model.config.get_text_config().hidden_size)
+            self.named_heads = NamedHeads(self.config.head_dirs, hidden, self.device, self.dtype)
         self._prompts = self._prompt_builder()
         self.pooling = self.config.resolve_pooling(self.model.default_pooling)
         self.head = Head(self.model, self.device, self.dtype, self.pooling, per_row=self.config.deterministic)
@@ -183,6 +190,7 @@ class Scorer:
             max_request_tokens=self.config.max_request_tokens,
             step_separator=self.model.step_separator,
             adapters=tuple(self.config.adapter_dirs),
+            heads=tuple(self.named_heads.widths.items()) if self.named_heads is not None else (),
         )
 
     def _shared_prefix_tokens(self, name: str) -> int:
@@ -345,7 +353,7 @@ class Scorer:
             return launched
         batch = launched.batch
         try:
-            scores, hidden, tokens, forward_s, copy_s = self._collect(launched)
+            scores, hidden, tokens, named, forward_s, copy_s = self._collect(launched)
         except DeviceLostError:
             raise
         except Exception as exc:  # a kernel error surfaces where the host waits for the device
@@ -362,7 +370,7 @@ class Scorer:
                     compiled_graphs=launched.compiled_graphs,
                 )
             )  # fmt: skip
-        return scored(batch, scores, hidden, self.model_name, forward_s, copy_s, tokens)
+        return scored(batch, scores, hidden, self.model_name, forward_s, copy_s, tokens, named)
 
     def _after_failure(
         self, batch: list[PreparedRequest], exc: Exception, on_batch: BatchObserver | None, started: float
@@ -423,6 +431,9 @@ class Scorer:
             if token_logits is not None and at is not None and positions is not None:
                 per_position = [a for a, read in zip(adapters, positions, strict=True) for _ in read]
                 self.executor.adapters.apply_heads(token_logits, at, per_position, per_row)
+        head_outputs = None
+        if self.named_heads is not None and any(p.request.heads for p in batch):
+            head_outputs = self.named_heads.launch(pooled, batch, item_counts, self.config.deterministic)
         timer.mark()  # the forward's end
         # A few bytes per item: softmax on the host needs no extra upload.
         host_logits = to_host_async(logits)
@@ -435,6 +446,7 @@ class Scorer:
         return LaunchedBatch(
             batch, item_counts, started, timer, host_logits, columns, rows, hidden_bytes, packed_tokens,
             token_logits=None if token_logits is None else to_host_async(token_logits), token_rows=token_rows,
+            head_outputs=head_outputs,
         )  # fmt: skip
 
     def _adapters_of(self, batch: Sequence[PreparedRequest]) -> list[int] | None:
@@ -445,19 +457,35 @@ class Scorer:
 
     def _collect(
         self, launched: LaunchedBatch
-    ) -> tuple[Scores, list[tuple[Tensor, ...] | None], list[TokenOutputs | None], float, float]:
+    ) -> tuple[
+        Scores,
+        list[tuple[Tensor, ...] | None],
+        list[TokenOutputs | None],
+        list[HeadScores | None],
+        float,
+        float,
+    ]:
         """Wait for a launched batch: per-request scores, hidden states and token outputs, forward and copy
         seconds."""
         forward_s, copy_s = launched.timer.wait(launched.started)
         batch = launched.batch
         if launched.logits is None:
             hidden: list[tuple[Tensor, ...] | None] = [() if wants_hidden(p) else None for p in batch]
-            return [[] for _ in batch], hidden, token_outputs(batch, None, {}, None, 0), 0.0, 0.0
+            nothing = token_outputs(batch, None, {}, None, 0)
+            return (
+                [[] for _ in batch],
+                hidden,
+                nothing,
+                head_scores({}, batch, launched.item_counts),
+                0.0,
+                0.0,
+            )
         scores = request_scores(launched.logits, launched.columns, batch, launched.item_counts)
         tokens = token_outputs(
             batch, launched.token_logits, launched.columns, launched.token_rows, self.head.width
         )
-        return scores, read_hidden(batch, launched.rows), tokens, forward_s, copy_s
+        named = head_scores(launched.head_outputs or {}, batch, launched.item_counts)
+        return scores, read_hidden(batch, launched.rows), tokens, named, forward_s, copy_s
 
     def _recover(self, error: BaseException) -> None:
         """After a failed forward: free the cached blocks (an out-of-memory retry needs them), and raise

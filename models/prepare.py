@@ -27,6 +27,7 @@ class PreparedRequest:
     truncated: tuple[int, ...] | None = None
     # With token_outputs: per prompt, the positions read (step separators, or the token range), in order.
     positions: tuple[tuple[int, ...], ...] | None = None
+    head_floats: int = 0  # floats per item of the extra heads the request names
 
     @property
     def num_tokens(self) -> int:
@@ -135,6 +136,7 @@ class PromptBuilder:
     # The model's own step separator (config.json): a token id or its text; None: requests must name one.
     step_separator: int | str | None = None
     adapters: tuple[str, ...] = ()  # the LoRA adapters served, by name
+    heads: tuple[tuple[str, int], ...] = ()  # the extra heads served: (name, floats per item)
 
     def adapter_index(self, request: ScoreRequest) -> int:
         """The index of the request's adapter among those served (-1: the base model)."""
@@ -153,6 +155,7 @@ class PromptBuilder:
         self._check_labels(request)
         self._check_token_outputs(request)
         self._check_adapter(request)
+        head_floats = self._head_floats(request)
         token_types = None
         if request.messages is not None:
             prompts = self._build_chat(request)
@@ -179,7 +182,21 @@ class PromptBuilder:
             token_types=token_types,
             truncated=truncated,
             positions=self._positions(request, prompts),
+            head_floats=head_floats,
         )
+
+    def _head_floats(self, request: ScoreRequest) -> int:
+        """The floats per item of the heads the request names; PromptError for a head not served."""
+        widths = dict(self.heads)
+        for name in request.heads or ():
+            if name not in widths:
+                served = ", ".join(repr(head) for head in list(widths)[:8]) or "none"
+                raise PromptError(
+                    ErrorCode.HEAD_NOT_FOUND,
+                    f"This worker serves no head named {name[:128]!r} (it serves {served}); send names of "
+                    "those, or heads nil for the model's own head alone.",
+                )
+        return sum(widths[name] for name in request.heads or ())
 
     def _check_adapter(self, request: ScoreRequest) -> None:
         if request.adapter is None or request.adapter in self.adapters:

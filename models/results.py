@@ -186,6 +186,7 @@ def scored(
     forward_s: float,
     copy_s: float,
     tokens: Sequence[TokenOutputs | None] | None = None,
+    heads: Sequence[dict[str, tuple[tuple[float, ...], ...]] | None] | None = None,
 ) -> list[ScoreResult]:
     """One OK result per request of a batch, with the batch's timings."""
     tokenize_s = sum(p.tokenize_s for p in batch)
@@ -205,9 +206,10 @@ def scored(
             token_positions=None if outputs is None else outputs.positions,
             token_scores=None if outputs is None else outputs.scores,
             token_hidden_states=None if outputs is None else outputs.hidden,
+            head_scores=named,
         )
-        for p, item_scores, rows, outputs in zip(
-            batch, scores, hidden, tokens or [None] * len(batch), strict=True
+        for p, item_scores, rows, outputs, named in zip(
+            batch, scores, hidden, tokens or [None] * len(batch), heads or [None] * len(batch), strict=True
         )
     ]
 

@@ -106,6 +106,12 @@ class EngineSettings(BaseModel):
         description="LoRA adapters served beside the model, as name=directory,name2=directory2 (PEFT "
         "directories); a request names one in its adapter field, and a batch mixing them runs as one forward",
     )
+    heads: str = Field(
+        "",
+        description="extra heads over the model's pooled hidden state, as name=directory,name2=directory2 "
+        "(each directory: head.safetensors, a linear head or an MLP with head_config.json); a request names "
+        "the ones it wants in its heads field, and the backbone runs once for all of them",
+    )
     max_batch_tokens: int = Field(8192, gt=0, description="token budget of one model batch")
     # Limits: each checked before any model work, each with its own error code (schemas/README.md).
     max_request_items: int | None = Field(
@@ -130,9 +136,9 @@ class EngineSettings(BaseModel):
             raise ValueError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N")
         return value
 
-    @field_validator("adapters")
+    @field_validator("adapters", "heads")
     @classmethod
-    def _check_adapters(cls, value: str) -> str:
+    def _check_named_directories(cls, value: str) -> str:
         parse_adapters(value)
         return value
 
@@ -151,6 +157,11 @@ class EngineSettings(BaseModel):
         return parse_adapters(self.adapters)
 
     @property
+    def head_dirs(self) -> dict[str, Path]:
+        """`heads` by name."""
+        return parse_adapters(self.heads)
+
+    @property
     def graph_tokens(self) -> int:
         """The largest batch CUDA graphs replay: graph_max_tokens, or the whole budget when unset."""
         return self.graph_max_tokens or self.max_batch_tokens
@@ -161,14 +172,15 @@ class EngineSettings(BaseModel):
 
 
 def parse_adapters(value: str) -> dict[str, Path]:
-    """`name=directory,name2=directory2` as a mapping; ValueError for a malformed entry or a repeated name."""
+    """`name=directory,name2=directory2` (adapters, heads) as a mapping; ValueError for a malformed entry or
+    a repeated name."""
     adapters: dict[str, Path] = {}
     for entry in filter(None, (part.strip() for part in value.split(","))):
         name, equals, directory = entry.partition("=")
         name = name.strip()
         if not equals or not name or not directory.strip():
-            raise ValueError(f"{entry!r} is not name=directory; list adapters as name=dir,name2=dir2")
+            raise ValueError(f"{entry!r} is not name=directory; list them as name=dir,name2=dir2")
         if name in adapters:
-            raise ValueError(f"adapter {name!r} is listed twice")
+            raise ValueError(f"{name!r} is listed twice")
         adapters[name] = Path(directory.strip())
     return adapters

@@ -46,6 +46,7 @@ _REQUEST_FIELDS: dict[str, object] = {
     "return_token_scores": True,
     "return_token_hidden_states": False,
     "adapter": None,
+    "heads": None,
 }
 _RESULT_FIELDS: dict[str, object] = {
     "request_id": _REQUIRED,
@@ -61,6 +62,7 @@ _RESULT_FIELDS: dict[str, object] = {
     "token_positions": None,
     "token_scores": None,
     "token_hidden_states": None,
+    "head_scores": None,
 }
 
 
@@ -246,6 +248,7 @@ def encode_request(request: ScoreRequest) -> bytes:
         "return_token_scores": request.return_token_scores,
         "return_token_hidden_states": request.return_token_hidden_states,
         "adapter": request.adapter,
+        "heads": request.heads,
     }
     return _pack(body, request.request_id)
 
@@ -273,6 +276,7 @@ def encode_result(result: ScoreResult) -> bytes:
         "token_positions": result.token_positions,
         "token_scores": _tensors_to_wire(result.token_scores),
         "token_hidden_states": _tensors_to_wire(result.token_hidden_states),
+        "head_scores": result.head_scores,
     }
     return _pack(body, result.request_id)
 
@@ -314,6 +318,7 @@ def result_size_bound(
     floats_per_item: int,
     hidden_size: int,
     token_positions: int = 0,
+    head_floats: int = 0,
 ) -> int:
     """An upper bound of the encoded size of `request`'s OK result, computed without scoring it.
 
@@ -321,7 +326,8 @@ def result_size_bound(
     of `hidden_size` values in its dtype. The metadata and ids are encoded for real; only the parts that
     grow with the items are bounded. Lets a worker refuse a result that cannot fit its record limit before
     spending model time on it. `token_positions`: the positions of all items the request's token_outputs
-    read (each a position, a score row and a hidden state where asked).
+    read (each a position, a score row and a hidden state where asked); `head_floats`: the floats per item
+    of the extra heads it names.
     """
     # Every field of a result is always written, so swapping one value changes the encoding by exactly the
     # difference of that value's own encodings: the skeleton of this model is encoded once, not per request.
@@ -335,6 +341,9 @@ def result_size_bound(
         size += items * (_TENSOR_MAP + hidden_size * ITEMSIZE[request.hidden_states_dtype.value])
     if request.truncate is not Truncation.NONE:
         size += items * _INT
+    if request.heads:
+        size += _HEADER + sum(_packed_size(name) + _HEADER for name in request.heads)
+        size += items * (len(request.heads) * _HEADER + head_floats * _FLOAT)
     if request.token_outputs is not None:
         size += 3 * _HEADER + items * _HEADER + token_positions * _INT  # token_positions
         if request.return_token_scores:

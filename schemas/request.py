@@ -117,6 +117,27 @@ def check_adapter(value: object) -> str | None:
     return value
 
 
+MAX_HEADS = 16
+
+
+def check_heads(value: object) -> tuple[str, ...] | None:
+    """nil, or 1 to 16 distinct head names of 1 to 128 characters each."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_HEADS:
+        raise invalid(
+            f"heads must be nil or an array of 1 to {MAX_HEADS} head names, not {describe(value)}; send the "
+            f"names of heads this worker serves."
+        )
+    names = tuple(value)
+    for index, name in enumerate(names):
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_ADAPTER_CHARS:
+            raise invalid(f"heads[{index}] must be a head's name of 1 to {MAX_ADAPTER_CHARS} characters.")
+    if len(set(names)) != len(names):
+        raise invalid("heads names a head twice; send each head's name once.")
+    return names
+
+
 def _check_token_output_fields(request: ScoreRequest) -> None:
     """The token-output fields go together: each of them only with the kind that reads it."""
     kind = request.token_outputs
@@ -365,6 +386,8 @@ class ScoreRequest:
     return_token_hidden_states: bool = False
     # The LoRA adapter (by the name a worker serves it under) to score with; nil: the base model.
     adapter: str | None = None
+    # Extra heads (by the names a worker serves them under) to score each item with, beside its own.
+    heads: tuple[str, ...] | None = None
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -403,6 +426,7 @@ class ScoreRequest:
         object.__setattr__(self, "token_range", check_token_range(self.token_range))
         _check_token_output_fields(self)
         object.__setattr__(self, "adapter", check_adapter(self.adapter))
+        object.__setattr__(self, "heads", check_heads(self.heads))
         check_metadata(self.metadata)
 
     def expires_at_ms(self, record_timestamp_ms: int, default_ttl_ms: int = 0) -> int | None:

@@ -104,6 +104,16 @@ def _check_tensors(value: object, field: str) -> tuple[Tensor, ...] | None:
     return tuple(value)
 
 
+def _check_head_scores(value: object) -> dict[str, tuple[tuple[float, ...], ...]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise invalid(
+            f"head_scores must be nil or a map of head name to score arrays, not {describe(value)}."
+        )
+    return {check_str(name, "a head_scores key"): _check_scores(rows) for name, rows in value.items()}
+
+
 def _check_truncated(value: object) -> tuple[int, ...] | None:
     if value is None:
         return None
@@ -144,6 +154,8 @@ class ScoreResult:
     token_positions: tuple[tuple[int, ...], ...] | None = None
     token_scores: tuple[Tensor, ...] | None = None
     token_hidden_states: tuple[Tensor, ...] | None = None
+    # With the request's heads: per head name, one score array per item.
+    head_scores: dict[str, tuple[tuple[float, ...], ...]] | None = None
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -173,6 +185,7 @@ class ScoreResult:
         object.__setattr__(self, "token_scores", _check_tensors(self.token_scores, "token_scores"))
         hidden = _check_tensors(self.token_hidden_states, "token_hidden_states")
         object.__setattr__(self, "token_hidden_states", hidden)
+        object.__setattr__(self, "head_scores", _check_head_scores(self.head_scores))
         self._check_consistency()
 
     def _check_consistency(self) -> None:
@@ -192,6 +205,12 @@ class ScoreResult:
                     f"count per item, or nil."
                 )
             self._check_token_outputs()
+            for name, rows in (self.head_scores or {}).items():
+                if len(rows) != len(self.scores):
+                    raise invalid(
+                        f"head_scores[{quoted(name)}] has {len(rows)} arrays for {len(self.scores)} items; "
+                        "send one per item."
+                    )
             return
         if self.error is None:
             raise invalid('An "error" result has no error; send error as a map {code, message}.')
@@ -199,6 +218,8 @@ class ScoreResult:
             raise invalid('An "error" result carries scores or hidden states; send scores [] and nil states.')
         if self.truncated_tokens is not None:
             raise invalid('An "error" result carries truncated_tokens; send truncated_tokens nil.')
+        if self.head_scores is not None:
+            raise invalid('An "error" result carries head_scores; send head_scores nil.')
         if (self.token_positions, self.token_scores, self.token_hidden_states) != (None, None, None):
             raise invalid(
                 'An "error" result carries token outputs; send token_positions and its tensors nil.'

@@ -175,7 +175,9 @@ class Intake:
         hidden = self._engine.hidden_size
         items = len(prepared.prompts)
         positions = prepared.num_positions
-        bound = result_size_bound(request, self._engine.model_name, items, floats, hidden, positions)
+        bound = result_size_bound(
+            request, self._engine.model_name, items, floats, hidden, positions, prepared.head_floats
+        )
         size = out_record_size(key, None, result_headers(request.request_id)) + bound
         limit = self._settings.max_record_bytes
         if size <= limit:

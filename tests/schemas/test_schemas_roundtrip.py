@@ -130,6 +130,7 @@ def test_wire_form_is_a_plain_map_with_every_field() -> None:
         "return_token_scores": True,
         "return_token_hidden_states": False,
         "adapter": None,
+        "heads": None,
     }
 
 
@@ -178,7 +179,14 @@ def test_request_without_the_new_keys_decodes_exactly_as_before() -> None:
     nils = dict.fromkeys(
         ("label_token_ids", "messages", "truncate", "requires", "deadline_ms", "ttl_ms", "token_outputs")
     ) | dict.fromkeys(
-        ("step_separator", "token_range", "return_token_scores", "return_token_hidden_states", "adapter")
+        (
+            "step_separator",
+            "token_range",
+            "return_token_scores",
+            "return_token_hidden_states",
+            "adapter",
+            "heads",
+        )
     )
     assert decode_request(msgpack.packb({**OLD_REQUEST_MAP, **nils})) == decoded
     # Re-encoding adds the new keys with their defaults and changes nothing else.
@@ -197,6 +205,7 @@ def test_request_without_the_new_keys_decodes_exactly_as_before() -> None:
         "return_token_scores": True,
         "return_token_hidden_states": False,
         "adapter": None,
+        "heads": None,
     }
 
 
@@ -617,3 +626,16 @@ def test_token_outputs_of_a_result_round_trip_and_are_checked() -> None:
             ScoreResult("r", ResultStatus.OK, **bad)
     with pytest.raises(SchemaError):
         ScoreResult("r", ResultStatus.ERROR, error=ErrorInfo(ErrorCode.MODEL_ERROR, "x"), token_positions=())
+
+
+def test_heads_and_adapter_fields_round_trip_and_are_checked() -> None:
+    request = ScoreRequest("h", items=("a",), heads=["helpful", "safety"], adapter="tuned")
+    assert roundtrip_request(request) == request and request.heads == ("helpful", "safety")
+    for fields in ({"heads": []}, {"heads": ["a", "a"]}, {"heads": [""]}, {"heads": "a"}, {"adapter": ""}):
+        with pytest.raises(SchemaError) as error:
+            ScoreRequest("r", items=("a",), **fields)
+        assert error.value.code is ErrorCode.INVALID_REQUEST, fields
+    result = ScoreResult("h", ResultStatus.OK, scores=((0.5,),), head_scores={"safety": ((0.1, 0.9),)})
+    assert roundtrip_result(result) == result
+    with pytest.raises(SchemaError):
+        ScoreResult("h", ResultStatus.OK, scores=((0.5,),), head_scores={"safety": ()})  # no array per item
