@@ -105,7 +105,8 @@ def _check_factors(name: str, model: nn.Module, module: str, a: torch.Tensor, b:
         target = model.get_submodule(module)
     except AttributeError:
         raise ModelLoadError(f"adapter {name!r} adapts {module!r}, which the model does not have") from None
-    shape = (int(getattr(target, "out_features", 0)), int(getattr(target, "in_features", 0)))
+    projection = getattr(target, "linear", target)  # a row-parallel wrapper holds its projection
+    shape = (int(getattr(projection, "out_features", 0)), int(getattr(projection, "in_features", 0)))
     if a.shape[1] != shape[1] or b.shape[0] != shape[0] or a.shape[0] != b.shape[1]:
         raise ModelLoadError(
             f"adapter {name!r}: the factors of {module!r} ({list(a.shape)}, {list(b.shape)}) do not fit its "

@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from scoring_testkit import assert_forward_close, hf_reference, hidden_of, load_reference_model, scores_of
+from scoring_testkit import (
+    assert_forward_close,
+    hf_reference,
+    hidden_of,
+    load_reference_model,
+    scores_of,
+)
 from transformers import AutoModelForSequenceClassification
 
 from models import ModelLoadError, Scorer, ScorerConfig
@@ -199,3 +205,54 @@ def test_unknown_adapters_and_adapters_that_cannot_run_are_refused(
         ScorerConfig(adapters=f"a={other},a={other}")
     with pytest.raises(ValueError, match="tensor_parallel"):
         ScorerConfig(adapters=f"a={other}", tensor_parallel=2)
+
+
+def test_adapters_heads_and_token_outputs_compose_with_graphs_fp8_and_the_self_check(
+    tiny_llama_dir: Path, adapter_root: str, tmp_path: Path
+) -> None:
+    """Batches with adapter requests or token outputs take the ordinary forward under CUDA graphs (their
+    results those of the exact path); FP8 projections carry the adapters' deltas; the self-check passes with
+    adapters loaded; a token output at an item's last position is its pooled state."""
+    from test_cuda_graphs import CountingRecorder
+
+    from models.selfcheck import run_self_check
+    from tests.models.scoring_testkit import CpuVarlenKernel
+
+    adapters = _setting(_adapters(tiny_llama_dir, adapter_root))
+    recorder = CountingRecorder()
+    graphed = Scorer(
+        tiny_llama_dir,
+        ScorerConfig(
+            device="cpu", attention="varlen", varlen_kernel=CpuVarlenKernel(), graph_recorder=recorder,
+            adapters=adapters,
+        ),
+    )  # fmt: skip
+    plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", adapters=adapters))
+    base = ScoreRequest("base", items=_ids(1, 2, 10))
+    for _ in range(3):  # recorded at its second batch, replayed at its third
+        graphed.score([base])
+    assert graphed.executor.graphs is not None
+    replays = graphed.executor.graphs.replays
+    assert replays >= 1
+    special = [
+        ScoreRequest("adapted", items=_ids(1, 2, 10), adapter="full"),
+        ScoreRequest("tokens", items=_ids(1, 2, 10), token_outputs="tokens", return_token_hidden_states=True),
+    ]
+    for request in special:
+        (got,) = graphed.score([request])
+        (expected,) = plain.score([request])
+        assert graphed.executor.graphs.replays == replays  # not replayed: the ordinary forward
+        assert_forward_close(scores_of(got), scores_of(expected), tiny_llama_dir, longest=10)
+    fp8 = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", quantization="fp8", adapters=adapters))
+    request = ScoreRequest(
+        "fp8", items=_ids(4, 2, 12), adapter="attn", token_outputs="tokens", token_range=(-1, None),
+        return_token_hidden_states=True, return_pooled_hidden_states=True,
+    )  # fmt: skip
+    (result,) = fp8.score([request])
+    (unadapted,) = fp8.score([dataclasses.replace(request, adapter=None)])
+    assert not np.allclose(scores_of(result), scores_of(unadapted), atol=1e-3)  # the delta is applied
+    assert result.token_hidden_states is not None and result.pooled_hidden_states is not None
+    for at, pooled in zip(result.token_hidden_states, result.pooled_hidden_states, strict=True):
+        assert at.to_numpy()[0].tobytes() == pooled.to_numpy().tobytes()  # the same row of one forward
+    report = run_self_check(plain)
+    assert report.items > 0

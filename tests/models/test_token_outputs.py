@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from scoring_testkit import CpuVarlenKernelGqa, tokenizer
+from tolerances import forward_bound, forward_length, rounded_pair_tolerances
 from transformers import AutoModel, AutoModelForCausalLM
 
 from models import Scorer, ScorerConfig
 from models.tiny import DECODERS, PRM_LABELS, PRM_SEPARATORS, write_tiny_model
 from schemas import ErrorCode, ScoreRequest, ScoreResult, decode_result, encode_result, result_size_bound
-from tests.models.scoring_testkit import CpuVarlenKernelGqa, tokenizer
-from tests.tolerances import forward_bound, forward_length, rounded_pair_tolerances
 
 QUERY = "Problem: count the boats on the river."
 # Items with no step, one step and many steps (the separator is added per family).
