@@ -245,3 +245,17 @@ def test_w2_scale_quick_run_compares_one_and_two_worker_processes(tmp_path: Path
         assert run["saturation"]["completed"] == run["saturation"]["requests"]
         assert run["correctness"]["ok"]
     assert report["runs"]["2 worker processes"]["latency"]["latency"]["p50_ms"] > 0
+
+
+def test_capabilities_benchmark_quick_run_checks_steps_and_adapters_against_float32(tmp_path: Path) -> None:
+    """bench/capabilities.py on the CPU: tiny W1 shapes, PRM steps against plain scoring and mixed adapters
+    against the base model, each checked against HF float32 (the adapter merged into the weights), and the
+    adapter's effect larger than the check's bound (else the check could not tell an adapter from none)."""
+    proc = _run_script(["bench/capabilities.py", "--quick", "--repeats", "1"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "capabilities-quick.json").read_text())
+    assert report["verdict"] == "ok"
+    assert report["prm"]["check"]["ok"] and report["prm"]["steps_tok_s"] > 0
+    for count in (4, 16):
+        check = report[f"adapters_{count}"]["check"]
+        assert check["ok"] and check["adapter_effect"] > check["bound"]

@@ -1,0 +1,254 @@
+"""Process rewards and LoRA adapters at W1's shapes (8B reward model, W1's lognormal request lengths): what
+they cost against plain scoring, in one process.
+
+- PRM: every item carries 8 step separators; the same requests scored with token_outputs "steps" (the head
+  at every separator, per item) against plain LAST pooling. Goal: >= 0.95x plain's tokens/s.
+- Adapters: N LoRA adapters of rank 16 on all seven projections of every layer (random factors, PEFT's
+  layout on disk), the requests spread over them round-robin in one stream, against the same requests on the
+  base model in the same Scorer. Goal: >= 0.85x the base model's tokens/s.
+
+Every timed result set is checked on a subset against HF float32 (the adapters merged into a float32 copy of
+the weights, W + s B A); the bound is twice HF bf16's own error on the same items plus 5% of the score scale.
+Exit status 1 when a check fails.
+
+Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/capabilities.py [--quick]
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from bench.common import (
+    W1_QUICK_SHAPES,
+    W1_SHAPES,
+    add_options,
+    argument_parser,
+    make_lognormal_workload,
+    model_dir,
+    pick_device,
+    report_header,
+    report_path,
+    score_bound,
+    spread_picks,
+    write_verdict,
+)
+from models import Scorer, ScorerConfig
+from schemas import ScoreRequest, TokenOutputs
+
+SEPARATOR = 13  # the step separator's token id (any id of the vocabulary; steps are where it is)
+STEPS = 8
+RANK = 16
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def with_steps(ids: torch.Tensor) -> tuple[int, ...]:
+    """The item with STEPS separators in place of tokens, evenly spaced, the last at its end."""
+    out = ids.clone()
+    out[out == SEPARATOR] = SEPARATOR + 1
+    for k in range(1, STEPS + 1):
+        out[max(0, len(out) * k // STEPS - 1)] = SEPARATOR
+    return tuple(int(t) for t in out)
+
+
+def write_adapters(model: torch.nn.Module, count: int, root: Path) -> dict[str, Path]:
+    """`count` PEFT LoRA directories of rank RANK on every projection, random factors (A ~ N(0, 1/in), B ~
+    N(0, 0.02^2)): deltas of a trained adapter's size."""
+    adapters = {}
+    generator = torch.Generator().manual_seed(11)
+    layers = [
+        (name, module) for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in PROJECTIONS
+    ]
+    for index in range(count):
+        tensors = {}
+        for name, module in layers:
+            a = torch.randn(RANK, module.in_features, generator=generator) / module.in_features**0.5
+            b = torch.randn(module.out_features, RANK, generator=generator) * 0.02
+            tensors[f"base_model.model.{name}.lora_A.weight"] = a.to(torch.bfloat16)
+            tensors[f"base_model.model.{name}.lora_B.weight"] = b.to(torch.bfloat16)
+        target = root / f"adapter-{index}"
+        target.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(target / "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", "r": RANK, "lora_alpha": RANK, "target_modules": list(PROJECTIONS)}
+        (target / "adapter_config.json").write_text(json.dumps(config))
+        adapters[f"a{index}"] = target
+    return adapters
+
+
+def time_score(scorer: Scorer, requests: Sequence[ScoreRequest], repeats: int) -> tuple[float, list[Any]]:
+    """Best seconds of `repeats` calls scoring `requests`, and the last call's results."""
+    best, results = float("inf"), []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        results = scorer.score(requests)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
+    return best, results
+
+
+@torch.inference_mode()
+def reference_outputs(
+    model: Any, prompts: Sequence[tuple[int, ...]], positions: Sequence[Sequence[int]]
+) -> np.ndarray:
+    """The model's head at `positions` of each prompt (each alone, no padding), stacked [sum P, L]."""
+    rows = []
+    for prompt, at in zip(prompts, positions, strict=True):
+        device = next(model.parameters()).device
+        hidden = model.model(input_ids=torch.tensor([prompt], device=device)).last_hidden_state[0]
+        rows.append(model.score(hidden[list(at)]).float().cpu().numpy())
+    return np.concatenate(rows)
+
+
+def merged(model: Any, adapter: Path) -> Any:
+    """`model` with the adapter's deltas added to its weights (W + B A, lora_alpha / r = 1), in place."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    with torch.no_grad():
+        for key, a in weights.items():
+            if ".lora_A." not in key:
+                continue
+            name = key.removeprefix("base_model.model.").split(".lora_A.")[0]
+            module: Any = model.get_submodule(name)
+            b = weights[key.replace(".lora_A.", ".lora_B.")]
+            module.weight += (b.float() @ a.float()).to(module.weight.device, module.weight.dtype)
+    return model
+
+
+def check(
+    values: np.ndarray,
+    make_model: Callable[[torch.dtype], Any],
+    prompts: Sequence[tuple[int, ...]],
+    positions: Sequence[Sequence[int]],
+) -> dict[str, Any]:
+    """`values` [sum P, L] against HF float32 of the model make_model gives, within HF bf16's own error."""
+    outputs = []
+    for dtype in (torch.float32, torch.bfloat16):  # one copy at a time: an 8B float32 copy is 32 GB
+        model = make_model(dtype)
+        outputs.append(reference_outputs(model, prompts, positions))
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    reference, half = outputs
+    hf_err = float(np.abs(half - reference).max())
+    err = float(np.abs(values - reference).max())
+    bound = score_bound(hf_err, float(np.abs(reference).max()))
+    ok = bool(np.isfinite(values).all() and err <= bound)
+    return {"max_abs_diff": err, "hf_bf16_max_abs_diff": hf_err, "bound": bound, "ok": ok}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argument_parser(__doc__)
+    add_options(parser, "capabilities", quick=False, max_batch_tokens=16384, fp32_requests=8)
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--adapter-counts", default="4,16")
+    args = parser.parse_args(argv)
+    device = pick_device("bench/capabilities.py", cpu_allowed=args.quick)
+    if device is None:
+        return 2
+    shapes = W1_QUICK_SHAPES if args.quick else W1_SHAPES
+    requests_n = 16 if args.quick else args.requests
+    report = report_header(args)
+    failures: list[str] = []
+    work = make_lognormal_workload(requests_n, shapes["vocab_size"], max_len=256 if args.quick else 2048)
+    prompts = [with_steps(ids) for ids in work.token_ids]
+    tokens = sum(len(p) for p in prompts)
+    picks = spread_picks([len(p) for p in prompts], args.fp32_requests)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = model_dir("llama", shapes, device, Path(tmp) / "w1")
+        config = {"device": device, "max_batch_tokens": args.max_batch_tokens}
+
+        # PRM steps against plain LAST pooling, one Scorer; its HF model, never changed by a Scorer (adapters
+        # swap forwards around a batch only), is what the references copy.
+        scorer = Scorer(directory, ScorerConfig(**config))
+        base_model = scorer.model.model
+        target = report_path("capabilities", args.json, args.quick)
+
+        def hf_model(dtype: torch.dtype, adapter: Path | None = None) -> Any:
+            model: Any = copy.deepcopy(base_model)
+            model = model.to(dtype)
+            model.set_attn_implementation("sdpa")  # HF's own attention, not the packed path's
+            return merged(model, adapter) if adapter is not None else model
+
+        plain = [ScoreRequest(f"p{i}", items=(p,)) for i, p in enumerate(prompts)]
+        steps = [
+            ScoreRequest(f"s{i}", items=(p,), token_outputs=TokenOutputs.STEPS, step_separator=SEPARATOR)
+            for i, p in enumerate(prompts)
+        ]
+        plain_s, _ = time_score(scorer, plain, args.repeats)
+        steps_s, step_results = time_score(scorer, steps, args.repeats)
+        positions = [step_results[i].token_positions[0] for i in picks]
+        values = np.concatenate([step_results[i].token_scores[0].to_numpy() for i in picks])
+        prm_check = check(values, hf_model, [prompts[i] for i in picks], positions)
+        assert all(len(r.token_positions[0]) == STEPS for r in step_results), "every item has its steps"
+        report["prm"] = {
+            "tokens": tokens, "plain_tok_s": tokens / plain_s, "steps_tok_s": tokens / steps_s,
+            "ratio": plain_s / steps_s, "check": prm_check,
+        }  # fmt: skip
+        print(f"PRM: plain {tokens / plain_s:,.0f} tok/s, 8 steps {tokens / steps_s:,.0f} tok/s "
+              f"({plain_s / steps_s:.3f}x); check {prm_check}", flush=True)  # fmt: skip
+        if not prm_check["ok"]:
+            failures.append(f"PRM step scores off float32: {prm_check}")
+        target.write_text(json.dumps(report, indent=2, default=str))  # what is done, if a later part fails
+        del scorer
+        gc.collect()
+        for count in (int(c) for c in args.adapter_counts.split(",")):
+            adapters = write_adapters(base_model, count, Path(tmp) / f"adapters-{count}")
+            setting = ",".join(f"{name}={path}" for name, path in adapters.items())
+            scorer = Scorer(directory, ScorerConfig(adapters=setting, **config))
+            names = list(adapters)
+            mixed = [
+                ScoreRequest(f"m{i}", items=(p,), adapter=names[i % count]) for i, p in enumerate(prompts)
+            ]
+            base_s, base_results = time_score(scorer, plain, args.repeats)
+            mixed_s, mixed_results = time_score(scorer, mixed, args.repeats)
+            # Requests of the first adapter among the float32 picks (the stream's first one at least).
+            same = [i for i in picks if i % count == 0] or [0]
+            values = np.array([mixed_results[i].scores[0] for i in same], dtype=np.float32)
+            make = functools.partial(hf_model, adapter=adapters[names[0]])
+            lasts = [(len(prompts[i]) - 1,) for i in same]  # LAST pooling: no pad id in the items
+            adapter_check = check(values, make, [prompts[i] for i in same], lasts)
+            # The check means something only where the adapter moved the scores by more than its bound.
+            effect = max(abs(mixed_results[i].scores[0][0] - base_results[i].scores[0][0]) for i in same)
+            adapter_check["adapter_effect"] = effect
+            adapter_check["ok"] = adapter_check["ok"] and effect > adapter_check["bound"]
+            report[f"adapters_{count}"] = {
+                "base_tok_s": tokens / base_s, "mixed_tok_s": tokens / mixed_s, "ratio": base_s / mixed_s,
+                "check": adapter_check,
+            }  # fmt: skip
+            print(f"{count} adapters: base {tokens / base_s:,.0f} tok/s, mixed {tokens / mixed_s:,.0f} tok/s "
+                  f"({base_s / mixed_s:.3f}x); check {adapter_check}", flush=True)  # fmt: skip
+            if not adapter_check["ok"]:
+                failures.append(
+                    f"{count} adapters: scores off float32 with the adapter merged: {adapter_check}"
+                )
+            target.write_text(json.dumps(report, indent=2, default=str))
+            del scorer
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return write_verdict(report, failures, target, "capabilities")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
