@@ -51,12 +51,14 @@ class ObservedScorer(WrappedScorer):
         self.in_flight_seen: list[int] = []
         self.batch_sizes: list[int] = []
         self.thread_names: set[str] = set()
+        self.launched: set[str] = set()
 
     def launch(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> PendingScores:
         assert self.worker is not None
         self.in_flight_seen.append(self.worker.in_flight)
         self.batch_sizes.append(len(prepared))
         self.thread_names.add(threading.current_thread().name)
+        self.launched |= {p.request.request_id for p in prepared}
         time.sleep(0.02)  # slower than fetching, so the worker runs into its in-flight limit
         if any(p.request.request_id == self._fail for p in prepared):
             raise RuntimeError("simulated kernel failure")
@@ -76,6 +78,28 @@ def _requests() -> list[ScoreRequest]:
         ),
     )
     requests.insert(25, ScoreRequest(request_id="explode", items=("this batch fails",)))
+    # Token outputs count in the bound too: 40 positions x 64 float32 values = 10 KiB; 2 positions fit.
+    words = " ".join(f"w{j}" for j in range(40))
+    requests.insert(
+        15,
+        ScoreRequest(
+            request_id="tokens-too-large",
+            items=(words,),
+            token_outputs="tokens",
+            return_token_hidden_states=True,
+        ),
+    )
+    requests.insert(
+        16,
+        ScoreRequest(
+            request_id="tokens-fit",
+            items=(words,),
+            token_outputs="tokens",
+            token_range=(-2, None),
+            return_token_hidden_states=True,
+            hidden_states_dtype=HiddenDType.BFLOAT16,
+        ),
+    )
     return requests
 
 
@@ -134,10 +158,18 @@ def test_backpressure_oversized_results_and_failing_batches(
     assert (
         too_large.error.code == ErrorCode.RESULT_TOO_LARGE and "max_record_bytes" in too_large.error.message
     )
+    tokens = by_id["tokens-too-large"]
+    assert tokens.error is not None and tokens.error.code == ErrorCode.RESULT_TOO_LARGE, tokens.error
+    assert "token positions" in tokens.error.message
+    assert {"too-large", "tokens-too-large"}.isdisjoint(scorer.launched)  # refused before any model work
+    fit = by_id["tokens-fit"]
+    if fit.ok:  # (unless the failing batch took it down with it)
+        assert fit.token_positions is not None and len(fit.token_positions[0]) == 2
+        assert fit.token_hidden_states is not None and fit.token_hidden_states[0].shape == (2, 64)
     failed = [r for r in by_id.values() if r.error is not None and r.error.code == ErrorCode.INTERNAL_ERROR]
     assert "explode" in {r.request_id for r in failed}
     assert 1 <= len(failed) <= 4  # only the failing batch
-    special = {*breakers, "too-large"} | {r.request_id for r in failed}
+    special = {*breakers, "too-large", "tokens-too-large"} | {r.request_id for r in failed}
     assert all(r.status == ResultStatus.OK for r in by_id.values() if r.request_id not in special)
     _check_echo_breakers(by_id, results, dlq)
     assert outcome.committed == log_ends(outcome.sources)
