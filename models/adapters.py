@@ -6,7 +6,8 @@ matrices of a projection are stacked into one [R, in] matrix (R the sum of their
 scaled, into one [out, R]: a batch's delta is then two matmuls, (x A^T * mask) B^T, the mask [T, R] keeping
 each token's own adapter's columns (zero for the base model's tokens). Every adapter's shrink is computed for
 every token of the batch and masked (R (1/in + 1/out) more arithmetic per projection); punica's SGMV and
-S-LoRA's kernels compute only each token's own, which pays off where many adapters of large rank meet. Two matmuls and a mask are graph-, compile- and determinism-friendly and need no sort of the tokens.
+S-LoRA's kernels compute only each token's own, which pays off where many adapters of large rank meet. Two
+matmuls and a mask are graph-, compile- and determinism-friendly and need no sort of the tokens.
 
 An adapter saved for sequence classification also carries its own head (PEFT's `modules_to_save`: the
 trained `score`); its requests' rows are scored with it.
