@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from models.graphs import KEYS_PER_TOKEN
 from models.packing import SharedPrefix, find_shared_prefixes, saved_tokens, shareable_prefix
@@ -110,6 +111,7 @@ def split_request(
                 prompts=prepared.prompts[cut],
                 token_types=None if prepared.token_types is None else prepared.token_types[cut],
                 truncated=None if prepared.truncated is None else prepared.truncated[cut],
+                positions=None if prepared.positions is None else prepared.positions[cut],
                 tokenize_s=prepared.tokenize_s if number == 0 else 0.0,
             )
         )
@@ -131,6 +133,12 @@ def join_results(parts: Sequence[ScoreResult]) -> ScoreResult:
     truncated = None
     if first.truncated_tokens is not None:
         truncated = tuple(n for part in parts for n in part.truncated_tokens or ())
+    heads = None
+    if first.head_scores is not None:
+        heads = {
+            name: tuple(row for part in parts for row in (part.head_scores or {})[name])
+            for name in first.head_scores
+        }
     timings: dict[str, float] = {}
     for part in parts:
         for name, seconds in part.timings.items():
@@ -142,7 +150,18 @@ def join_results(parts: Sequence[ScoreResult]) -> ScoreResult:
         prompt_tokens=sum(part.prompt_tokens for part in parts),
         timings=timings,
         truncated_tokens=truncated,
+        token_positions=_joined(parts, "token_positions"),
+        token_scores=_joined(parts, "token_scores"),
+        token_hidden_states=_joined(parts, "token_hidden_states"),
+        head_scores=heads,
     )
+
+
+def _joined(parts: Sequence[ScoreResult], field: str) -> tuple[Any, ...] | None:
+    """A per-item field of the parts' results, in item order (None where the first part has none)."""
+    if getattr(parts[0], field) is None:
+        return None
+    return tuple(entry for part in parts for entry in getattr(part, field) or ())
 
 
 class BatchPlan:

@@ -109,6 +109,37 @@ def test_parts_joined_equal_the_whole_request(tiny_llama_dir: Path, truncate: Tr
         np.testing.assert_allclose(got.to_numpy(), want.to_numpy(), atol=atol, rtol=rtol)
 
 
+def test_a_split_request_keeps_its_token_outputs_and_head_scores(tiny_llama_dir: Path) -> None:
+    """A request larger than a batch is cut into parts: each part reads its own items' positions, and the
+    joined result carries every item's token outputs (and extra heads' scores) in item order."""
+    scorer = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    request = ScoreRequest(
+        "big", query="the query", items=tuple(f"item {i} " + "x " * (i % 5) for i in range(40)),
+        token_outputs="tokens", token_range=(-2, None), return_token_hidden_states=True,
+    )  # fmt: skip
+    prepared = scorer.prepare(request)
+    assert isinstance(prepared, PreparedRequest) and prepared.positions is not None
+    parts = split_request(prepared, 64)
+    assert len(parts) > 3
+    assert all(p.positions is not None and len(p.positions) == len(p.prompts) for p in parts)
+    (whole,) = scorer.score_prepared([prepared])
+    joined = join_results(scorer.score_prepared(parts))
+    assert joined.token_positions == whole.token_positions and len(joined.token_positions or ()) == 40
+    assert joined.token_scores is not None and whole.token_scores is not None
+    assert joined.token_hidden_states is not None and len(joined.token_hidden_states) == 40
+    longest = max(len(p) for p in prepared.prompts)
+    for got, want in zip(joined.token_scores, whole.token_scores, strict=True):
+        bound = forward_atol(tiny_llama_dir, want.to_numpy(), longest=longest)  # two float32 forwards
+        np.testing.assert_allclose(got.to_numpy(), want.to_numpy(), atol=bound, rtol=0)
+    heads = [
+        ScoreResult("h", ResultStatus.OK, scores=((1.0,),), head_scores={"safety": ((0.5, 0.5),)}),
+        ScoreResult(
+            "h", ResultStatus.OK, scores=((2.0,), (3.0,)), head_scores={"safety": ((0.1, 0.9), (0.2, 0.8))}
+        ),
+    ]
+    assert join_results(heads).head_scores == {"safety": ((0.5, 0.5), (0.1, 0.9), (0.2, 0.8))}
+
+
 def test_a_failed_part_fails_the_whole_request() -> None:
     ok = ScoreResult("r", ResultStatus.OK, scores=((1.0,),))
     failed = ScoreResult.failure("r", ErrorCode.EXPIRED, "late")
