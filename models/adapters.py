@@ -160,10 +160,6 @@ class AdapterSet:
             len(self._stacks),
         )
 
-    def index(self, name: str | None) -> int:
-        """The adapter's index (-1: none); KeyError for a name not served."""
-        return -1 if name is None else self.names.index(name) if name in self.names else _unknown(name)
-
     @contextmanager
     def active(self, token_adapters: torch.Tensor) -> Iterator[None]:
         """Within the block, every adapted projection adds each token's adapter delta; `token_adapters` [T]
@@ -216,10 +212,6 @@ def _adapted(
         return base + delta.reshape(*base.shape[:-1], delta.shape[-1]).to(base.dtype)
 
     return forward
-
-
-def _unknown(name: str) -> int:
-    raise KeyError(name)
 
 
 def load_adapters(
