@@ -146,12 +146,15 @@ class AdapterSet:
         self._modules: dict[str, nn.Module] = {}
         # Per module: A stacked [R, in], B stacked [out, R], and each column's adapter index [R].
         self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        owners: dict[tuple[int, ...], torch.Tensor] = {}
         for module in sorted({m for adapter in adapters for m in adapter.factors}):
             present = [(i, a.factors[module]) for i, a in enumerate(adapters) if module in a.factors]
             a_stack = torch.cat([a for _, (a, _) in present]).to(device=device, dtype=dtype)
             b_stack = torch.cat([b for _, (_, b) in present], dim=1).to(device=device, dtype=dtype)
-            owner = torch.cat([torch.full((a.shape[0],), i) for i, (a, _) in present]).to(device)
-            self._stacks[module] = (a_stack, b_stack, owner)
+            columns = tuple(i for i, (a, _) in present for _ in range(a.shape[0]))
+            if columns not in owners:  # one tensor per column layout, so that a batch builds each mask once
+                owners[columns] = torch.tensor(columns, device=device)
+            self._stacks[module] = (a_stack, b_stack, owners[columns])
             self._modules[module] = model.get_submodule(module)
         log.info(
             "%d LoRA adapters (%s) on %d projections",
