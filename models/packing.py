@@ -263,6 +263,7 @@ def pack(
     total = int(ends[-1])
     ids = np.fromiter(itertools.chain.from_iterable(prompts), dtype=np.int64, count=total)
     positions = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+    pooled = pooled_positions(prompts, starts, ends, pooling, pad_id)  # the pooled rows, on the host
     if position_pad is not None:
         real = (ids != position_pad).astype(np.int64)
         counted = np.cumsum(real) - np.repeat(np.cumsum(real)[starts] - real[starts], lengths)
@@ -279,9 +280,7 @@ def pack(
         position_ids=_to_device(positions, device, non_blocking).unsqueeze(0),
         cu_seqlens=_to_device(cu, device, non_blocking),
         host_cu_seqlens=torch.from_numpy(cu),
-        pooled_rows=_to_device(
-            pooled_positions(prompts, starts, ends, pooling, pad_id), device, non_blocking
-        ),
+        pooled_rows=_to_device(pooled, device, non_blocking),
         token_type_ids=None
         if token_types is None
         else _to_device(
@@ -294,7 +293,7 @@ def pack(
         max_length=int(lengths.max()),
         **_rows_read(
             None if read_at is None else position_rows(read_at, starts),
-            None if pooling == "mean" else pooled_positions(prompts, starts, ends, pooling, pad_id),
+            None if pooling == "mean" else pooled,
             device,
             non_blocking,
         ),
@@ -405,6 +404,7 @@ def _pack_shared(
     ends = np.cumsum(lengths)
     starts = ends - lengths
     row_of_token = np.concatenate(rows_of)
+    pooled = row_of_token[pooled_positions(prompts, starts, ends, pooling, pad_id)]  # on the host
     non_blocking = device.type == "cuda"
     mean = pooling == "mean"
     return PackedBatch(
@@ -412,9 +412,7 @@ def _pack_shared(
         position_ids=_to_device(np.concatenate(positions), device, non_blocking).unsqueeze(0),
         cu_seqlens=_to_device(cu, device, non_blocking),
         host_cu_seqlens=torch.from_numpy(cu),
-        pooled_rows=_to_device(
-            row_of_token[pooled_positions(prompts, starts, ends, pooling, pad_id)], device, non_blocking
-        ),
+        pooled_rows=_to_device(pooled, device, non_blocking),
         token_type_ids=None,
         item_of_token=_to_device(
             np.repeat(np.arange(len(prompts), dtype=np.int64), lengths), device, non_blocking
@@ -435,7 +433,7 @@ def _pack_shared(
         # A position inside a shared prefix reads the prefix's one row: its state is every member's.
         **_rows_read(
             None if read_at is None else row_of_token[position_rows(read_at, starts)],
-            None if mean else row_of_token[pooled_positions(prompts, starts, ends, pooling, pad_id)],
+            None if mean else pooled,
             device,
             non_blocking,
         ),
