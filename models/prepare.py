@@ -190,23 +190,14 @@ class PromptBuilder:
         widths = dict(self.heads)
         for name in request.heads or ():
             if name not in widths:
-                served = ", ".join(repr(head) for head in list(widths)[:8]) or "none"
-                raise PromptError(
-                    ErrorCode.HEAD_NOT_FOUND,
-                    f"This worker serves no head named {name[:128]!r} (it serves {served}); send names of "
-                    "those, or heads nil for the model's own head alone.",
-                )
+                instead = "heads nil for the model's own head alone"
+                raise _not_served(ErrorCode.HEAD_NOT_FOUND, "head", name, tuple(widths), instead)
         return sum(widths[name] for name in request.heads or ())
 
     def _check_adapter(self, request: ScoreRequest) -> None:
-        if request.adapter is None or request.adapter in self.adapters:
-            return
-        served = ", ".join(repr(name) for name in self.adapters[:8]) or "none"
-        raise PromptError(
-            ErrorCode.ADAPTER_NOT_FOUND,
-            f"This worker serves no adapter named {request.adapter[:128]!r} (it serves {served}); send one "
-            "of those names, or adapter nil for the base model.",
-        )
+        if request.adapter is not None and request.adapter not in self.adapters:
+            instead = "adapter nil for the base model"
+            raise _not_served(ErrorCode.ADAPTER_NOT_FOUND, "adapter", request.adapter, self.adapters, instead)
 
     def _check_token_outputs(self, request: ScoreRequest) -> None:
         if request.token_outputs is None or not request.return_token_scores or self.template is None:
@@ -459,6 +450,16 @@ class PromptBuilder:
                 f"Item {index} has token id {largest}, outside the model's vocabulary of {self.vocab_size}; "
                 "send ids from this model's tokenizer.",
             )
+
+
+def _not_served(code: ErrorCode, kind: str, name: str, served: tuple[str, ...], instead: str) -> PromptError:
+    """The error for a request naming an adapter or a head (`kind`) this worker does not serve."""
+    shown = ", ".join(repr(one) for one in served[:8]) or "none"
+    return PromptError(
+        code,
+        f"This worker serves no {kind} named {name[:128]!r} (it serves {shown}); send one of those names, "
+        f"or {instead}.",
+    )
 
 
 def _as_prompt(ids: Any) -> Prompt:

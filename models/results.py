@@ -111,13 +111,17 @@ def request_scores(
         if plain is not None and not p.request.apply_softmax:
             per_request.append([tuple(row) for row in plain[rows.start : rows.stop]])
             continue
-        scores = logits[rows.start : rows.stop]
-        if columns:  # a judge: this request's labels, in the order it sent them
-            scores = scores[:, [columns[label] for label in p.request.label_token_ids or ()]]
-        if p.request.apply_softmax:
-            scores = torch.softmax(scores, dim=-1)
+        scores = _as_asked(logits[rows.start : rows.stop], columns, p.request)
         per_request.append([tuple(row) for row in scores.tolist()])
     return per_request
+
+
+def _as_asked(logits: torch.Tensor, columns: dict[int, int], request: ScoreRequest) -> torch.Tensor:
+    """Rows of a batch's logits [n, L] as `request` asked for them: a judge's label columns (`columns`) in the
+    order it sent its label ids, softmax over them where it asked."""
+    if columns:
+        logits = logits[:, [columns[label] for label in request.label_token_ids or ()]]
+    return torch.softmax(logits, dim=-1) if request.apply_softmax else logits
 
 
 def batch_positions(batch: Sequence[PreparedRequest]) -> list[tuple[int, ...]] | None:
@@ -170,11 +174,7 @@ def _token_scores(
     labels = request.label_token_ids
     if logits is None or count == 0:
         return Tensor.from_numpy(np.zeros((count, len(labels) if labels else width), dtype=np.float32))
-    scores = logits[start : start + count]
-    if columns:
-        scores = scores[:, [columns[label] for label in labels or ()]]
-    if request.apply_softmax:
-        scores = torch.softmax(scores, dim=-1)
+    scores = _as_asked(logits[start : start + count], columns, request)
     return Tensor.from_numpy(scores.numpy().astype(np.float32, copy=False))
 
 
