@@ -138,11 +138,7 @@ def start_hidden_copy(
     asking = [i for i, p in enumerate(batch) if wants_hidden(p)]
     ranges = list(item_ranges(item_counts))
     wanted = [RowRequest(tuple(ranges[i]), batch[i].request.hidden_states_dtype) for i in asking]
-    copied_bytes: dict[str, int] = {}
-    for entry in wanted:
-        size = len(entry.rows) * hidden_row_bytes(pooled.shape[1], entry.dtype)
-        copied_bytes[entry.dtype.value] = copied_bytes.get(entry.dtype.value, 0) + size
-    return start_rows_copy(pooled, [w for w in wanted if w.rows]), copied_bytes
+    return start_rows_copy(pooled, [w for w in wanted if w.rows]), _copied_bytes(wanted, pooled.shape[1])
 
 
 def start_position_copy(
@@ -153,18 +149,25 @@ def start_position_copy(
     if at is None:
         return None, {}
     wanted: list[RowRequest] = []
-    copied_bytes: dict[str, int] = {}
     start = 0
     for p in batch:
         for item in p.positions or ():
-            rows = tuple(range(start, start + len(item)))
-            start += len(item)
             if p.request.return_token_hidden_states:
-                dtype = p.request.hidden_states_dtype
-                wanted.append(RowRequest(rows, dtype))
-                size = len(rows) * hidden_row_bytes(at.shape[1], dtype)
-                copied_bytes[dtype.value] = copied_bytes.get(dtype.value, 0) + size
-    return start_rows_copy(at, wanted), copied_bytes
+                wanted.append(
+                    RowRequest(tuple(range(start, start + len(item))), p.request.hidden_states_dtype)
+                )
+            start += len(item)
+    return start_rows_copy(at, wanted), _copied_bytes(wanted, at.shape[1])
+
+
+def _copied_bytes(wanted: Sequence[RowRequest], hidden: int) -> dict[str, int]:
+    """Bytes the rows of `wanted` take on the host, per dtype."""
+    copied: dict[str, int] = {}
+    for entry in wanted:
+        copied[entry.dtype.value] = copied.get(entry.dtype.value, 0) + len(entry.rows) * hidden_row_bytes(
+            hidden, entry.dtype
+        )
+    return copied
 
 
 def read_hidden(batch: Sequence[PreparedRequest], rows: HostRows | None) -> list[tuple[Tensor, ...] | None]:
