@@ -106,6 +106,25 @@ def test_empty_items_and_defaults_round_trip() -> None:
     assert decoded.metadata is None and decoded.version == SCHEMA_VERSION
 
 
+# The request keys added to version 1 after its first encoder (OLD_REQUEST_MAP), as the encoder writes
+# their defaults.
+ADDED_KEYS = {
+    "label_token_ids": None,
+    "messages": None,
+    "truncate": "none",
+    "requires": None,
+    "deadline_ms": None,
+    "ttl_ms": None,
+    "token_outputs": None,
+    "step_separator": None,
+    "token_range": None,
+    "return_token_scores": True,
+    "return_token_hidden_states": False,
+    "adapter": None,
+    "heads": None,
+}
+
+
 def test_wire_form_is_a_plain_map_with_every_field() -> None:
     request = ScoreRequest("r", items=((1, 2),), query=(3,), hidden_states_dtype=HiddenDType.BFLOAT16)
     assert msgpack.unpackb(encode_request(request)) == {
@@ -118,19 +137,7 @@ def test_wire_form_is_a_plain_map_with_every_field() -> None:
         "return_pooled_hidden_states": False,
         "hidden_states_dtype": "bfloat16",
         "metadata": None,
-        "label_token_ids": None,
-        "messages": None,
-        "truncate": "none",
-        "requires": None,
-        "deadline_ms": None,
-        "ttl_ms": None,
-        "token_outputs": None,
-        "step_separator": None,
-        "token_range": None,
-        "return_token_scores": True,
-        "return_token_hidden_states": False,
-        "adapter": None,
-        "heads": None,
+        **ADDED_KEYS,
     }
 
 
@@ -176,37 +183,12 @@ def test_request_without_the_new_keys_decodes_exactly_as_before() -> None:
     assert (decoded.label_token_ids, decoded.messages, decoded.requires) == (None, None, None)
     assert decoded.truncate is Truncation.NONE
     # Nil is the default too, so a producer that writes every key as nil gets the same request.
-    nils = dict.fromkeys(
-        ("label_token_ids", "messages", "truncate", "requires", "deadline_ms", "ttl_ms", "token_outputs")
-    ) | dict.fromkeys(
-        (
-            "step_separator",
-            "token_range",
-            "return_token_scores",
-            "return_token_hidden_states",
-            "adapter",
-            "heads",
-        )
-    )
+    nils = dict.fromkeys(ADDED_KEYS)
     assert decode_request(msgpack.packb({**OLD_REQUEST_MAP, **nils})) == decoded
     # Re-encoding adds the new keys with their defaults and changes nothing else.
     wire = msgpack.unpackb(encode_request(decoded))
     assert {key: wire[key] for key in OLD_REQUEST_MAP} == OLD_REQUEST_MAP
-    assert {key: wire[key] for key in wire.keys() - OLD_REQUEST_MAP.keys()} == {
-        "label_token_ids": None,
-        "messages": None,
-        "truncate": "none",
-        "requires": None,
-        "deadline_ms": None,
-        "ttl_ms": None,
-        "token_outputs": None,
-        "step_separator": None,
-        "token_range": None,
-        "return_token_scores": True,
-        "return_token_hidden_states": False,
-        "adapter": None,
-        "heads": None,
-    }
+    assert {key: wire[key] for key in wire.keys() - OLD_REQUEST_MAP.keys()} == ADDED_KEYS
 
 
 def test_judge_request_round_trips() -> None:
