@@ -10,6 +10,7 @@ pooled token, after its final norm), the one a request gets with return_pooled_h
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from models.errors import ModelLoadError
-from models.loading import _ACTIVATIONS
+from models.loading import _ACTIVATIONS, mlp_from_tensors
 from models.prepare import PreparedRequest
 from models.transfer import item_ranges, to_host_async
 
@@ -34,16 +35,18 @@ def read_head(name: str, directory: Path, hidden_size: int) -> nn.Module:
     config_path = directory / "head_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {"type": "linear"}
     if config.get("type") == "linear" and set(weights) <= {"weight", "bias"} and "weight" in weights:
-        layers: list[nn.Module] = [_linear(weights, "")]
+        layers: list[nn.Module] = [_linear(weights)]
     elif config.get("type") == "mlp" and config.get("activation") in _ACTIVATIONS:
-        indices = sorted({int(key.split(".")[0]) for key in weights if key.endswith(".weight")})
-        if len(indices) < 2 or any(key.split(".")[0] not in map(str, indices) for key in weights):
+        stray = [
+            key
+            for key in weights
+            if not re.fullmatch(r"\d+\.(weight|bias)", key) or f"{key.split('.')[0]}.weight" not in weights
+        ]
+        if stray:
             raise ModelLoadError(f"head {name!r}: an MLP head has 0.weight, 2.weight, ... and nothing else")
-        layers = []
-        for position, index in enumerate(indices):
-            layers.append(_linear(weights, f"{index}."))
-            if position < len(indices) - 1:
-                layers.append(_ACTIVATIONS[config["activation"]]())
+        layers = list(
+            mlp_from_tensors(weights.__getitem__, weights, "", config["activation"], f"head {name!r}")
+        )
     else:
         raise ModelLoadError(
             f"head {name!r}: head_config.json {config!r} with tensors {sorted(weights)}; a head is linear "
@@ -59,9 +62,8 @@ def read_head(name: str, directory: Path, hidden_size: int) -> nn.Module:
     return head
 
 
-def _linear(weights: Mapping[str, torch.Tensor], prefix: str) -> nn.Linear:
-    weight = weights[f"{prefix}weight"]
-    bias = weights.get(f"{prefix}bias")
+def _linear(weights: Mapping[str, torch.Tensor]) -> nn.Linear:
+    weight, bias = weights["weight"], weights.get("bias")
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     with torch.no_grad():
         linear.weight.copy_(weight)

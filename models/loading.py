@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,27 +220,45 @@ def declared_head(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _mlp_head(model_dir: Path, name: str, activation: str, keys: set[str]) -> nn.Sequential:
-    """`name`.0, `name`.2, ... linear layers (nn.Sequential's numbering) with the activation between them."""
+    """`name`.0, `name`.2, ... linear layers (nn.Sequential's numbering) of the checkpoint, with the
+    activation between them."""
+    return mlp_from_tensors(
+        functools.partial(_read_checkpoint_tensor, model_dir), keys, f"{name}.", activation,
+        "score_worker_head declares an MLP but the checkpoint",
+    )  # fmt: skip
+
+
+def mlp_from_tensors(
+    read: Callable[[str], torch.Tensor], keys: Iterable[str], prefix: str, activation: str, where: str
+) -> nn.Sequential:
+    """`prefix`0, `prefix`2, ... linear layers (nn.Sequential's numbering; `read` gives a tensor by key,
+    `keys` are all there are), with the activation between them; ModelLoadError saying `where` when there
+    are fewer than two or their widths do not chain."""
     indices = sorted(
-        {int(key.split(".")[1]) for key in keys if key.startswith(f"{name}.") and key.endswith(".weight")}
+        {
+            int(key.removeprefix(prefix).split(".")[0])
+            for key in keys
+            if key.startswith(prefix) and key.endswith(".weight")
+        }
     )
     if len(indices) < 2:
         raise ModelLoadError(
-            f"score_worker_head declares an MLP but the checkpoint has {len(indices)} linear layer(s) under "
-            f"{name!r}; an MLP head has {name}.0.weight, {name}.2.weight, ... (nn.Sequential's names)"
+            f"{where} has {len(indices)} linear layer(s) under {prefix!r}; an MLP head has {prefix}0.weight, "
+            f"{prefix}2.weight, ... (nn.Sequential's names)"
         )
+    key_set = set(keys)
     layers: list[nn.Module] = []
     width: int | None = None
     for position, index in enumerate(indices):
-        weight = _read_checkpoint_tensor(model_dir, f"{name}.{index}.weight")
+        weight = read(f"{prefix}{index}.weight")
         if width is not None and weight.shape[1] != width:
-            raise ModelLoadError(f"{name}.{index}.weight takes {weight.shape[1]} inputs, not {width}")
-        bias_key = f"{name}.{index}.bias"
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias_key in keys)
+            raise ModelLoadError(f"{prefix}{index}.weight takes {weight.shape[1]} inputs, not {width}")
+        bias_key = f"{prefix}{index}.bias"
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias_key in key_set)
         with torch.no_grad():
             linear.weight.copy_(weight)
             if linear.bias is not None:
-                linear.bias.copy_(_read_checkpoint_tensor(model_dir, bias_key))
+                linear.bias.copy_(read(bias_key))
         layers.append(linear)
         if position < len(indices) - 1:
             layers.append(_ACTIVATIONS[activation]())
