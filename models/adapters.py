@@ -15,6 +15,7 @@ trained `score`); its requests' rows are scored with it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -134,28 +135,48 @@ def _adapter_head(
     return head
 
 
+# The masks of the batch an AdapterSet runs, by the set's number, then by column layout (_Layout.key; odd keys
+# are the masks at the restricted rows). A module global, read by the swapped forwards, as
+# models.pooled_rows keeps its rows: torch.compile gives a tensor reached through an nn.Module a static shape,
+# and one reached from here a dynamic token count, so compiled layers take every batch in one graph.
+_MASKS: dict[int, dict[int, torch.Tensor]] = {}
+_NUMBERS = itertools.count()
+
+
 class AdapterSet:
     """The adapters a worker serves, their factors stacked per module on the device (module docstring).
-    Adapter i of `names` is index i; -1 is the base model."""
+    Adapter i of `names` is index i; -1 is the base model.
+
+    The adapted forwards are made once and read the batch's masks from _MASKS, so that compiled layers that
+    traced them find the same functions on every entry. A projection inside one of the modules the last
+    layer runs at the pooled rows only (models/pooled_rows.py; `restrict_within`) reads the masks of those
+    rows: it sees only them."""
 
     def __init__(
         self, adapters: Sequence[Adapter], model: nn.Module, device: torch.device, dtype: torch.dtype
     ) -> None:
         self.names = tuple(adapter.name for adapter in adapters)
         self.heads = {i: a.head.to(device=device, dtype=dtype) for i, a in enumerate(adapters) if a.head}
+        self._number = next(_NUMBERS)
+        self._dtype = dtype
+        # Per module: A stacked [R, in], B stacked [out, R], and its column layout's index in _owners.
         self._modules: dict[str, nn.Module] = {}
-        # Per module: A stacked [R, in], B stacked [out, R], and each column's adapter index [R].
-        self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        owners: dict[tuple[int, ...], torch.Tensor] = {}
+        self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        layouts: dict[tuple[int, ...], int] = {}
+        self._owners: list[torch.Tensor] = []  # per layout, each column's adapter index [R]
         for module in sorted({m for adapter in adapters for m in adapter.factors}):
             present = [(i, a.factors[module]) for i, a in enumerate(adapters) if module in a.factors]
             a_stack = torch.cat([a for _, (a, _) in present]).to(device=device, dtype=dtype)
             b_stack = torch.cat([b for _, (_, b) in present], dim=1).to(device=device, dtype=dtype)
             columns = tuple(i for i, (a, _) in present for _ in range(a.shape[0]))
-            if columns not in owners:  # one tensor per column layout, so that a batch builds each mask once
-                owners[columns] = torch.tensor(columns, device=device)
-            self._stacks[module] = (a_stack, b_stack, owners[columns])
+            if columns not in layouts:  # one mask per column layout and batch, shared by its modules
+                layouts[columns] = len(self._owners)
+                self._owners.append(torch.tensor(columns, device=device))
+            self._stacks[module] = (a_stack, b_stack, layouts[columns])
             self._modules[module] = model.get_submodule(module)
+        self._restricted: set[str] = set()
+        self._inner: dict[str, Callable[..., torch.Tensor] | None] = {}
+        self._forwards = {name: self._adapted(name) for name in self._modules}
         log.info(
             "%d LoRA adapters (%s) on %d projections",
             len(self.names),
@@ -163,28 +184,66 @@ class AdapterSet:
             len(self._stacks),
         )
 
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The adapted projections."""
+        return tuple(self._modules.values())
+
+    def restrict_within(self, outer: Sequence[nn.Module]) -> None:
+        """Projections that are, or sit inside, one of `outer` (the last layer's modules that run at the
+        pooled rows only) read the masks of the restricted rows."""
+        inside = {id(module) for parent in outer for module in parent.modules()}
+        self._restricted = {name for name, module in self._modules.items() if id(module) in inside}
+        self._forwards = {name: self._adapted(name) for name in self._modules}
+
+    def _adapted(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        module = self._modules[name]
+        a_stack, b_stack, layout = self._stacks[name]
+        key = 2 * layout + (name in self._restricted)
+        number, inners = self._number, self._inner
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            inner = inners[name]
+            base = inner(x) if inner is not None else type(module).forward(module, x)
+            flat = x.reshape(-1, x.shape[-1]).to(a_stack.dtype)
+            shrunk = (flat @ a_stack.T) * _MASKS[number][key]  # [T, R]: each token's own adapter's columns
+            out = base.reshape(-1, base.shape[-1])
+            # In place, the expand's product added in its epilogue: the [T, out] result is read and written
+            # once more, where a separate delta would be written, read and added.
+            out.addmm_(shrunk.to(out.dtype), b_stack.T.to(out.dtype))
+            return out.view(base.shape)
+
+        return forward
+
     @contextmanager
-    def active(self, token_adapters: torch.Tensor) -> Iterator[None]:
+    def active(self, token_adapters: torch.Tensor, rows: torch.Tensor | None = None) -> Iterator[None]:
         """Within the block, every adapted projection adds each token's adapter delta; `token_adapters` [T]
-        is the adapter index of every row of the packed input (-1: none)."""
-        masks: dict[int, torch.Tensor] = {}  # by the owner tensor: modules with one column layout share it
-        swapped: list[tuple[nn.Module, Callable[..., torch.Tensor] | None]] = []
+        is the adapter index of every row of the packed input (-1: none); `rows`, where the last layer runs
+        at the pooled rows only, those rows (models.pooled_rows)."""
+        masks: dict[int, torch.Tensor] = {}
+        for layout, owner in enumerate(self._owners):
+            full = (owner[None, :] == token_adapters[:, None]).to(self._dtype)
+            torch._dynamo.maybe_mark_dynamic(full, 0)
+            masks[2 * layout] = full
+            picked = full if rows is None else full.index_select(0, rows)
+            torch._dynamo.maybe_mark_dynamic(picked, 0)
+            masks[2 * layout + 1] = picked
+        _MASKS[self._number] = masks
+        swapped: list[str] = []
         try:
-            for module_name, module in self._modules.items():
-                a_stack, b_stack, owner = self._stacks[module_name]
-                key = id(owner)
-                if key not in masks:
-                    masks[key] = (owner[None, :] == token_adapters[:, None]).to(a_stack.dtype)
-                inner = module.__dict__.get("forward")
-                swapped.append((module, inner))
-                module.forward = _adapted(module, inner, a_stack, b_stack, masks[key])
+            for name, module in self._modules.items():
+                self._inner[name] = module.__dict__.get("forward")  # a swapped-in forward, or None
+                swapped.append(name)
+                module.forward = self._forwards[name]
             yield
         finally:
-            for module, inner in swapped:
+            for name in swapped:
+                module, inner = self._modules[name], self._inner.pop(name)
                 if inner is None:
                     del module.forward
                 else:
                     module.forward = inner
+            _MASKS.pop(self._number, None)
 
     def apply_heads(
         self, logits: torch.Tensor, pooled: torch.Tensor, row_adapters: Sequence[int], per_row: bool = False
@@ -199,22 +258,6 @@ class AdapterSet:
             states = pooled.index_select(0, at).to(next(head.parameters()).dtype)
             own = torch.cat([head(row[None]) for row in states]) if per_row else head(states)
             logits.index_copy_(0, at, own.float())
-
-
-def _adapted(
-    module: nn.Module,
-    inner: Callable[..., torch.Tensor] | None,
-    a_stack: torch.Tensor,
-    b_stack: torch.Tensor,
-    mask: torch.Tensor,
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        base = inner(x) if inner is not None else type(module).forward(module, x)
-        flat = x.reshape(-1, x.shape[-1]).to(a_stack.dtype)
-        delta = ((flat @ a_stack.T) * mask) @ b_stack.T
-        return base + delta.reshape(*base.shape[:-1], delta.shape[-1]).to(base.dtype)
-
-    return forward
 
 
 def load_adapters(

@@ -78,6 +78,12 @@ class Executor:
         self.fused_mlps = self._fuse_mlps()
         self.adapters = self._load_adapters()
         self.pooled_layer = self._last_layer_at_pooled_rows()
+        # Adapter batches keep the fused MLPs unless an adapter changes a projection the kernel reads.
+        self._fused_with_adapters = self.fused_mlps is not None and not (
+            self.adapters is not None and self.fused_mlps.holds_any(self.adapters.modules)
+        )
+        if self.adapters is not None and self.pooled_layer is not None:
+            self.adapters.restrict_within(self.pooled_layer.modules)
         self.compiled_layers: CompiledLayers | None = None
         if config.resolve_compile(attention, device):
             self.compiled_layers = compile_layers(loaded.base)
@@ -240,17 +246,12 @@ class Executor:
                 shared = packed.shared
                 cu_k = shared.cu_seqlens_k if on_device else shared.host_cu_seqlens_k
                 keys = KeyLayout(shared.key_index, cu_k, shared.max_length_k)
+            pooled_rows = self._pooled_rows(packed)
+            adapted: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
             if packed.adapter_rows is not None:
-                # Adapters: HF's modules (FP8 ones included) with each adapted projection's delta, every
-                # row computed (the row-restricted last layer, the fused MLP and the compiled layers would
-                # bypass or re-trace the adapted projections).
                 assert self.adapters is not None
-                with self.adapters.active(packed.adapter_rows):
-                    hidden = self.packed_forward(
-                        packed.input_ids, packed.position_ids, cu_seqlens, packed.max_length,
-                        packed.token_type_ids, keys=keys, cross=packed.cross,
-                    )  # fmt: skip
-            else:
+                adapted = self.adapters.active(packed.adapter_rows, pooled_rows)
+            with adapted:
                 hidden = self._fast_packed_forward(
                     packed.input_ids,
                     packed.position_ids,
@@ -259,16 +260,20 @@ class Executor:
                     packed.token_type_ids,
                     keys=keys,
                     cross=packed.cross,
-                    pooled_rows=self._pooled_rows(packed),
+                    pooled_rows=pooled_rows,
+                    fused=packed.adapter_rows is None or self._fused_with_adapters,
                 )
         at = None if packed.position_rows is None else hidden.index_select(0, packed.position_rows)
         return pool(hidden, packed), at  # [N, H], float32 for MEAN pooling; [M, H]
 
-    def _fast_packed_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """`packed_forward` with the compiled layers and the fused MLPs in place (where they are set) for the
-        call: HF's own modules stay as they are for everything else (the self-check's reference, the padded
-        path). Swapping them costs host time, which a replayed graph does not spend."""
-        with self.compiled_layers or contextlib.nullcontext(), self.fused_mlps or contextlib.nullcontext():
+    def _fast_packed_forward(self, *args: Any, fused: bool = True, **kwargs: Any) -> torch.Tensor:
+        """`packed_forward` with the compiled layers and (where `fused`) the fused MLPs in place, where they
+        are set, for the call: HF's own modules stay as they are for everything else (the self-check's
+        reference, the padded path). Swapping them costs host time, which a replayed graph does not spend.
+        Adapter batches come with their adapted projections swapped in: the compiled layers trace them as
+        a variant of their own."""
+        mlps = self.fused_mlps if fused else None
+        with self.compiled_layers or contextlib.nullcontext(), mlps or contextlib.nullcontext():
             return self.packed_forward(*args, **kwargs)
 
     def _adapted(self, adapters: Sequence[int] | None) -> Sequence[int] | None:

@@ -25,7 +25,7 @@ bfloat16 faithfully), so the CPU tests check its tiling, edges and epilogue; its
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeGuard, cast
 
 import torch
@@ -281,6 +281,11 @@ class FusedMlps:
 
     def __len__(self) -> int:
         return len(self._mlps)
+
+    def holds_any(self, modules: Sequence[nn.Module]) -> bool:
+        """Whether one of `modules` sits inside a fused MLP (whose gate and up the kernel reads directly)."""
+        wanted = {id(module) for module in modules}
+        return any(id(inner) in wanted for mlp, _ in self._mlps for inner in mlp.modules())
 
     def __enter__(self) -> FusedMlps:
         for mlp, forward in self._mlps:

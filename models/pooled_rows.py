@@ -54,6 +54,11 @@ class LastLayerAtPooledRows:
         self._forwards = tuple(self._restricted(i, module) for i, module in enumerate(self._modules))
 
     @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The modules restricted to the rows."""
+        return self._modules
+
+    @property
     def rows(self) -> torch.Tensor | None:
         """The rows of the block being run, or None outside one."""
         return _ROWS.get(self._number)

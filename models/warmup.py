@@ -8,7 +8,8 @@ shapes on an H200) during which the model thread scores nothing:
   kernel takes long sequences, flash short ones: models.triton_attention.takes), for each attention pass;
 - a batch of one token, or of one-token sequences (torch.compile specializes a size or a length of 1);
 - shared prefixes (the cross pass and its own lengths), and gathered keys where a sliding window is shorter
-  than the prompts.
+  than the prompts;
+- LoRA adapters (their adapted projections, models/adapters.py): each variant above again with an adapter.
 A worker that met them in traffic stalled on them: one such batch in the middle of a run at half of its
 capacity queued the requests behind it for seconds (docs/benchmarks.md). So before it is ready the worker
 scores one small synthetic batch of each variant its settings allow, each twice where CUDA graphs are on
@@ -79,9 +80,10 @@ def warm_up(scorer: Scorer) -> WarmUpReport:
     extra = _template_tokens(scorer)
     if scorer.executor.compiled or scorer.executor.graphs is not None:
         repeats = 2 if scorer.executor.graphs is not None else 1
-        for name, lengths, query in _variants(scorer, extra):
+        for name, lengths, query, adapter in _variants(scorer, extra):
+            request = _request(scorer, name, lengths, query, adapter)
             for _ in range(repeats):
-                tokens += _score(scorer, name, [scorer.prepare(_request(scorer, name, lengths, query))])
+                tokens += _score(scorer, name, [scorer.prepare(request)])
                 batches += 1
     ahead = scorer.executor.record_small_batch_graphs(scorer.config.max_batch_tokens)
     if scorer.device.type == "cuda":
@@ -98,7 +100,8 @@ def warm_up(scorer: Scorer) -> WarmUpReport:
     )
 
 
-Variant = tuple[str, tuple[int, ...], int]  # a name, the items' lengths, the length of a query they share
+# A name, the items' lengths, the length of a query they share, the LoRA adapter (None: the base model).
+Variant = tuple[str, tuple[int, ...], int, str | None]
 
 
 def _variants(scorer: Scorer, extra: int) -> list[Variant]:
@@ -107,10 +110,10 @@ def _variants(scorer: Scorer, extra: int) -> list[Variant]:
     limit = _room(scorer, extra)
     short = min(SHORT, limit)
     long = min(limit, LONG_OVER_SWITCH * length_switch())
-    variants: list[Variant] = [("one token", (1,), 0), ("one-token items", (1, 1), 0)]
-    variants.append(("short items", (short, max(1, short - 3)), 0))
+    variants: list[Variant] = [("one token", (1,), 0, None), ("one-token items", (1, 1), 0, None)]
+    variants.append(("short items", (short, max(1, short - 3)), 0, None))
     if long > short:
-        variants.append(("a long item", (short, long), 0))
+        variants.append(("a long item", (short, long), 0, None))
     if scorer.plan.shares_prefixes:
         prefix = scorer.config.share_prefix_min_tokens
         window = scorer.executor.sliding_window
@@ -120,7 +123,13 @@ def _variants(scorer: Scorer, extra: int) -> list[Variant]:
         variants += _shared_prefix_variants(prefix, within, "")
         if window is not None:
             variants += _shared_prefix_variants(max(prefix, window + 1 - extra), limit, " past the window")
-    unique: dict[tuple[tuple[int, ...], int], Variant] = {}
+    adapters = scorer.prompt_builder.adapters
+    if adapters:  # one adapter stands for all: they share the variant (their factors are its inputs)
+        variants += [
+            (f"{name}, adapter {adapters[0]}", lengths, query, adapters[0])
+            for name, lengths, query, _ in variants
+        ]
+    unique: dict[tuple[tuple[int, ...], int, str | None], Variant] = {}
     for variant in variants:
         unique.setdefault(variant[1:], variant)
     return list(unique.values())
@@ -135,15 +144,15 @@ def _shared_prefix_variants(prefix: int, room: int, where: str) -> list[Variant]
     switch = length_switch()
     short = min(SHORT, room - prefix)
     variants: list[Variant] = [
-        (f"a shared prefix{where}, one-token suffixes", (1, 1), prefix),
-        (f"a shared prefix{where}, short suffixes", (1, short), prefix),
+        (f"a shared prefix{where}, one-token suffixes", (1, 1), prefix, None),
+        (f"a shared prefix{where}, short suffixes", (1, short), prefix, None),
     ]
     long_prefix = min(room - short, LONG_OVER_SWITCH * switch)
     if long_prefix > max(prefix, switch):
-        variants.append((f"a long shared prefix{where}, short suffixes", (1, short), long_prefix))
+        variants.append((f"a long shared prefix{where}, short suffixes", (1, short), long_prefix, None))
     long_suffix = min(room - prefix, LONG_OVER_SWITCH * switch)
     if long_suffix > switch:
-        variants.append((f"a shared prefix{where}, long suffixes", (short, long_suffix), prefix))
+        variants.append((f"a shared prefix{where}, long suffixes", (short, long_suffix), prefix, None))
     return variants
 
 
@@ -169,13 +178,16 @@ def _ids(scorer: Scorer, count: int, offset: int) -> tuple[int, ...]:
     return tuple(low + (token - low + 1) % span if token == pad else token for token in ids)
 
 
-def _request(scorer: Scorer, name: str, lengths: Sequence[int], query: int) -> ScoreRequest:
+def _request(
+    scorer: Scorer, name: str, lengths: Sequence[int], query: int, adapter: str | None = None
+) -> ScoreRequest:
     return ScoreRequest(
         request_id=f"warm-up {name}",
         query=_ids(scorer, query, 0) if query else None,
         items=tuple(_ids(scorer, length, 7 * (n + 1)) for n, length in enumerate(lengths)),
         return_pooled_hidden_states=True,
         label_token_ids=judge_labels(scorer),
+        adapter=adapter,
     )
 
 

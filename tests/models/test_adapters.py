@@ -104,13 +104,7 @@ def _ids(seed: int, count: int, length: int, vocab: int = 500) -> list[tuple[int
     return [tuple(int(t) for t in generator.integers(4, vocab, size=length - i)) for i in range(count)]
 
 
-@pytest.mark.parametrize("architecture", DECODERS)
-def test_a_mixed_adapter_batch_equals_each_adapter_merged(
-    model_dirs: dict[str, Path], adapter_root: str, architecture: str
-) -> None:
-    base_dir = model_dirs[architecture]
-    adapters = _adapters(base_dir, adapter_root)
-    scorer = Scorer(base_dir, ScorerConfig(device="cpu", adapters=_setting(adapters)))
+def _mixed_requests() -> tuple[list[str | None], list[ScoreRequest]]:
     chosen = [None, "full", "attn", "mlp", "full", None]
     requests = [
         ScoreRequest(
@@ -122,7 +116,13 @@ def test_a_mixed_adapter_batch_equals_each_adapter_merged(
         )
         for index, name in enumerate(chosen)
     ]
-    results = scorer.score(requests)  # one batch: every adapter and the base model together
+    return chosen, requests
+
+
+def _assert_equal_to_merged(
+    base_dir: Path, adapters: dict[str, Path], results: list[ScoreResult], chosen: list[str | None],
+    requests: list[ScoreRequest],
+) -> None:  # fmt: skip
     for request, result, name in zip(requests, results, chosen, strict=True):
         assert result.ok, result.error
         prompts = [(5, 6, 7, *item) for item in request.items]
@@ -130,9 +130,73 @@ def test_a_mixed_adapter_batch_equals_each_adapter_merged(
         reference = hf_reference(base_dir, prompts, model=model)
         assert_forward_close(scores_of(result), reference.logits, base_dir, longest=23)
         assert_forward_close(hidden_of(result), reference.hidden, base_dir, longest=23)
+
+
+@pytest.mark.parametrize("architecture", DECODERS)
+def test_a_mixed_adapter_batch_equals_each_adapter_merged(
+    model_dirs: dict[str, Path], adapter_root: str, architecture: str
+) -> None:
+    base_dir = model_dirs[architecture]
+    adapters = _adapters(base_dir, adapter_root)
+    scorer = Scorer(base_dir, ScorerConfig(device="cpu", adapters=_setting(adapters)))
+    chosen, requests = _mixed_requests()
+    results = scorer.score(requests)  # one batch: every adapter and the base model together
+    _assert_equal_to_merged(base_dir, adapters, results, chosen, requests)
     # An adapter's delta and its head move the scores: equal scores would prove nothing above.
     (plain,) = scorer.score([ScoreRequest("b", items=requests[1].items, query=(5, 6, 7))])
     assert not np.allclose(scores_of(plain), scores_of(results[1]), atol=1e-3)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "phi3"])
+def test_adapters_on_the_fast_path_with_the_last_layer_at_the_pooled_rows(
+    model_dirs: dict[str, Path], adapter_root: str, architecture: str
+) -> None:
+    """The GPU's default path on the CPU: the varlen kernel, the last layer's row-wise modules at the pooled
+    rows only (their adapted projections see only those rows and read those rows' adapters), Phi-3's fused
+    projections among them."""
+    from scoring_testkit import CpuVarlenKernelGqa
+
+    base_dir = model_dirs[architecture]
+    adapters = _adapters(base_dir, adapter_root)
+    config = ScorerConfig(
+        device="cpu", attention="varlen", varlen_kernel=CpuVarlenKernelGqa(), adapters=_setting(adapters)
+    )
+    scorer = Scorer(base_dir, config)
+    assert scorer.executor.pooled_layer is not None
+    chosen, requests = _mixed_requests()
+    _assert_equal_to_merged(base_dir, adapters, scorer.score(requests), chosen, requests)
+
+
+@pytest.mark.slow
+def test_adapters_under_compiled_layers_compile_once_for_every_batch(
+    tiny_llama_dir: Path, adapter_root: str
+) -> None:
+    """Adapter batches run the compiled layers (their adapted projections a variant the layers trace once):
+    the same results as the merged models, and batches of other sizes and other adapter mixes reuse the
+    variant."""
+    from scoring_testkit import CpuVarlenKernelGqa
+
+    from models.layers import traced_graphs
+
+    torch._dynamo.reset()  # other tests' graphs of the same layer code would hide what this one compiles
+    adapters = _adapters(tiny_llama_dir, adapter_root)
+    kernel = torch._dynamo.disable(CpuVarlenKernelGqa())  # host-side checks stay out of dynamo, as on a GPU
+    config = ScorerConfig(
+        device="cpu", attention="varlen", varlen_kernel=kernel, compile="on", adapters=_setting(adapters)
+    )
+    scorer = Scorer(tiny_llama_dir, config)
+    assert scorer.executor.compiled and scorer.executor.pooled_layer is not None
+    chosen, requests = _mixed_requests()
+    # The first two batches compile (static sizes, then dynamic ones); the others must not.
+    batches = [[0, 1, 2, 3, 4, 5], [1, 3], [2, 3, 4], [4], [0, 5, 1]]
+    for index, picks in enumerate(batches):
+        if index == 2:
+            compiled_by_then = traced_graphs()
+        batch = [requests[i] for i in picks]
+        _assert_equal_to_merged(
+            tiny_llama_dir, adapters, scorer.score(batch), [chosen[i] for i in picks], batch
+        )
+    assert traced_graphs() == compiled_by_then
 
 
 def test_prefixes_are_shared_only_within_an_adapter(tiny_llama_dir: Path, adapter_root: str) -> None:

@@ -8,6 +8,7 @@ torch.compile traces are the GPU's. The GPU's own run of the same check is in te
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -119,6 +120,30 @@ def test_after_the_warm_up_no_batch_compiles(
             # path): the model's chain of sums for the batch's longest prompt (forward_atol).
             assert_scored_alike(result, expected, reference, requests)
         assert _graphs_traced() == traced, f"compiled for {batch} after the warm-up"
+
+
+def test_after_the_warm_up_no_adapter_batch_compiles(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With LoRA adapters served, the warm-up also compiles the adapted variant of each batch kind: traffic
+    mixing adapters and the base model compiles nothing after it."""
+    from test_adapters import _adapters, _setting
+
+    monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
+    torch._dynamo.reset()
+    adapters = _adapters(tiny_llama_dir, str(tmp_path))
+    scorer = _scorer(tiny_llama_dir, compile="on", adapters=_setting(adapters))
+    report = warm_up(scorer)
+    assert report.compiled_graphs > 0, describe(report)
+    traced = _graphs_traced()
+    names = [None, *adapters]
+    for salt, batch in enumerate(TRAFFIC):
+        requests = [
+            dataclasses.replace(request, adapter=names[(salt + r) % len(names)])
+            for r, request in enumerate(_traffic_requests(batch, salt))
+        ]
+        assert all(result.ok for result in scorer.score(requests))
+        assert _graphs_traced() == traced, f"compiled for {batch} with adapters after the warm-up"
 
 
 def test_the_traffic_compiles_without_it(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
