@@ -215,6 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for count in (int(c) for c in args.adapter_counts.split(",")):
             adapters = write_adapters(base_model, count, Path(tmp) / f"adapters-{count}")
             setting = ",".join(f"{name}={path}" for name, path in adapters.items())
+            # A worker process holds one Scorer: the compiled layers' graphs of the Scorers before count
+            # against the same recompile limit (its layers' code object is shared) and would not be there.
+            torch._dynamo.reset()
             scorer = Scorer(directory, ScorerConfig(adapters=setting, **config))
             names = list(adapters)
             mixed = [

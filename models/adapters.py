@@ -18,7 +18,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import types
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,22 +136,47 @@ def _adapter_head(
     return head
 
 
-# The masks of the batch an AdapterSet runs, by the set's number, then by column layout (_Layout.key; odd keys
-# are the masks at the restricted rows). A module global, read by the swapped forwards, as
-# models.pooled_rows keeps its rows: torch.compile gives a tensor reached through an nn.Module a static shape,
-# and one reached from here a dynamic token count, so compiled layers take every batch in one graph.
+# The masks of the batch an AdapterSet runs, by the set's number, then by column layout (odd keys: the masks
+# at the restricted rows). A module global, read by the swapped forwards, as models.pooled_rows keeps its
+# rows: torch.compile gives a tensor reached through an nn.Module a static shape, and one reached from here
+# a dynamic token count, so compiled layers take every batch in one graph.
 _MASKS: dict[int, dict[int, torch.Tensor]] = {}
 _NUMBERS = itertools.count()
+# What each adapted projection carries (non-persistent buffers and plain attributes, so that nothing of it
+# reaches a saved state): its stacked factors, the set's number, its mask's key, and the forward it wraps.
+_A, _B, _SET, _KEY, _INNER = (
+    "score_worker_lora_a",
+    "score_worker_lora_b",
+    "score_worker_lora_set",
+    "score_worker_lora_mask",
+    "score_worker_lora_inner",
+)
+
+
+def _adapted_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An adapted projection's forward: the one it wraps, plus the expand of each token's own adapter's
+    shrink. One function for every projection, its differences read from the module (factors as buffers,
+    which torch.compile takes as inputs): the layers' compiled graph stays shared by all of them, as it is
+    for their weights."""
+    inner = getattr(module, _INNER)
+    base = inner(x) if inner is not None else type(module).forward(module, x)
+    a_stack, b_stack = getattr(module, _A), getattr(module, _B)
+    flat = x.reshape(-1, x.shape[-1]).to(a_stack.dtype)
+    shrunk = (flat @ a_stack.T) * _MASKS[getattr(module, _SET)][getattr(module, _KEY)]  # [T, R]: own columns
+    out = base.reshape(-1, base.shape[-1])
+    # In place, the expand's product added in its epilogue: the [T, out] result is read and written once
+    # more, where a separate delta would be written, read and added.
+    out.addmm_(shrunk.to(out.dtype), b_stack.T.to(out.dtype))
+    return out.view(base.shape)
 
 
 class AdapterSet:
     """The adapters a worker serves, their factors stacked per module on the device (module docstring).
     Adapter i of `names` is index i; -1 is the base model.
 
-    The adapted forwards are made once and read the batch's masks from _MASKS, so that compiled layers that
-    traced them find the same functions on every entry. A projection inside one of the modules the last
-    layer runs at the pooled rows only (models/pooled_rows.py; `restrict_within`) reads the masks of those
-    rows: it sees only them."""
+    The adapted projections carry their stacked factors and read the batch's masks from _MASKS. A projection
+    inside one of the modules the last layer runs at the pooled rows only (models/pooled_rows.py;
+    `restrict_within`) reads the masks of those rows: it sees only them."""
 
     def __init__(
         self, adapters: Sequence[Adapter], model: nn.Module, device: torch.device, dtype: torch.dtype
@@ -159,29 +185,30 @@ class AdapterSet:
         self.heads = {i: a.head.to(device=device, dtype=dtype) for i, a in enumerate(adapters) if a.head}
         self._number = next(_NUMBERS)
         self._dtype = dtype
-        # Per module: A stacked [R, in], B stacked [out, R], and its column layout's index in _owners.
         self._modules: dict[str, nn.Module] = {}
-        self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         layouts: dict[tuple[int, ...], int] = {}
-        self._owners: list[torch.Tensor] = []  # per layout, each column's adapter index [R]
-        for module in sorted({m for adapter in adapters for m in adapter.factors}):
-            present = [(i, a.factors[module]) for i, a in enumerate(adapters) if module in a.factors]
-            a_stack = torch.cat([a for _, (a, _) in present]).to(device=device, dtype=dtype)
-            b_stack = torch.cat([b for _, (_, b) in present], dim=1).to(device=device, dtype=dtype)
+        self._owners: list[torch.Tensor] = []  # per column layout, each column's adapter index [R]
+        for name in sorted({m for adapter in adapters for m in adapter.factors}):
+            present = [(i, a.factors[name]) for i, a in enumerate(adapters) if name in a.factors]
+            module = model.get_submodule(name)
+            # A stacked [R, in], B stacked [out, R]
+            module.register_buffer(_A, torch.cat([a for _, (a, _) in present]).to(device, dtype), False)
+            module.register_buffer(_B, torch.cat([b for _, (_, b) in present], 1).to(device, dtype), False)
             columns = tuple(i for i, (a, _) in present for _ in range(a.shape[0]))
             if columns not in layouts:  # one mask per column layout and batch, shared by its modules
                 layouts[columns] = len(self._owners)
                 self._owners.append(torch.tensor(columns, device=device))
-            self._stacks[module] = (a_stack, b_stack, layouts[columns])
-            self._modules[module] = model.get_submodule(module)
-        self._restricted: set[str] = set()
-        self._inner: dict[str, Callable[..., torch.Tensor] | None] = {}
-        self._forwards = {name: self._adapted(name) for name in self._modules}
+            setattr(module, _SET, self._number)
+            setattr(module, _KEY, 2 * layouts[columns])
+            setattr(module, _INNER, None)
+            self._modules[name] = module
+        # Bound once: the forward a compiled layer traced is the one it finds at every later entry.
+        self._forwards = [(m, types.MethodType(_adapted_forward, m)) for m in self._modules.values()]
         log.info(
             "%d LoRA adapters (%s) on %d projections",
             len(self.names),
             ", ".join(self.names),
-            len(self._stacks),
+            len(self._modules),
         )
 
     @property
@@ -193,27 +220,9 @@ class AdapterSet:
         """Projections that are, or sit inside, one of `outer` (the last layer's modules that run at the
         pooled rows only) read the masks of the restricted rows."""
         inside = {id(module) for parent in outer for module in parent.modules()}
-        self._restricted = {name for name, module in self._modules.items() if id(module) in inside}
-        self._forwards = {name: self._adapted(name) for name in self._modules}
-
-    def _adapted(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        module = self._modules[name]
-        a_stack, b_stack, layout = self._stacks[name]
-        key = 2 * layout + (name in self._restricted)
-        number, inners = self._number, self._inner
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            inner = inners[name]
-            base = inner(x) if inner is not None else type(module).forward(module, x)
-            flat = x.reshape(-1, x.shape[-1]).to(a_stack.dtype)
-            shrunk = (flat @ a_stack.T) * _MASKS[number][key]  # [T, R]: each token's own adapter's columns
-            out = base.reshape(-1, base.shape[-1])
-            # In place, the expand's product added in its epilogue: the [T, out] result is read and written
-            # once more, where a separate delta would be written, read and added.
-            out.addmm_(shrunk.to(out.dtype), b_stack.T.to(out.dtype))
-            return out.view(base.shape)
-
-        return forward
+        for module in self._modules.values():
+            if id(module) in inside:
+                setattr(module, _KEY, getattr(module, _KEY) | 1)
 
     @contextmanager
     def active(self, token_adapters: torch.Tensor, rows: torch.Tensor | None = None) -> Iterator[None]:
@@ -229,20 +238,21 @@ class AdapterSet:
             torch._dynamo.maybe_mark_dynamic(picked, 0)
             masks[2 * layout + 1] = picked
         _MASKS[self._number] = masks
-        swapped: list[str] = []
+        swapped: list[nn.Module] = []
         try:
-            for name, module in self._modules.items():
-                self._inner[name] = module.__dict__.get("forward")  # a swapped-in forward, or None
-                swapped.append(name)
-                module.forward = self._forwards[name]
+            for module, forward in self._forwards:
+                setattr(module, _INNER, module.__dict__.get("forward"))  # a swapped-in forward, or None
+                swapped.append(module)
+                module.forward = forward
             yield
         finally:
-            for name in swapped:
-                module, inner = self._modules[name], self._inner.pop(name)
+            for module in swapped:
+                inner = getattr(module, _INNER)
                 if inner is None:
                     del module.forward
                 else:
                     module.forward = inner
+                setattr(module, _INNER, None)
             _MASKS.pop(self._number, None)
 
     def apply_heads(

@@ -168,12 +168,15 @@ def test_adapters_on_the_fast_path_with_the_last_layer_at_the_pooled_rows(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("pooled_rows", [False, True])
 def test_adapters_under_compiled_layers_compile_once_for_every_batch(
-    tiny_llama_dir: Path, adapter_root: str
+    tiny_llama_dir: Path, adapter_root: str, pooled_rows: bool
 ) -> None:
-    """Adapter batches run the compiled layers (their adapted projections a variant the layers trace once):
-    the same results as the merged models, and batches of other sizes and other adapter mixes reuse the
-    variant."""
+    """Adapter batches run the compiled layers, their adapted projections a variant the layers trace once:
+    the same results as the merged models; batches of other sizes and other adapter mixes reuse the variant;
+    and the variant takes as many graphs as the base model's batches (one per kind of layer, shared by the
+    layers, as their weights are inputs), not one per layer (which a model of 32 layers would take past the
+    recompile limit, and run eager)."""
     from scoring_testkit import CpuVarlenKernelGqa
 
     from models.layers import traced_graphs
@@ -182,16 +185,22 @@ def test_adapters_under_compiled_layers_compile_once_for_every_batch(
     adapters = _adapters(tiny_llama_dir, adapter_root)
     kernel = torch._dynamo.disable(CpuVarlenKernelGqa())  # host-side checks stay out of dynamo, as on a GPU
     config = ScorerConfig(
-        device="cpu", attention="varlen", varlen_kernel=kernel, compile="on", adapters=_setting(adapters)
-    )
+        device="cpu", attention="varlen", varlen_kernel=kernel, compile="on", adapters=_setting(adapters),
+        last_layer_pooled_rows=pooled_rows,
+    )  # fmt: skip
     scorer = Scorer(tiny_llama_dir, config)
-    assert scorer.executor.compiled and scorer.executor.pooled_layer is not None
+    assert scorer.executor.compiled and (scorer.executor.pooled_layer is not None) == pooled_rows
     chosen, requests = _mixed_requests()
-    # The first two batches compile (static sizes, then dynamic ones); the others must not.
+    base = [dataclasses.replace(request, adapter=None) for request in requests]
+    for batch in (base, base[:2]):  # static sizes, then dynamic ones
+        assert all(result.ok for result in scorer.score(batch))
+    base_graphs = traced_graphs()
+    # The first two adapter batches compile (static sizes, then dynamic ones); the others must not.
     batches = [[0, 1, 2, 3, 4, 5], [1, 3], [2, 3, 4], [4], [0, 5, 1]]
     for index, picks in enumerate(batches):
         if index == 2:
             compiled_by_then = traced_graphs()
+            assert compiled_by_then - base_graphs <= base_graphs, (compiled_by_then, base_graphs)
         batch = [requests[i] for i in picks]
         _assert_equal_to_merged(
             tiny_llama_dir, adapters, scorer.score(batch), [chosen[i] for i in picks], batch
