@@ -159,7 +159,7 @@ def _adapted_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     which torch.compile takes as inputs): the layers' compiled graph stays shared by all of them, as it is
     for their weights."""
     inner = getattr(module, _INNER)
-    base = inner(x) if inner is not None else type(module).forward(module, x)
+    base: torch.Tensor = inner(x) if inner is not None else type(module).forward(module, x)
     a_stack, b_stack = getattr(module, _A), getattr(module, _B)
     flat = x.reshape(-1, x.shape[-1]).to(a_stack.dtype)
     shrunk = (flat @ a_stack.T) * _MASKS[getattr(module, _SET)][getattr(module, _KEY)]  # [T, R]: own columns
@@ -167,7 +167,8 @@ def _adapted_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # In place, the expand's product added in its epilogue: the [T, out] result is read and written once
     # more, where a separate delta would be written, read and added.
     out.addmm_(shrunk.to(out.dtype), b_stack.T.to(out.dtype))
-    return out.view(base.shape)
+    adapted: torch.Tensor = out.view(base.shape)
+    return adapted
 
 
 class AdapterSet:
