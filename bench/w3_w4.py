@@ -7,6 +7,8 @@ Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/w3_
 - W3: W2's model (Qwen3-0.6B shapes); 64 requests of 16 items, a 512-token query and 64-token items, half
   asking for pooled hidden states. "Distinct tokens": each request's query and items as one prompt, the
   work a perfect sharing would leave.
+- W4 interleaved (`w4i`): the same requests with each prompt's answers spread over the stream (every
+  prompt's first answer, then every second, ...), each path scoring them in one call that the engine cuts.
 - W4: W1's model (8B Llama shapes); 256 prompts of 300-1,000 tokens with 8 responses of 50-300 tokens each,
   sent as 2,048 single-item requests, a prompt's 8 one after another, the prompts in random order.
 Batches are cut as the worker cuts them: arrival order, at most `--max-batch-tokens` tokens, counted as
@@ -188,22 +190,39 @@ def sample(
     return [sample_entry(whole_prompts(requests[i]), results[i]) for i in sorted(set(picks))]
 
 
+def interleaved(work: Workload, n: int) -> Workload:
+    """W4's requests with each prompt's n answers spread over the stream: every prompt's first answer, then
+    every prompt's second, and so on (answers that come back from a sampler in any order)."""
+    requests, bare = work
+    prompts = len(requests) // n
+    return [requests[p * n + r] for r in range(n) for p in range(prompts)], bare
+
+
 def run_case(
-    name: str, model_dir: Path, work: Workload, args: argparse.Namespace, device: str
+    name: str,
+    model_dir: Path,
+    work: Workload,
+    args: argparse.Namespace,
+    device: str,
+    one_call: bool = False,
 ) -> dict[str, Any]:
+    """`one_call`: every path's requests as one `score_prepared` call, the engine cutting the batches (and
+    grouping requests that share a prompt across the call), rather than cut beforehand in arrival order
+    as the worker's batcher cuts a stream."""
     requests, bare = work
     dtype = "bfloat16" if device == "cuda" else "float32"
     base = {"device": device, "dtype": dtype, "max_batch_tokens": args.max_batch_tokens}
     today = Scorer(model_dir, ScorerConfig(**base))
     shared = Scorer(model_dir, ScorerConfig(**base, share_prefix_min_tokens=args.min_tokens))
-    cut = chunks(requests, args.max_batch_tokens)
-    shared_cut = chunks(requests, args.max_batch_tokens, shared)
+    cut = [range(len(requests))] if one_call else chunks(requests, args.max_batch_tokens)
+    shared_cut = [range(len(requests))] if one_call else chunks(requests, args.max_batch_tokens, shared)
     items = sum(len(r.items) for r in requests)
     whole_tokens = sum(len(p) for r in requests for p in whole_prompts(r))
     whole_results, whole_t = time_path(today, requests, cut, args.repeats)
     shared_results, shared_t = time_path(shared, requests, shared_cut, args.repeats)
     distinct_tokens = sum(len(r.items[0]) for r in bare)
-    _, distinct_t = time_path(today, bare, chunks(bare, args.max_batch_tokens), args.repeats)
+    bare_cut = [range(len(bare))] if one_call else chunks(bare, args.max_batch_tokens)
+    _, distinct_t = time_path(today, bare, bare_cut, args.repeats)
     del today
 
     def rates(timing: str) -> dict[str, float]:
@@ -259,7 +278,11 @@ def run_case(
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argument_parser(__doc__)
     add_options(parser, "w3_w4", quick=False, max_batch_tokens=16384)
-    parser.add_argument("--cases", default="w3,w4", help="which of w3, w4 to run")
+    parser.add_argument(
+        "--cases",
+        default="w3,w4,w4i",
+        help="which of w3, w4, w4i (W4 with each prompt's answers interleaved, scored in one call) to run",
+    )
     parser.add_argument(
         "--min-tokens", type=int, default=32, help="share_prefix_min_tokens of the shared path"
     )
@@ -284,15 +307,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["w3"] = run_case(
                 "W3", w3_dir, w3_requests(rng, shapes["vocab_size"], *sizes), args, device
             )
-        if "w4" in cases:
+        if cases & {"w4", "w4i"}:
             shapes = W4_QUICK if args.quick else W4_SHAPES
             w4_dir = model_dir("llama", shapes, device, Path(tmp) / "w4-llama")
             spec = (6, 3, (30, 60), (5, 20)) if args.quick else (256, 8, (300, 1000), (50, 300))
             w4 = w4_requests(rng, shapes["vocab_size"], *spec)
+        if "w4" in cases:
             report["w4"] = run_case("W4", w4_dir, w4, args, device)
+        if "w4i" in cases:
+            w4i = interleaved(w4, spec[1])
+            report["w4i"] = run_case("W4 interleaved, one call", w4_dir, w4i, args, device, one_call=True)
     failures = [
         f"{name}: {check}"
-        for name in ("w3", "w4")
+        for name in ("w3", "w4", "w4i")
         if name in report
         for check in ("agreement", "vs_fp32")
         if not report[name][check]["ok"]

@@ -4,6 +4,7 @@ request larger than one batch cut into parts whose results are joined again."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -216,6 +217,42 @@ class BatchPlan:
             return self.joins(prepared[earlier], prepared[later])
 
         return token_runs(sizes, max_tokens, measure, joins)
+
+    def grouped_order(
+        self, prepared: Sequence[PreparedRequest], keys: Sequence[int] | None = None
+    ) -> list[int]:
+        """The order to cut `prepared` in: requests whose first prompts share a prefix of at least
+        `min_shared_tokens` (and the same key: one LoRA adapter) next to each other, so that one batch
+        computes their prefix once whatever order they came in (best-of-N answers interleaved with other
+        prompts' answers). Each such group takes the place of its first request, its members in arrival
+        order; a request that shares nothing keeps its place, so the order is arrival order where nothing
+        is shared.
+
+        Prompts that share a prefix are neighbours in lexicographic order (they all lie between the prefix
+        and its successor), so sorting once and joining sorted neighbours finds every group: n log n prompt
+        comparisons, each ending at the first token that differs."""
+        count = len(prepared)
+        if not self.shares_prefixes or count < 3:  # two requests are neighbours already
+            return list(range(count))
+        key_of = [0] * count if keys is None else list(keys)
+        firsts = [p.prompts[0] if p.prompts else () for p in prepared]
+        by_prompt = sorted(range(count), key=lambda i: (key_of[i], firsts[i]))
+        group = list(range(count))  # each request's group: the sorted run it belongs to, by its first member
+        for before, after in itertools.pairwise(by_prompt):
+            same_key = key_of[before] == key_of[after]
+            if same_key and shareable_prefix(firsts[before], firsts[after]) >= self.min_shared_tokens:
+                group[after] = group[before]
+        members: dict[int, list[int]] = {}
+        for index in by_prompt:
+            members.setdefault(group[index], []).append(index)
+        order: list[int] = []
+        placed: set[int] = set()
+        for index in range(count):
+            run = group[index]
+            if run not in placed:
+                placed.add(run)
+                order.extend(sorted(members[run]))
+        return order
 
     def parts(self, prepared: PreparedRequest, max_tokens: int) -> list[PreparedRequest]:
         """The request whole when it fits `max_tokens`, else cut into parts that do (split_request)."""

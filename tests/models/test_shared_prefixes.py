@@ -485,3 +485,52 @@ def test_the_engines_split_keeps_requests_sharing_a_prompt_in_one_batch(
         assert_forward_close(hidden_of(a), hidden_of(b), tiny_llama_dir, longest=23)
     short = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", share_prefix_min_tokens=21))
     assert not short.plan.joins(prepared[3], prepared[4])  # 20 shared, fewer than it asks
+
+
+def test_interleaved_best_of_n_is_grouped_across_one_call(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three prompts' answers interleaved (p0, p1, p2, p0, p1, ...) across a call cut into several batches:
+    each prompt's answers land in one batch and its prompt is computed once, as when the answers come back
+    to back; results are those of the engine that shares nothing, in request order."""
+    prompts = [tuple(range(40 + 30 * p, 60 + 30 * p)) for p in range(3)]  # 20 tokens each, nothing common
+    requests = [
+        ScoreRequest(f"p{p}-r{r}", items=(prompts[p] + (100 + r, 101 + r),), return_pooled_hidden_states=True)
+        for r in range(4)
+        for p in range(3)
+    ]
+    budget = 20 + 4 * 2 + 1  # one prompt's four answers and a token to spare
+    config = ScorerConfig(device="cpu", share_prefix_min_tokens=MIN_TOKENS, max_batch_tokens=budget)
+    shared = Scorer(tiny_llama_dir, config)
+    prepared = [shared.prepare(r) for r in requests]
+    order = shared.plan.grouped_order(prepared)
+    assert order == [0, 3, 6, 9, 1, 4, 7, 10, 2, 5, 8, 11]  # each group where its first request came
+    spy = PackSpy(monkeypatch)
+    ours = shared.score_prepared(prepared)
+    assert spy.tokens == [28, 28, 28]  # each prompt once: 20 + 4 x 2; in arrival order every batch holds 2-3
+    plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_batch_tokens=budget))
+    for request, a, b in zip(requests, ours, plain.score(requests), strict=True):
+        assert a.request_id == b.request_id == request.request_id
+        # Two float32 forwards of 22-token prompts (forward_atol).
+        assert_forward_close(scores_of(a), scores_of(b), tiny_llama_dir, longest=22)
+        assert_forward_close(hidden_of(a), hidden_of(b), tiny_llama_dir, longest=22)
+
+
+def test_grouping_keeps_arrival_order_where_nothing_is_shared_and_keys_apart() -> None:
+    """Requests sharing nothing keep their order (a workload without shared prompts runs as it came);
+    the same prompt under two keys (two LoRA adapters) is not one group; a group spans requests that
+    share only through their neighbours in sorted order (a, ab, abc)."""
+    grouping = plan.BatchPlan(share_prefix_min_tokens=4)
+
+    def request(prompt: tuple[int, ...]) -> Any:
+        from models.prepare import PreparedRequest
+
+        return PreparedRequest(ScoreRequest("r", items=(prompt,)), prompts=(prompt,), tokenize_s=0.0)
+
+    alone = [request(tuple(range(10 * i, 10 * i + 8))) for i in (5, 1, 3, 2, 4)]
+    assert grouping.grouped_order(alone) == [0, 1, 2, 3, 4]
+    same = (1, 2, 3, 4, 5, 6)
+    keyed = [request((*same, 9)), request((50, 51, 52, 53, 54)), request((*same, 8)), request((*same, 7))]
+    assert grouping.grouped_order(keyed, keys=[0, -1, 1, 0]) == [0, 3, 1, 2]
+    assert grouping.grouped_order(keyed) == [0, 2, 3, 1]
+    assert plan.BatchPlan().grouped_order(keyed) == [0, 1, 2, 3]  # no sharing: arrival order
