@@ -162,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--adapter-counts", default="4,16")
+    parser.add_argument("--no-prm", action="store_true", help="only the adapters' part")
     args = parser.parse_args(argv)
     device = pick_device("bench/capabilities.py", cpu_allowed=args.quick)
     if device is None:
@@ -195,21 +196,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             ScoreRequest(f"s{i}", items=(p,), token_outputs=TokenOutputs.STEPS, step_separator=SEPARATOR)
             for i, p in enumerate(prompts)
         ]
-        plain_s, _ = time_score(scorer, plain, args.repeats)
-        steps_s, step_results = time_score(scorer, steps, args.repeats)
-        positions = [step_results[i].token_positions[0] for i in picks]
-        values = np.concatenate([step_results[i].token_scores[0].to_numpy() for i in picks])
-        prm_check = check(values, hf_model, [prompts[i] for i in picks], positions)
-        assert all(len(r.token_positions[0]) == STEPS for r in step_results), "every item has its steps"
-        report["prm"] = {
-            "tokens": tokens, "plain_tok_s": tokens / plain_s, "steps_tok_s": tokens / steps_s,
-            "ratio": plain_s / steps_s, "check": prm_check,
-        }  # fmt: skip
-        print(f"PRM: plain {tokens / plain_s:,.0f} tok/s, 8 steps {tokens / steps_s:,.0f} tok/s "
-              f"({plain_s / steps_s:.3f}x); check {prm_check}", flush=True)  # fmt: skip
-        if not prm_check["ok"]:
-            failures.append(f"PRM step scores off float32: {prm_check}")
-        target.write_text(json.dumps(report, indent=2, default=str))  # what is done, if a later part fails
+        if not args.no_prm:
+            plain_s, _ = time_score(scorer, plain, args.repeats)
+            steps_s, step_results = time_score(scorer, steps, args.repeats)
+            positions = [step_results[i].token_positions[0] for i in picks]
+            values = np.concatenate([step_results[i].token_scores[0].to_numpy() for i in picks])
+            prm_check = check(values, hf_model, [prompts[i] for i in picks], positions)
+            assert all(len(r.token_positions[0]) == STEPS for r in step_results), "every item has its steps"
+            report["prm"] = {
+                "tokens": tokens, "plain_tok_s": tokens / plain_s, "steps_tok_s": tokens / steps_s,
+                "ratio": plain_s / steps_s, "check": prm_check,
+            }  # fmt: skip
+            print(f"PRM: plain {tokens / plain_s:,.0f} tok/s, 8 steps {tokens / steps_s:,.0f} tok/s "
+                  f"({plain_s / steps_s:.3f}x); check {prm_check}", flush=True)  # fmt: skip
+            if not prm_check["ok"]:
+                failures.append(f"PRM step scores off float32: {prm_check}")
+            target.write_text(
+                json.dumps(report, indent=2, default=str)
+            )  # what is done, if a later part fails
         del scorer
         gc.collect()
         for count in (int(c) for c in args.adapter_counts.split(",")):
