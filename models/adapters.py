@@ -51,9 +51,19 @@ class Adapter:
     head: nn.Module | None
 
 
-def read_adapter(name: str, directory: Path, model: nn.Module, head_name: str | None) -> Adapter:
+def read_adapter(
+    name: str,
+    directory: Path,
+    model: nn.Module,
+    head_name: str | None,
+    layers: nn.Module | None = None,
+    chain: nn.Module | None = None,
+) -> Adapter:
     """A PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) checked against `model`:
-    every module it adapts exists with the shapes its factors need; ModelLoadError otherwise."""
+    every module it adapts exists with the shapes its factors need, inside `layers` where given (the
+    transformer layers, whose packed forward carries each token's adapter); ModelLoadError otherwise.
+    `chain`: what the engine runs on the pooled rows (an encoder's pooler, then its classifier; the
+    classifier alone where None), which the adapter's own head takes the place of."""
     config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     if not config_path.is_file() or not weights_path.is_file():
         raise ModelLoadError(
@@ -96,17 +106,26 @@ def read_adapter(name: str, directory: Path, model: nn.Module, head_name: str | 
                     f"adapter {name!r} saves {path!r}, which is neither a LoRA factor nor the head; "
                     "score-worker serves LoRA factors and a trained head only"
                 )
+    inside = None if layers is None else {id(m) for m in layers.modules()}
     for module, (a, b) in factors.items():
-        _check_factors(name, model, module, a, b)
-    head = _adapter_head(name, model, head_name, head_weights) if head_weights else None
+        _check_factors(name, model, module, a, b, inside)
+    head = _adapter_head(name, model, head_name, head_weights, chain) if head_weights else None
     return Adapter(name, rank, factors, head)
 
 
-def _check_factors(name: str, model: nn.Module, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+def _check_factors(
+    name: str, model: nn.Module, module: str, a: torch.Tensor, b: torch.Tensor, inside: set[int] | None
+) -> None:
     try:
         target = model.get_submodule(module)
     except AttributeError:
         raise ModelLoadError(f"adapter {name!r} adapts {module!r}, which the model does not have") from None
+    if inside is not None and id(target) not in inside:
+        raise ModelLoadError(
+            f"adapter {name!r} adapts {module!r}, outside the model's transformer layers (a pooler or a "
+            "head runs on the pooled rows, where tokens carry no adapter); score-worker serves LoRA on the "
+            "layers' projections: merge this adapter into the weights with PEFT and serve the merged model"
+        )
     projection = getattr(target, "linear", target)  # a row-parallel wrapper holds its projection
     shape = (int(getattr(projection, "out_features", 0)), int(getattr(projection, "in_features", 0)))
     if a.shape[1] != shape[1] or b.shape[0] != shape[0] or a.shape[0] != b.shape[1]:
@@ -117,13 +136,24 @@ def _check_factors(name: str, model: nn.Module, module: str, a: torch.Tensor, b:
 
 
 def _adapter_head(
-    name: str, model: nn.Module, head_name: str | None, weights: dict[str, torch.Tensor]
+    name: str,
+    model: nn.Module,
+    head_name: str | None,
+    weights: dict[str, torch.Tensor],
+    chain: nn.Module | None,
 ) -> nn.Module:
-    """A copy of the model's head with the adapter's trained weights (PEFT's modules_to_save)."""
+    """A copy of what runs on the pooled rows (`chain`, or the model's head alone) with the adapter's trained
+    head weights (PEFT's modules_to_save) in the head's place: an encoder's pooler stays before it."""
     import copy
 
     assert head_name is not None
-    head = copy.deepcopy(model.get_submodule(head_name))
+    classifier = model.get_submodule(head_name)
+    chain = classifier if chain is None else chain
+    path = next((p for p, module in chain.named_modules() if module is classifier), None)
+    if path is None:
+        raise ModelLoadError(f"adapter {name!r}: the model's head {head_name!r} is not in what scores it")
+    copied = copy.deepcopy(chain)
+    head = copied.get_submodule(path)
     own = dict(head.named_parameters())
     if set(weights) != set(own) or any(weights[k].shape != own[k].shape for k in own):
         raise ModelLoadError(
@@ -133,7 +163,7 @@ def _adapter_head(
     with torch.no_grad():
         for key, parameter in own.items():
             parameter.copy_(weights[key])
-    return head
+    return copied
 
 
 # The masks of the batch an AdapterSet runs, by the set's number, then by column layout (odd keys: the masks
@@ -272,11 +302,19 @@ class AdapterSet:
 
 
 def load_adapters(
-    directories: Mapping[str, Path], model: nn.Module, head_name: str | None, device: torch.device,
+    directories: Mapping[str, Path],
+    model: nn.Module,
+    head_name: str | None,
+    device: torch.device,
     dtype: torch.dtype,
-) -> AdapterSet | None:  # fmt: skip
-    """Every adapter of `directories` read and stacked (None when there are none)."""
+    layers: nn.Module | None = None,
+    chain: nn.Module | None = None,
+) -> AdapterSet | None:
+    """Every adapter of `directories` read (read_adapter) and stacked (None when there are none)."""
     if not directories:
         return None
-    adapters = [read_adapter(name, directory, model, head_name) for name, directory in directories.items()]
+    adapters = [
+        read_adapter(name, directory, model, head_name, layers, chain)
+        for name, directory in directories.items()
+    ]
     return AdapterSet(adapters, model, device, dtype)

@@ -126,7 +126,10 @@ class Executor:
         """The LoRA adapters of the `adapters` setting, on the (possibly FP8) projections; None without."""
         loaded = self._loaded
         head = None if loaded.judge or loaded.value_head else head_name(loaded.model)
-        return load_adapters(self._config.adapter_dirs, loaded.model, head, self.device, self.dtype)
+        layers = transformer_layers(loaded.base)
+        return load_adapters(
+            self._config.adapter_dirs, loaded.model, head, self.device, self.dtype, layers, loaded.head
+        )
 
     def _last_layer_at_pooled_rows(self) -> LastLayerAtPooledRows | None:
         """The last layer's row-wise modules restricted to the pooled rows (models/pooled_rows.py), where set,

@@ -257,6 +257,52 @@ def test_token_outputs_and_the_deterministic_setting_under_adapters(
         assert_forward_close(alone.token_scores[index].to_numpy(), logits, tiny_qwen3_dir, longest=12)
 
 
+def _encoder_adapter(base_dir: Path, target: Path, modules: str | list[str]) -> Path:
+    """A PEFT LoRA adapter of a tiny encoder classifier on `modules`, random factors and its own trained head
+    (PEFT's default for sequence classification saves the classifier beside the factors)."""
+    model = AutoModelForSequenceClassification.from_pretrained(str(base_dir))
+    peft_model = get_peft_model(
+        model, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=modules)
+    )
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for key, parameter in peft_model.named_parameters():
+            if "lora_" in key or "modules_to_save" in key:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    peft_model.save_pretrained(str(target))
+    return target
+
+
+@pytest.mark.parametrize("architecture", ["bert", "roberta"])
+def test_encoder_adapters_equal_their_merge_with_the_pooler_before_their_own_head(
+    architecture: str, tmp_path: Path
+) -> None:
+    """An encoder classifier with an adapter on its layers' projections and its own trained classifier: each
+    item's scores those of PEFT's merge run by HF on the item alone (BERT's pooler, which the engine runs
+    on the pooled rows, stays before the adapter's classifier). An adapter on the pooler itself, outside
+    the layers, is refused at start-up with its reason."""
+    from models import write_tiny_model
+
+    base_dir = write_tiny_model(tmp_path / architecture, architecture, seed=3)
+    layers = r".*encoder\.layer\.\d+\..*(query|key|value|dense)"
+    adapter = _encoder_adapter(base_dir, tmp_path / "adapter", layers)
+    scorer = Scorer(base_dir, ScorerConfig(device="cpu", adapters=f"a={adapter}"))
+    items = [tuple(range(5, 15)), tuple(range(20, 27)), (40,)]
+    adapted, plain = scorer.score(
+        [ScoreRequest("a", items=items, adapter="a"), ScoreRequest("b", items=items)]
+    )
+    merged = PeftModel.from_pretrained(load_reference_model(base_dir), str(adapter)).merge_and_unload().eval()
+    prompts = scorer.prepare(ScoreRequest("a", items=items)).prompts
+    with torch.no_grad():
+        expected = np.concatenate([merged(input_ids=torch.tensor([p])).logits.numpy() for p in prompts])
+    assert_forward_close(scores_of(adapted), expected, base_dir, longest=max(len(p) for p in prompts))
+    assert not np.allclose(scores_of(adapted), scores_of(plain), atol=1e-3)  # the adapter moved them
+    if architecture == "bert":
+        pooler = _encoder_adapter(base_dir, tmp_path / "pooler", ["query", "value", "dense"])
+        with pytest.raises(ModelLoadError, match=r"pooler\.dense.*outside the model's transformer layers"):
+            Scorer(base_dir, ScorerConfig(device="cpu", adapters=f"p={pooler}"))
+
+
 def test_unknown_adapters_and_adapters_that_cannot_run_are_refused(
     tiny_llama_dir: Path, adapter_root: str, tmp_path: Path
 ) -> None:
