@@ -64,7 +64,11 @@ def _write_adapter(base_dir: Path, target: Path, name: str, seed: int) -> Path:
     )
     if not own_head:
         config.modules_to_save = None
-    peft_model = get_peft_model(model, config)
+    return _saved_with_random_factors(get_peft_model(model, config), target, seed)
+
+
+def _saved_with_random_factors(peft_model: Any, target: Path, seed: int) -> Path:
+    """`peft_model` with random LoRA factors and head (PEFT initialises B to zero: no effect), saved."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for key, parameter in peft_model.named_parameters():
@@ -261,16 +265,8 @@ def _encoder_adapter(base_dir: Path, target: Path, modules: str | list[str]) -> 
     """A PEFT LoRA adapter of a tiny encoder classifier on `modules`, random factors and its own trained head
     (PEFT's default for sequence classification saves the classifier beside the factors)."""
     model = AutoModelForSequenceClassification.from_pretrained(str(base_dir))
-    peft_model = get_peft_model(
-        model, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=modules)
-    )
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for key, parameter in peft_model.named_parameters():
-            if "lora_" in key or "modules_to_save" in key:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
-    peft_model.save_pretrained(str(target))
-    return target
+    config = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=modules)
+    return _saved_with_random_factors(get_peft_model(model, config), target, 5)
 
 
 @pytest.mark.parametrize("architecture", ["bert", "roberta"])
