@@ -8,6 +8,7 @@ with a CPU varlen kernel and a stand-in graph recorder (tests/models/test_cuda_g
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import tempfile
 from pathlib import Path
@@ -637,3 +638,43 @@ def test_rows_of_up_to_4096_reduce_in_one_pass() -> None:
     # bits.
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "phi3"])
+def test_adapter_batches_on_the_fast_path_score_as_the_eager_path(
+    architecture: str, architecture_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A batch mixing three LoRA adapters (all projections, attention only, MLP only; two with their own
+    head) and the base model, through the GPU's default path (compiled layers with the adapted projections,
+    the last layer at the pooled rows, Triton attention; CUDA graphs on, not replayed for adapter batches),
+    against the same adapters on eager layers computing the whole last layer: two bf16 forwards of the same
+    adapted model. The CPU suite checks the adapted model itself against PEFT's merge in float32."""
+    _testkit()  # puts tests/models on the path
+    from test_adapters import _adapters, _mixed_requests, _setting
+
+    model_dir = architecture_models[architecture]
+    setting = _setting(_adapters(model_dir, str(tmp_path)))
+    fast = Scorer(model_dir, ScorerConfig(device="cuda", dtype="bfloat16", adapters=setting))
+    assert fast.executor.compiled and fast.executor.pooled_layer is not None
+    eager = Scorer(
+        model_dir,
+        ScorerConfig(
+            device="cuda", dtype="bfloat16", adapters=setting, compile="off", cuda_graphs="off",
+            last_layer_pooled_rows=False,
+        ),
+    )  # fmt: skip
+    chosen, requests = _mixed_requests()
+    for _ in range(2):  # the second time through the layers' compiled adapter variant, warm
+        got = fast.score(requests)
+    want = eager.score(requests)
+    base = eager.score([dataclasses.replace(r, adapter=None) for r in requests])
+    longest = max(len(p) for r in requests for p in fast.prepare(r).prompts)
+    for name, g, w, b in zip(chosen, got, want, base, strict=True):
+        assert g.ok and w.ok, (g.error, w.error)
+        got_scores, want_scores = np.array(g.scores), np.array(w.scores)
+        scale = max(1.0, float(np.abs(want_scores).max()))
+        # Two bf16 forwards of the same adapted model (_bf16_bound), at the scores' scale.
+        atol = _bf16_bound(model_dir, longest, scale)
+        np.testing.assert_allclose(got_scores, want_scores, atol=atol, rtol=0)
+        if name is not None:  # the adapter moved the scores by more than the bound
+            assert float(np.abs(want_scores - np.array(b.scores)).max()) > atol
