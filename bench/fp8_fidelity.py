@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from bench.common import add_options, argument_parser, report_header, report_path
-from models.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear
+from models.fp8 import Fp8Linear, quantize_rows
 
 BLOCK = 128
 SENTENCES = (
@@ -59,12 +59,13 @@ SENTENCES = (
 
 def _blocks(matrix: torch.Tensor, rows: int) -> torch.Tensor:
     """`matrix` [R, C] rounded to e4m3 with one scale per `rows` x BLOCK block, back in float32 (C a
-    multiple of BLOCK; R of `rows`)."""
+    multiple of BLOCK; R of `rows`): each block laid out as one row for models.fp8.quantize_rows, the
+    quantizer the served path uses."""
     r, c = matrix.shape
-    tiles = matrix.float().reshape(r // rows, rows, c // BLOCK, BLOCK)
-    scale = (tiles.abs().amax(dim=(1, 3), keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    values = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
-    return (values * scale).reshape(r, c)
+    tiles = matrix.reshape(r // rows, rows, c // BLOCK, BLOCK).permute(0, 2, 1, 3)
+    values, scale = quantize_rows(tiles.reshape(-1, rows * BLOCK))
+    back = (values.float() * scale).reshape(r // rows, c // BLOCK, rows, BLOCK).permute(0, 2, 1, 3)
+    return back.reshape(r, c)
 
 
 class BlockFp8Linear(nn.Module):
