@@ -315,20 +315,17 @@ class Scorer:
         # Deterministic: one request per batch (a judge's label columns then depend on the request alone).
         budget = 0 if self.config.deterministic else self.config.max_batch_tokens
         indices, requests = [i for i, _ in pending], [p for _, p in pending]
-        runs = list(self.plan.runs(requests, budget))
-        if len(runs) > 1 and budget:
+        if budget and not self.plan.fits(requests, budget):
             # More than one batch: requests that share a prefix side by side first, whatever their arrival
             # order, so that a batch holds them together (within one batch the packing finds them anyway).
             keys = (
                 [self._prompts.adapter_index(p.request) for p in requests] if self._prompts.adapters else None
             )
             order = self.plan.grouped_order(requests, keys)
-            if order != sorted(order):
-                indices, requests = [indices[k] for k in order], [requests[k] for k in order]
-                runs = list(self.plan.runs(requests, budget))
+            indices, requests = [indices[k] for k in order], [requests[k] for k in order]
         batches: list[tuple[list[int], object]] = [
             (indices[run.start : run.stop], self._launch_or_recover(requests[run.start : run.stop], on_batch))
-            for run in runs
+            for run in self.plan.runs(requests, budget)
         ]
         return PendingScores(results, batches, on_batch)
 

@@ -202,6 +202,15 @@ class BatchPlan:
             return False
         return shareable_prefix(earlier.prompts[-1], later.prompts[0]) >= self.min_shared_tokens
 
+    def fits(self, prepared: Sequence[PreparedRequest], max_tokens: int) -> bool:
+        """Whether the requests make one batch of at most `max_tokens` (measured as `runs` measures it)."""
+        if sum(p.num_tokens for p in prepared) <= max_tokens:
+            return True
+        return (
+            self.shares_prefixes
+            and self.tokens([prompt for p in prepared for prompt in p.prompts]) <= max_tokens
+        )
+
     def runs(self, prepared: Sequence[PreparedRequest], max_tokens: int) -> Iterator[range]:
         """The requests cut, in order, into runs of at most `max_tokens` tokens each (a request over it
         alone): with shared prefixes by what a run computes, and with the requests that share a prompt kept
