@@ -80,10 +80,13 @@ def warm_up(scorer: Scorer) -> WarmUpReport:
     extra = _template_tokens(scorer)
     if scorer.executor.compiled or scorer.executor.graphs is not None:
         repeats = 2 if scorer.executor.graphs is not None else 1
-        for name, lengths, query, adapter in _variants(scorer, extra):
-            request = _request(scorer, name, lengths, query, adapter)
+        # One adapter stands for all: they share the variant (their factors are its inputs).
+        adapters = (None, *scorer.prompt_builder.adapters[:1])
+        for (name, lengths, query), adapter in itertools.product(_variants(scorer, extra), adapters):
+            named = name if adapter is None else f"{name}, adapter {adapter}"
+            request = _request(scorer, named, lengths, query, adapter)
             for _ in range(repeats):
-                tokens += _score(scorer, name, [scorer.prepare(request)])
+                tokens += _score(scorer, named, [scorer.prepare(request)])
                 batches += 1
     ahead = scorer.executor.record_small_batch_graphs(scorer.config.max_batch_tokens)
     if scorer.device.type == "cuda":
@@ -100,8 +103,7 @@ def warm_up(scorer: Scorer) -> WarmUpReport:
     )
 
 
-# A name, the items' lengths, the length of a query they share, the LoRA adapter (None: the base model).
-Variant = tuple[str, tuple[int, ...], int, str | None]
+Variant = tuple[str, tuple[int, ...], int]  # a name, the items' lengths, the length of a query they share
 
 
 def _variants(scorer: Scorer, extra: int) -> list[Variant]:
@@ -110,10 +112,10 @@ def _variants(scorer: Scorer, extra: int) -> list[Variant]:
     limit = _room(scorer, extra)
     short = min(SHORT, limit)
     long = min(limit, LONG_OVER_SWITCH * length_switch())
-    variants: list[Variant] = [("one token", (1,), 0, None), ("one-token items", (1, 1), 0, None)]
-    variants.append(("short items", (short, max(1, short - 3)), 0, None))
+    variants: list[Variant] = [("one token", (1,), 0), ("one-token items", (1, 1), 0)]
+    variants.append(("short items", (short, max(1, short - 3)), 0))
     if long > short:
-        variants.append(("a long item", (short, long), 0, None))
+        variants.append(("a long item", (short, long), 0))
     if scorer.plan.shares_prefixes:
         prefix = scorer.config.share_prefix_min_tokens
         window = scorer.executor.sliding_window
@@ -123,13 +125,7 @@ def _variants(scorer: Scorer, extra: int) -> list[Variant]:
         variants += _shared_prefix_variants(prefix, within, "")
         if window is not None:
             variants += _shared_prefix_variants(max(prefix, window + 1 - extra), limit, " past the window")
-    adapters = scorer.prompt_builder.adapters
-    if adapters:  # one adapter stands for all: they share the variant (their factors are its inputs)
-        variants += [
-            (f"{name}, adapter {adapters[0]}", lengths, query, adapters[0])
-            for name, lengths, query, _ in variants
-        ]
-    unique: dict[tuple[tuple[int, ...], int, str | None], Variant] = {}
+    unique: dict[tuple[tuple[int, ...], int], Variant] = {}
     for variant in variants:
         unique.setdefault(variant[1:], variant)
     return list(unique.values())
@@ -144,15 +140,15 @@ def _shared_prefix_variants(prefix: int, room: int, where: str) -> list[Variant]
     switch = length_switch()
     short = min(SHORT, room - prefix)
     variants: list[Variant] = [
-        (f"a shared prefix{where}, one-token suffixes", (1, 1), prefix, None),
-        (f"a shared prefix{where}, short suffixes", (1, short), prefix, None),
+        (f"a shared prefix{where}, one-token suffixes", (1, 1), prefix),
+        (f"a shared prefix{where}, short suffixes", (1, short), prefix),
     ]
     long_prefix = min(room - short, LONG_OVER_SWITCH * switch)
     if long_prefix > max(prefix, switch):
-        variants.append((f"a long shared prefix{where}, short suffixes", (1, short), long_prefix, None))
+        variants.append((f"a long shared prefix{where}, short suffixes", (1, short), long_prefix))
     long_suffix = min(room - prefix, LONG_OVER_SWITCH * switch)
     if long_suffix > switch:
-        variants.append((f"a shared prefix{where}, long suffixes", (short, long_suffix), prefix, None))
+        variants.append((f"a shared prefix{where}, long suffixes", (short, long_suffix), prefix))
     return variants
 
 
