@@ -15,6 +15,7 @@ trained `score`); its requests' rows are scored with it.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import logging
@@ -46,7 +47,6 @@ class Adapter:
     by lora_alpha / r (or / sqrt(r) with rsLoRA); its own head where it saved one."""
 
     name: str
-    rank: int
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
     head: nn.Module | None
 
@@ -110,7 +110,7 @@ def read_adapter(
     for module, (a, b) in factors.items():
         _check_factors(name, model, module, a, b, inside)
     head = _adapter_head(name, model, head_name, head_weights, chain) if head_weights else None
-    return Adapter(name, rank, factors, head)
+    return Adapter(name, factors, head)
 
 
 def _check_factors(
@@ -144,8 +144,6 @@ def _adapter_head(
 ) -> nn.Module:
     """A copy of what runs on the pooled rows (`chain`, or the model's head alone) with the adapter's trained
     head weights (PEFT's modules_to_save) in the head's place: an encoder's pooler stays before it."""
-    import copy
-
     assert head_name is not None
     classifier = model.get_submodule(head_name)
     chain = classifier if chain is None else chain
