@@ -34,6 +34,7 @@ RATE = 60.0
 MAX_INFLIGHT = 32
 STREAM_CAP_S = 150.0
 DRAIN_TIMEOUT_MS = 10_000
+SESSION_TIMEOUT_MS = 60_000
 
 
 def _lines(host: WorkerProcess, process: str) -> list[dict[str, Any]]:
@@ -85,8 +86,10 @@ def test_two_worker_processes_under_the_supervisor(
         env = worker_env(
             kafka_bootstrap, tiny_llama_dir, stream.names,
             gpus="2", worker_id="host-a", metrics_port=port, metrics_host="127.0.0.1",
-            # The session outlasts a restart (imports and the model take seconds): the member is kept.
-            session_timeout_ms=20_000, heartbeat_interval_ms=1000,
+            # The session must outlast a restart: imports and the model take 4-5 s on an idle machine, and
+            # 20 s and more on two cores shared with the rest of the suite (three test processes). 60 s is
+            # what a CPU deployment runs with (docs/deploy.md).
+            session_timeout_ms=SESSION_TIMEOUT_MS, heartbeat_interval_ms=1000,
             max_inflight_requests=MAX_INFLIGHT, restart_backoff_ms=100, drain_timeout_ms=DRAIN_TIMEOUT_MS,
         )  # fmt: skip
         host = spawn("host", env)
@@ -140,7 +143,10 @@ def test_two_worker_processes_under_the_supervisor(
     # A kill can duplicate at most what the killed process held uncommitted.
     assert acc.duplicates <= MAX_INFLIGHT + RATE
     # Static membership: the restarted process took its partitions back without a rebalance of the other.
-    assert seen["cpu0_assignments"] == 0
+    assert seen["cpu0_assignments"] == 0, (
+        f"the neighbour was rebalanced; the restarted process had its partitions back after {seen['rejoin_s']} s "
+        f"(session timeout {SESSION_TIMEOUT_MS / 1000:.0f} s)"
+    )
     results = _by_gpu(families, "score_worker_results")
     assert set(results) == {"cpu0", "cpu1"} and all(value > 0 for value in results.values())
     restarts = _by_gpu(families, "score_worker_host_process_restarts")
