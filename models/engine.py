@@ -152,7 +152,9 @@ class Scorer:
         self.executor = Executor(
             self.model, self.config, self.device, self.dtype, self.attention, self.pooling
         )
-        self.plan = BatchPlan(self._shared_prefix_tokens(name))
+        # Under adapters a prompt's states depend on its adapter: prefixes are shared only within one.
+        adapter_key = (lambda p: self._prompts.adapter_index(p.request)) if self._prompts.adapters else None
+        self.plan = BatchPlan(self._shared_prefix_tokens(name), adapter_key)
 
     def _fp8_runs(self) -> bool:
         """FP8 projections asked for, on a device and dtype where they run (elsewhere the Executor refuses
@@ -318,10 +320,7 @@ class Scorer:
         if budget and not self.plan.fits(requests, budget):
             # More than one batch: requests that share a prefix side by side first, whatever their arrival
             # order, so that a batch holds them together (within one batch the packing finds them anyway).
-            keys = (
-                [self._prompts.adapter_index(p.request) for p in requests] if self._prompts.adapters else None
-            )
-            order = self.plan.grouped_order(requests, keys)
+            order = self.plan.grouped_order(requests)
             indices, requests = [indices[k] for k in order], [requests[k] for k in order]
         batches: list[tuple[list[int], object]] = [
             (indices[run.start : run.stop], self._launch_or_recover(requests[run.start : run.stop], on_batch))

@@ -174,8 +174,13 @@ class BatchPlan:
     batch computes; otherwise it counts the tokens the prompts hold.
     """
 
-    def __init__(self, share_prefix_min_tokens: int = 0) -> None:
+    def __init__(
+        self, share_prefix_min_tokens: int = 0, key: Callable[[PreparedRequest], int] | None = None
+    ) -> None:
         self.min_shared_tokens = share_prefix_min_tokens
+        # What a request's prompts are computed under (its LoRA adapter's index): prompts share a prefix
+        # only under one key. None: one key for every request.
+        self.key = key
         # The shared prefixes of the batch last measured or launched (see shared_prefixes).
         self._memo: tuple[tuple[Prompt, ...], tuple[SharedPrefix, ...]] | None = None
 
@@ -199,6 +204,8 @@ class BatchPlan:
         the one and the first of the other share at least `min_shared_tokens`, each keeping a token of its
         own. Batch cuts keep such requests together where they can (group_cut)."""
         if not (self.shares_prefixes and earlier.prompts and later.prompts):
+            return False
+        if self.key is not None and self.key(earlier) != self.key(later):
             return False
         return shareable_prefix(earlier.prompts[-1], later.prompts[0]) >= self.min_shared_tokens
 
@@ -233,17 +240,40 @@ class BatchPlan:
         """The order to cut `prepared` in: requests whose first prompts share a prefix of at least
         `min_shared_tokens` (and the same key: one LoRA adapter) next to each other, so that one batch
         computes their prefix once whatever order they came in (best-of-N answers interleaved with other
-        prompts' answers). Each such group takes the place of its first request, its members in arrival
-        order; a request that shares nothing keeps its place, so the order is arrival order where nothing
-        is shared.
+        prompts' answers): `grouped_places` put in order."""
+        return order_of_places(self.grouped_places(prepared, keys))
+
+    def grouped_places(
+        self,
+        prepared: Sequence[PreparedRequest],
+        keys: Sequence[int] | None = None,
+        arrivals: Sequence[int] | None = None,
+        reach: int | None = None,
+    ) -> list[int]:
+        """Where each request goes: its own index (it keeps its place), or the index of the first request
+        of its group, which it follows. A group is the requests whose first prompts share a prefix of at
+        least `min_shared_tokens` under one key (`keys`, else the plan's `key`: one LoRA adapter); each group
+        takes the place of its first request, its members in their order; a request that shares nothing
+        keeps its place, so the order is the given order where nothing is shared.
+
+        With `arrivals` (each request's arrival number) and `reach`, a request moves ahead only if it
+        arrived at most `reach` after the oldest request given; one that came later keeps its place. So a
+        request is overtaken only by requests that arrived at most `reach` after it, however often a
+        stream's pending requests are ordered again (a prompt shared by a whole stream cannot starve the
+        requests that share nothing).
 
         Prompts that share a prefix are neighbours in lexicographic order (they all lie between the prefix
         and its successor), so sorting once and joining sorted neighbours finds every group: n log n prompt
         comparisons, each ending at the first token that differs."""
         count = len(prepared)
-        if not self.shares_prefixes or count < 3:  # two requests are neighbours already
+        if not self.shares_prefixes or count < 2:
             return list(range(count))
-        key_of = [0] * count if keys is None else list(keys)
+        if keys is not None:
+            key_of = list(keys)
+        elif self.key is not None:
+            key_of = [self.key(p) for p in prepared]
+        else:
+            key_of = [0] * count
         firsts = [p.prompts[0] if p.prompts else () for p in prepared]
         by_prompt = sorted(range(count), key=lambda i: (key_of[i], firsts[i]))
         group = list(range(count))  # each request's group: the sorted run it belongs to, by its first member
@@ -251,17 +281,17 @@ class BatchPlan:
             same_key = key_of[before] == key_of[after]
             if same_key and shareable_prefix(firsts[before], firsts[after]) >= self.min_shared_tokens:
                 group[after] = group[before]
-        members: dict[int, list[int]] = {}
-        for index in by_prompt:
-            members.setdefault(group[index], []).append(index)
-        order: list[int] = []
-        placed: set[int] = set()
+        movable = [True] * count
+        if arrivals is not None and reach is not None:
+            latest = min(arrivals) + reach
+            movable = [arrival <= latest for arrival in arrivals]
+        places = list(range(count))
+        first: dict[int, int] = {}
         for index in range(count):
-            run = group[index]
-            if run not in placed:
-                placed.add(run)
-                order.extend(sorted(members[run]))
-        return order
+            anchor = first.setdefault(group[index], index)
+            if anchor != index and movable[index]:
+                places[index] = anchor
+        return places
 
     def parts(self, prepared: PreparedRequest, max_tokens: int) -> list[PreparedRequest]:
         """The request whole when it fits `max_tokens`, else cut into parts that do (split_request)."""
@@ -297,6 +327,21 @@ class BatchPlan:
         groups = find_shared_prefixes(prompts, self.min_shared_tokens)
         self._memo = (tuple(prompts), tuple(groups))
         return groups
+
+
+def order_of_places(places: Sequence[int]) -> list[int]:
+    """The order `BatchPlan.grouped_places` describes: each request that keeps its place, followed by the
+    requests that follow it, in their order."""
+    followers: dict[int, list[int]] = {}
+    for index, place in enumerate(places):
+        if place != index:
+            followers.setdefault(place, []).append(index)
+    order: list[int] = []
+    for index, place in enumerate(places):
+        if place == index:
+            order.append(index)
+            order.extend(followers.get(index, ()))
+    return order
 
 
 def _keyed_prefixes(prompts: Sequence[Prompt], keys: Sequence[int], min_tokens: int) -> list[SharedPrefix]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -65,6 +65,20 @@ class TokenBudgetBatcher(Generic[T]):
     @property
     def pending_tokens(self) -> int:
         return self._tokens
+
+    @property
+    def items(self) -> tuple[T, ...]:
+        """The open batch's items, in arrival order."""
+        return tuple(self._items)
+
+    def take(self, taken: Sequence[T]) -> None:
+        """Remove these items (compared by identity) from the open batch: they join a batch closed earlier.
+        The rest stay open, measured again, their wait still counted from when the batch opened."""
+        if self._measure is None:
+            raise ValueError("taking items out of the open batch needs a measure to count what stays")
+        gone = {id(item) for item in taken}
+        self._items = [item for item in self._items if id(item) not in gone]
+        self._tokens = self._measure(self._items) if self._items else 0
 
     def add(self, item: T, tokens: int) -> list[Batch[T]]:
         """Add one item; return the batches this closes (zero, one or two), oldest first."""

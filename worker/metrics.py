@@ -162,6 +162,10 @@ class WorkerMetrics:
             "shared_prefix_tokens_saved_total",
             "prompt tokens not computed: prefixes that prompts of a batch share, computed once",
         )
+        self.regrouped_requests = counter(
+            "regrouped_requests_total",
+            "requests moved to another waiting batch, beside requests that share their prompt's prefix",
+        )
         self.intake_processed = counter(
             "intake_process_requests_total",
             "request records decoded and tokenised in intake processes (the rest on the worker's own thread)",
@@ -244,10 +248,11 @@ class WorkerMetrics:
         for metric in (
             self.e2e, self.batch_wait, self.tokenize, self.forward, self.hidden_copy, self.encode,
             self.publish, self.batch_size, self.batch_tokens, self.batch_fill, self.hidden_share,
-            self.requests, self.items, self.tokens, self.prefix_saved, self.intake_processed,
-            self.intake_restarts, self.batches, self.batch_failures, self.layer_compilations,
-            self.hidden_requests, self.commits, self.commit_failures, self.rebalances, self.assigned,
-            self.inflight, self.inflight_bytes, self.paused, self.held, self.fetch_failures,
+            self.requests, self.items, self.tokens, self.prefix_saved, self.regrouped_requests,
+            self.intake_processed, self.intake_restarts, self.batches, self.batch_failures,
+            self.layer_compilations, self.hidden_requests, self.commits, self.commit_failures,
+            self.rebalances, self.assigned, self.inflight, self.inflight_bytes, self.paused, self.held,
+            self.fetch_failures,
         ):  # fmt: skip
             metric.labels(info.name, self.worker)
         for generation in (0, 1, 2):
@@ -277,6 +282,9 @@ class WorkerMetrics:
 
     def prepared_in_processes(self, records: int) -> None:
         self._of(self.intake_processed).inc(records)
+
+    def regrouped(self, requests: int) -> None:
+        self._of(self.regrouped_requests).inc(requests)
 
     def intake_restarted(self) -> None:
         self._of(self.intake_restarts).inc()

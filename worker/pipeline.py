@@ -17,7 +17,7 @@ from typing import Any
 
 from aiokafka.structs import ConsumerRecord
 
-from models.plan import join_results
+from models.plan import join_results, order_of_places
 from schemas import ResultStatus, ScoreResult
 from worker.batcher import Batch, TokenBudgetBatcher
 from worker.config import WorkerSettings
@@ -52,6 +52,7 @@ class Unit:
     tokens: int
     assembly: _Assembly | None = None
     part: int = 0
+    arrival: int = 0  # the order the pipeline queued it in (parts of one request share their request's)
 
 
 @dataclass(eq=False)
@@ -130,6 +131,10 @@ class Pipeline:
         # Closed batches not yet handed to the model thread. While it is busy, arriving requests keep filling
         # the open batch instead of being cut into small batches queued behind it.
         self._ready: deque[list[Unit]] = deque()
+        # Requests waiting for the model are ordered again before the next batch starts, when some came since
+        # the last time: requests that share a prompt join wherever they arrived (_regroup).
+        self._next_arrival = 0  # the arrival number of the next request queued
+        self._arrived_by = 0  # the next arrival number when the waiting requests were last ordered
         self._large: deque[Unit] = deque()  # parts of large requests, in order
         self._large_turn = False
         self._depth = settings.model_queue_depth
@@ -189,13 +194,16 @@ class Pipeline:
 
     def _queue(self, accepted: Accepted) -> None:
         parts = self._plan.parts(accepted.prepared, self._settings.max_batch_tokens)
+        arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
         if len(parts) == 1:
-            unit = Unit(accepted, accepted.prepared, self._tokens(accepted.prepared))
+            unit = Unit(accepted, accepted.prepared, self._tokens(accepted.prepared), arrival=arrival)
             for batch in self._batcher.add(unit, unit.tokens):
                 self._ready.append(list(batch.items))
             return
         assembly = _Assembly([None] * len(parts))
-        self._large.extend(Unit(accepted, p, self._tokens(p), assembly, i) for i, p in enumerate(parts))
+        self._large.extend(
+            Unit(accepted, p, self._tokens(p), assembly, i, arrival) for i, p in enumerate(parts)
+        )
 
     def _tokens(self, prepared: Any) -> int:
         """What a request (or part) computes: its prompts' tokens, a prefix they share counted once."""
@@ -245,8 +253,58 @@ class Pipeline:
             return [self._large.popleft()]
         if self._ready:
             self._large_turn = True
+            self._regroup()
             return self._ready.popleft()
         return None
+
+    def _regroup(self) -> None:
+        """Order the requests waiting for the model again, as one sequence, before the next batch starts:
+        the closed batches' requests side by side with the others that share their prompt's prefix,
+        wherever they arrived (`BatchPlan.grouped_places`), then cut again by the token budget (shared
+        prefixes once) and the request limit. Requests of the open batch that share a prefix with a waiting
+        one join it; the rest stay open. A batch closes on arrival order: while the model is busy, best-of-N
+        answers interleaved with other prompts' spread over several closed batches, each computing the
+        prompt again.
+
+        A request moves ahead only if it arrived at most `max_inflight_requests` after the oldest waiting
+        one, so a request that shares nothing is overtaken by at most that many later ones (what the worker
+        holds at once anyway), however long a stream sharing one prompt runs. Runs only when requests came
+        since the last time and another batch waits behind the next; where nothing is shared the batches
+        stay as they closed, for one sort of the waiting requests' first prompts."""
+        newest = self._arrived_by
+        self._arrived_by = self._next_arrival
+        if newest == self._next_arrival or not self._plan.shares_prefixes:
+            return
+        waiting = [unit for batch in self._ready for unit in batch]
+        open_units = self._batcher.items
+        if len(self._ready) < 2 and not open_units:
+            return
+        sequence = [*waiting, *open_units]
+        places = self._plan.grouped_places(
+            [u.prepared for u in sequence],
+            arrivals=[u.arrival for u in sequence],
+            reach=self._settings.max_inflight_requests,
+        )
+        count = len(waiting)
+        pulled = [unit for index, unit in enumerate(sequence[count:], count) if places[index] < count]
+        order = [index for index in order_of_places(places) if index < count or places[index] < count]
+        if not pulled and order == list(range(count)):
+            return
+        if pulled:
+            self._batcher.take(pulled)
+        before = {id(unit): number for number, batch in enumerate(self._ready) for unit in batch}
+        ordered = [sequence[k] for k in order]
+        limit = self._settings.max_batch_requests
+        batches = [
+            ordered[start : min(run.stop, start + limit)]
+            for run in self._plan.runs([u.prepared for u in ordered], self._settings.max_batch_tokens)
+            for start in range(run.start, run.stop, limit)
+        ]
+        moved = sum(
+            1 for number, batch in enumerate(batches) for unit in batch if before.get(id(unit)) != number
+        )
+        self._ready = deque(batches)
+        self._metrics.regrouped(moved)
 
     def _model_done(self) -> None:
         """A model call ended. When the thread has nothing left, what gathered while it was busy has waited

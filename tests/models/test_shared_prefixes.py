@@ -534,3 +534,34 @@ def test_grouping_keeps_arrival_order_where_nothing_is_shared_and_keys_apart() -
     assert grouping.grouped_order(keyed, keys=[0, -1, 1, 0]) == [0, 3, 1, 2]
     assert grouping.grouped_order(keyed) == [0, 2, 3, 1]
     assert plan.BatchPlan().grouped_order(keyed) == [0, 1, 2, 3]  # no sharing: arrival order
+    # The plan's own key (an engine serving adapters) keeps them apart as the keys given do.
+    by_key = plan.BatchPlan(
+        share_prefix_min_tokens=4, key=lambda p: {9: 0, 8: 1, 7: 0}.get(p.prompts[0][-1], -1)
+    )
+    assert by_key.grouped_order(keyed) == [0, 3, 1, 2]
+    assert not by_key.joins(keyed[0], keyed[2]) and by_key.joins(keyed[0], keyed[3])
+
+
+def test_grouping_moves_a_request_ahead_only_within_its_reach_of_the_oldest() -> None:
+    """With arrival numbers and a reach, a request joins its group's place only if it arrived at most
+    `reach` after the oldest request given; later ones keep their place (and the order stays a
+    permutation). So a request that shares nothing is overtaken by at most `reach` later requests."""
+    grouping = plan.BatchPlan(share_prefix_min_tokens=4)
+    shared = (1, 2, 3, 4, 5, 6)
+
+    def request(prompt: tuple[int, ...]) -> Any:
+        from models.prepare import PreparedRequest
+
+        return PreparedRequest(ScoreRequest("r", items=(prompt,)), prompts=(prompt,), tokenize_s=0.0)
+
+    # 0 shares, 1 shares nothing, 2..6 share with 0.
+    stream = [request((*shared, 100)), request((50, 51, 52, 53)), *(request((*shared, n)) for n in range(5))]
+    assert plan.order_of_places(grouping.grouped_places(stream)) == [0, 2, 3, 4, 5, 6, 1]
+    arrivals = [10, 11, 12, 13, 14, 15, 16]
+    places = grouping.grouped_places(stream, arrivals=arrivals, reach=3)
+    assert plan.order_of_places(places) == [0, 2, 3, 1, 4, 5, 6]
+    for reach in range(8):
+        order = plan.order_of_places(grouping.grouped_places(stream, arrivals=arrivals, reach=reach))
+        assert sorted(order) == list(range(7))
+        overtaking = [k for k in order[: order.index(1)] if arrivals[k] > arrivals[1]]
+        assert len(overtaking) <= reach
