@@ -144,8 +144,8 @@ def test_two_worker_processes_under_the_supervisor(
     assert acc.duplicates <= MAX_INFLIGHT + RATE
     # Static membership: the restarted process took its partitions back without a rebalance of the other.
     assert seen["cpu0_assignments"] == 0, (
-        f"the neighbour was rebalanced; the restarted process had its partitions back after {seen['rejoin_s']} s "
-        f"(session timeout {SESSION_TIMEOUT_MS / 1000:.0f} s)"
+        f"the neighbour was rebalanced; the restarted process had its partitions back after "
+        f"{seen['rejoin_s']} s (session timeout {SESSION_TIMEOUT_MS / 1000:.0f} s)"
     )
     results = _by_gpu(families, "score_worker_results")
     assert set(results) == {"cpu0", "cpu1"} and all(value > 0 for value in results.values())
