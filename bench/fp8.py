@@ -3,6 +3,8 @@
 Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/fp8.py
 `--quick` runs tiny shapes (on the CPU when there is no GPU): a smoke test of the script, not a measurement.
 `--profile-top N` profiles the 64-request L1 step of both paths (0, the default: no profile).
+`--variants` adds FP8 variants that keep part of each layer in bfloat16 (fp8_projections, fp8_keep_layers),
+each timed and checked like `fp8`, and prints the trade-off: tokens/s against deviation from float32.
 
 - L1: Qwen3-0.6B shapes, 1 and 64 requests of 100 tokens: p50 of the model step (`score_prepared`) with
   the defaults (compiled layers replayed from CUDA graphs), bfloat16 and FP8.
@@ -57,9 +59,16 @@ from bench.common import (
 )
 from bench.hf_paths import PathOutput
 from bench.profiling import kernel_breakdown, print_breakdown
+from models.fp8 import Fp8Selection
 from models.plan import token_runs
 
-PATHS = ("none", "fp8")  # ScorerConfig.quantization
+# FP8 variants by name: which projections run in FP8 (models/fp8.py; the rest keep bfloat16).
+VARIANTS = {
+    "fp8": Fp8Selection(),
+    "fp8-attention": Fp8Selection("attention"),
+    "fp8-mlp": Fp8Selection("mlp"),
+    "fp8-keep-ends": Fp8Selection("all", (0, -1)),
+}
 L1_TOKENS = 100
 L1_CASES = (1, 64)
 L1_QUICK: dict[str, Any] = {**QWEN3_06B_SHAPES, "hidden_size": 64, "num_hidden_layers": 2,
@@ -67,46 +76,60 @@ L1_QUICK: dict[str, Any] = {**QWEN3_06B_SHAPES, "hidden_size": 64, "num_hidden_l
                             "intermediate_size": 128, "vocab_size": 1024}  # fmt: skip
 
 
-def make_scorer(model_dir: Path, quantization: str, device: str, budget: int) -> Any:
+def make_scorer(model_dir: Path, path: str, device: str, budget: int) -> Any:
+    """The engine on `path`: "none" (bfloat16) or a name of VARIANTS."""
     from models import Scorer, ScorerConfig
 
-    config = ScorerConfig(
-        device=device,
-        dtype="bfloat16",
-        max_batch_tokens=budget,
-        quantization=quantization,  # type: ignore[arg-type]
-    )
+    selection = VARIANTS.get(path)
+    fp8: dict[str, Any] = {}
+    if selection is not None:
+        fp8 = {
+            "quantization": "fp8",
+            "fp8_projections": selection.projections,
+            "fp8_keep_layers": selection.keep_layers,
+        }
+    config = ScorerConfig(device=device, dtype="bfloat16", max_batch_tokens=budget, **fp8)
     return Scorer(str(model_dir), config)
 
 
 def accuracy(
     model: torch.nn.Module, rows: Sequence[torch.Tensor], outputs: dict[str, PathOutput], count: int
 ) -> dict[str, Any]:
-    """Both paths and HF's own bf16 forward against HF float32 on `count` requests of spread lengths; FP8
-    against bf16 on all."""
+    """Every path and HF's own bf16 forward against HF float32 on `count` requests of spread lengths; each
+    FP8 variant also against HF float32 holding the same FP8 projections (and HF's bf16 forward with them,
+    the yardstick of its bound), and against bf16 on all requests."""
     picks = spread_picks([len(row) for row in rows], count)
     chosen = [rows[i] for i in picks]
+    variants = [name for name in outputs if name in VARIANTS]
     with torch.inference_mode():
         hf_bf16 = hf_paths.run_reference(model, chosen)
-        hf_fp8 = hf_paths.run_reference(with_fp8(model), chosen)
-    reference, fp8_reference = float32_reference(
-        model, chosen, lambda float32: with_fp8(float32, copy_first=False)
-    )
-    report: dict[str, Any] = {
-        "fp32_subset": picks,
-        "fp32_score_scale": float(np.max(np.abs(reference.scores))),
-        "vs_fp32": {"hf_bf16": compare(hf_bf16, reference)},
-        "vs_fp8_fp32": {"hf_fp8_bf16": compare(hf_fp8, fp8_reference)},
-    }
+    report: dict[str, Any] = {"fp32_subset": picks, "vs_fp32": {}, "vs_fp8_fp32": {}}
+    reference: PathOutput | None = None
+    for name in variants:
+        selection = VARIANTS[name]
+        with torch.inference_mode():
+            hf_fp8 = hf_paths.run_reference(with_fp8(model, selection), chosen)
+        # One float32 copy at a time (an 8B model's is 32 GB): the unquantized reference, then the variant.
+        reference, fp8_reference = float32_reference(
+            model, chosen, lambda float32, s=selection: with_fp8(float32, s, copy_first=False)
+        )
+        report["vs_fp8_fp32"][f"hf_{name}_bf16"] = compare(hf_fp8, fp8_reference)
+        report["vs_fp8_fp32"][name] = compare(outputs[name].rows(picks), fp8_reference)
+        report[f"{name}_vs_bf16"] = compare(outputs[name], outputs["none"])
+    if reference is None:
+        (reference,) = float32_reference(model, chosen)
+    report["fp32_score_scale"] = float(np.max(np.abs(reference.scores)))
+    report["vs_fp32"]["hf_bf16"] = compare(hf_bf16, reference)
     for name, values in outputs.items():
         report["vs_fp32"][name] = compare(values.rows(picks), reference)
-    report["vs_fp8_fp32"]["fp8"] = compare(outputs["fp8"].rows(picks), fp8_reference)
-    report["fp8_vs_bf16"] = compare(outputs["fp8"], outputs["none"])
     return report
 
 
-def with_fp8(model: torch.nn.Module, copy_first: bool = True) -> torch.nn.Module:
-    """`model` (or a copy) with its layers' projections replaced by the engine's FP8 ones."""
+def with_fp8(
+    model: torch.nn.Module, selection: Fp8Selection = VARIANTS["fp8"], copy_first: bool = True
+) -> torch.nn.Module:
+    """`model` (or a copy) with the layers' projections `selection` picks replaced by the engine's FP8
+    ones."""
     from models.fp8 import quantize_layers
     from models.layers import transformer_layers
 
@@ -114,7 +137,7 @@ def with_fp8(model: torch.nn.Module, copy_first: bool = True) -> torch.nn.Module
     layers = transformer_layers(quantized.base_model)  # type: ignore[arg-type]
     if layers is None:
         raise RuntimeError("no layer list to quantize")
-    quantize_layers(layers)
+    quantize_layers(layers, selection)
     return quantized
 
 
@@ -122,7 +145,9 @@ def failures(case: str, checks: dict[str, Any]) -> list[str]:
     """Each path against its float32 reference, within twice HF's own bf16 error plus 5% of the score
     scale (scores) or plus 0.01 (the pooled hidden states' relative error)."""
     out = []
-    for path, table, hf_own in (("none", "vs_fp32", "hf_bf16"), ("fp8", "vs_fp8_fp32", "hf_fp8_bf16")):
+    variants = [name for name in checks["vs_fp8_fp32"] if name in VARIANTS]
+    paths = [("none", "vs_fp32", "hf_bf16"), *((v, "vs_fp8_fp32", f"hf_{v}_bf16") for v in variants)]
+    for path, table, hf_own in paths:
         got, hf = checks[table][path], checks[table][hf_own]
         bound = score_bound(hf["max_abs_score_diff"], checks["fp32_score_scale"])
         hidden_bound = 2 * hf["hidden_rel_err_max"] + 0.01
@@ -150,7 +175,7 @@ def l1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
     timings: dict[str, dict[str, float]] = {}
     outputs: dict[str, PathOutput] = {}
     profiles: dict[str, Any] = {}
-    for quantization in PATHS:
+    for quantization in ("none", *args.variants):
         scorer = make_scorer(model_dir, quantization, device, 16384)
         for case in L1_CASES:
             prepared = [scorer.prepare(r) for r in requests[:case]]
@@ -187,7 +212,7 @@ def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
     )
     runs: dict[str, dict[str, Any]] = {}
     outputs: dict[str, PathOutput] = {}
-    for quantization in PATHS:
+    for quantization in ("none", *args.variants):
         scorer = make_scorer(model_dir, quantization, device, args.max_batch_tokens)
 
         def run(s: Any = scorer) -> list[Any]:
@@ -221,15 +246,29 @@ def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
 def print_accuracy(case: str, checks: dict[str, Any]) -> None:
     print(f"\n{case}: against HF float32 on {len(checks['fp32_subset'])} requests "
           f"(score scale {checks['fp32_score_scale']:.3g}); fp8 against bf16 on all")  # fmt: skip
-    print(f"{'path':<26}{'max|dscore|':>12}{'hidden rel err p50':>20}{'max':>10}{'min cosine':>12}")
+    print(f"{'path':<36}{'max|dscore|':>12}{'hidden rel err p50':>20}{'max':>10}{'min cosine':>12}")
     rows = {
         **{f"{k} vs fp32": v for k, v in checks["vs_fp32"].items()},
-        **{f"{k} vs fp8-fp32": v for k, v in checks["vs_fp8_fp32"].items()},
-        "fp8 vs bf16": checks["fp8_vs_bf16"],
+        **{f"{k} vs its fp32": v for k, v in checks["vs_fp8_fp32"].items()},
+        **{f"{k[: -len('_vs_bf16')]} vs bf16": v for k, v in checks.items() if k.endswith("_vs_bf16")},
     }
     for name, v in rows.items():
-        print(f"{name:<26}{v['max_abs_score_diff']:>12.4f}{v['hidden_rel_err_median']:>20.2e}"
+        print(f"{name:<36}{v['max_abs_score_diff']:>12.4f}{v['hidden_rel_err_median']:>20.2e}"
               f"{v['hidden_rel_err_max']:>10.2e}{v['hidden_min_cosine']:>12.5f}")  # fmt: skip
+
+
+def trade_off(w1: dict[str, Any]) -> None:
+    """Each FP8 variant's speed against bf16's, beside its deviation from the unquantized float32 model
+    against bf16's own (the goal: within 2x of bf16's deviation)."""
+    runs, vs_fp32 = w1["runs"], w1["correctness"]["vs_fp32"]
+    bf16_rate, bf16_dev = runs["none"]["tokens_per_s"], vs_fp32["none"]
+    print(f"  {'variant':<16}{'tokens/s':>10}{'x bf16':>8}{'max|dscore|':>13}{'x bf16':>8}{'min cosine':>12}")
+    for name, run in runs.items():
+        dev = vs_fp32[name]
+        print(f"  {'bf16' if name == 'none' else name:<16}{run['tokens_per_s']:>10,.0f}"
+              f"{run['tokens_per_s'] / bf16_rate:>8.2f}{dev['max_abs_score_diff']:>13.4f}"
+              f"{dev['max_abs_score_diff'] / bf16_dev['max_abs_score_diff']:>8.2f}"
+              f"{dev['hidden_min_cosine']:>12.5f}")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,7 +276,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_options(parser, "fp8", quick=False, max_batch_tokens=16384, fp32_requests=16, profile_top=0)
     parser.add_argument("--cases", default="l1,w1", help="which of l1, w1 to run")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (L1) / passes (W1)")
+    parser.add_argument(
+        "--variants",
+        default="fp8",
+        help=f"FP8 variants beside bf16, comma-separated, of: {', '.join(VARIANTS)}",
+    )
     args = parser.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants:
+        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     device = pick_device("the FP8 benchmark (or --quick)", cpu_allowed=args.quick)
     if device is None:
         return 2
@@ -260,10 +308,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         timings = report["l1"]["timings"]
         print(f"\nL1, model step p50 / p90 ms ({device})")
         for case in L1_CASES:
-            bf16, fp8 = timings[f"none/{case}"], timings[f"fp8/{case}"]
-            speedup = bf16["p50_ms"] / fp8["p50_ms"]
-            print(f"  {case:>2} x {L1_TOKENS} tokens: bf16 {bf16['p50_ms']:.2f} / {bf16['p90_ms']:.2f}, "
-                  f"fp8 {fp8['p50_ms']:.2f} / {fp8['p90_ms']:.2f}  ({speedup:.2f}x)")  # fmt: skip
+            bf16 = timings[f"none/{case}"]
+            line = f"  {case:>2} x {L1_TOKENS} tokens: bf16 {bf16['p50_ms']:.2f} / {bf16['p90_ms']:.2f}"
+            for name in args.variants:
+                fp8 = timings[f"{name}/{case}"]
+                speedup = bf16["p50_ms"] / fp8["p50_ms"]
+                line += f", {name} {fp8['p50_ms']:.2f} / {fp8['p90_ms']:.2f} ({speedup:.2f}x)"
+            print(line)
         print_accuracy("L1", report["l1"]["correctness"])
     if "w1" in report:
         w1 = report["w1"]
@@ -278,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if run["peak_gib"] is not None:
                 line += f"; peak {run['peak_gib']:.1f} GiB"
             print(line)
-        print(f"  fp8 / bf16: {w1['runs']['fp8']['tokens_per_s'] / w1['runs']['none']['tokens_per_s']:.2f}x")
+        trade_off(w1)
         if "bf16" in roofline:
             print(f"  matmul rate: bf16 {roofline['bf16']['tflops_median']:.0f} TFLOP/s, "
                   f"fp8 {roofline['fp8']['tflops_median']:.0f} TFLOP/s")  # fmt: skip

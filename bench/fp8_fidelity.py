@@ -9,7 +9,9 @@ e4m3 values and scales (the rounding FP8 adds, without a GPU; the kernels' accum
 - `blocks`: DeepSeek-V3's recipe, one scale per 1x128 block of each activation row and per 128x128 block
   of each weight;
 - `rows, layer k in float32` for each layer k, and `rows, only <projection>` for each kind of projection:
-  which layers and which projections carry the deviation.
+  which layers and which projections carry the deviation;
+- the engine's choices that keep part of each layer out of FP8 (`fp8_projections` attention or mlp,
+  `fp8_keep_layers` [0, -1]), the parts told apart as the engine tells them (models.fp8.Fp8Selection).
 
 The deviation is taken on the mean-pooled, L2-normalised embeddings of SENTENCES (the package's use): the
 largest 1 - cosine to float32 and the largest absolute difference of a component. Prints a table and
@@ -34,7 +36,7 @@ import torch
 from torch import nn
 
 from bench.common import add_options, argument_parser, report_header, report_path
-from models.fp8 import Fp8Linear, quantize_rows
+from models.fp8 import Fp8Linear, Fp8Selection, quantize_rows
 
 BLOCK = 128
 SENTENCES = (
@@ -117,6 +119,12 @@ def _not_kind(kind: str, name: str) -> bool:
     return _kind(name) != kind
 
 
+def _left_out(selection: Fp8Selection, layers: int, name: str) -> bool:
+    """Whether the engine with `selection` keeps this projection out of FP8."""
+    layer = int(name.split(".layer.", 1)[1].split(".", 1)[0])
+    return layer in selection.kept_layers(layers) or not selection.quantizes(_kind(name))
+
+
 @torch.inference_mode()
 def embeddings(model: nn.Module, batch: dict[str, torch.Tensor]) -> np.ndarray:
     """Mean-pooled, L2-normalised embeddings [S, H] in float32."""
@@ -166,8 +174,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     for kind in kinds:
         model = copy.deepcopy(base)
         option(f"rows, only {kind}", model, _replace(model, Fp8Linear, functools.partial(_not_kind, kind)))
+    for label, selection in (
+        ("fp8_projections=attention", Fp8Selection("attention")),
+        ("fp8_projections=mlp", Fp8Selection("mlp")),
+        ("fp8_keep_layers=[0, -1]", Fp8Selection("all", (0, -1))),
+    ):
+        model = copy.deepcopy(base)
+        option(label, model, _replace(model, Fp8Linear, functools.partial(_left_out, selection, layers)))
     bf16 = report["options"]["bf16"]["one_minus_cosine"]
-    for name in ("rows", "blocks"):
+    for name in (
+        "rows",
+        "blocks",
+        "fp8_projections=attention",
+        "fp8_projections=mlp",
+        "fp8_keep_layers=[0, -1]",
+    ):
         report["options"][name]["vs_bf16"] = report["options"][name]["one_minus_cosine"] / bf16
         print(f"{name}: {report['options'][name]['vs_bf16']:.2f}x bf16's 1 - cosine")
     target = report_path("fp8_fidelity", args.json)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 from pydantic import ConfigDict, Field, SkipValidation
 
+from models.fp8 import Fp8Selection
 from models.graphs import Recorder
 from models.packing import Pooling
 from models.settings import EngineSettings
@@ -55,6 +56,11 @@ class ScorerConfig(EngineSettings):
     def of(cls, settings: EngineSettings, **hooks: Any) -> ScorerConfig:
         """The config of a worker's engine: its settings as given, and the code-only fields `hooks`."""
         return cls(**settings.engine_settings(), **hooks)
+
+    @property
+    def fp8_selection(self) -> Fp8Selection:
+        """The projections that run in FP8 under quantization='fp8' (models/fp8.py)."""
+        return Fp8Selection(self.fp8_projections, self.fp8_keep_layers)
 
     def resolve_pooling(self, model_default: Pooling) -> Pooling:
         """The pooling to run: the setting, or the model's own when 'auto'."""
@@ -137,7 +143,8 @@ class ScorerConfig(EngineSettings):
         if self.fused_mlp == "auto":
             return (
                 half
-                and self.quantization == "none"  # FP8 projections keep their own path
+                # FP8 MLP projections keep their own path; an MLP kept in the model dtype takes the kernel
+                and (self.quantization == "none" or self.fp8_projections == "attention")
                 and device.type == "cuda"
                 and torch.cuda.get_device_capability(device) >= TRITON_AUTO_CAPABILITY
                 and fused_mlp.available()

@@ -127,7 +127,9 @@ class Scorer:
             self.model, _ = load_sharded(
                 Path(model_dir), device=self.device, dtype=self.dtype, attn_implementation=implementation,
                 shard=shard or Shard(0, 1), trust_remote_code=self.config.trust_remote_code,
-                quantize=fp8_by_layer or (shard is not None and self._fp8_runs()),
+                quantize=self.config.fp8_selection
+                if fp8_by_layer or (shard is not None and self._fp8_runs())
+                else None,
             )  # fmt: skip
         else:
             self.model = load_model(

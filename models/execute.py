@@ -114,12 +114,18 @@ class Executor:
             reason = f"{self._loaded.name} has no layer list whose projections could run in FP8"
         if reason is not None or layers is None:
             raise ModelLoadError(f"quantization='fp8': {reason}")
-        replaced, kept = quantize_layers(layers)
+        selection = self._config.fp8_selection
+        try:
+            replaced, kept = quantize_layers(layers, selection)
+        except ValueError as exc:
+            raise ModelLoadError(f"quantization='fp8': {exc}") from exc
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the bfloat16 weights just dropped
         log.info(
-            "%s: %d projections of its %d layers run in FP8 e4m3 (%d of other shapes do not)",
-            self._loaded.name, replaced, len(layers), kept,
+            "%s: %d projections of its %d layers run in FP8 e4m3 (%s projections, layers kept whole: %s; "
+            "%d of other shapes do not)",
+            self._loaded.name, replaced, len(layers), selection.projections,
+            list(selection.keep_layers) or "none", kept,
         )  # fmt: skip
 
     def _load_adapters(self) -> AdapterSet | None:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from models.settings import Fp8Projections
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -134,17 +137,64 @@ def quantizable(linear: nn.Linear) -> bool:
     return linear.in_features % _ALIGNMENT == 0 and linear.out_features % _ALIGNMENT == 0
 
 
-def quantize_layers(layers: nn.ModuleList) -> tuple[int, int]:
-    """Replace every `nn.Linear` inside `layers` with an `Fp8Linear`, in place. Projections of a shape the
-    kernels do not take keep the model's dtype. Returns (replaced, kept)."""
+def projection_part(name: str) -> Fp8Projections:
+    """The part of its layer a projection belongs to, by its path inside the layer: "attention" where a
+    module on the path is named for attention (Llama's `self_attn.q_proj`, BERT's `attention.output.dense`,
+    Phi-3's `self_attn.qkv_proj`), else "mlp" (`mlp.down_proj`, BERT's `intermediate.dense` and
+    `output.dense`)."""
+    lowered = name.lower()
+    return "attention" if "attn" in lowered or "attention" in lowered else "mlp"
+
+
+@dataclass(frozen=True)
+class Fp8Selection:
+    """Which projections of the transformer layers run in FP8: the parts named by `projections` ("all",
+    "attention" or "mlp"), in every layer but those of `keep_layers` (0 the first, -1 the last), which keep
+    the model's dtype whole. The rest keep the model's dtype: where FP8's rounding costs too much accuracy,
+    the projections that carry it stay in bfloat16 (docs/models.md, FP8 projections)."""
+
+    projections: Fp8Projections = "all"
+    keep_layers: tuple[int, ...] = ()
+
+    def kept_layers(self, count: int) -> frozenset[int]:
+        """`keep_layers` as indices of a model of `count` layers; ValueError for one it does not have."""
+        wrong = [k for k in self.keep_layers if not -count <= k < count]
+        if wrong:
+            raise ValueError(
+                f"fp8_keep_layers {wrong}: the model has {count} layers (0..{count - 1}, or -1..-{count})"
+            )
+        return frozenset(k % count for k in self.keep_layers)
+
+    def quantizes(self, name: str) -> bool:
+        """Whether a projection at this path inside its layer runs in FP8 (its layer not kept)."""
+        return self.projections == "all" or projection_part(name) == self.projections
+
+
+ALL_PROJECTIONS = Fp8Selection()
+
+
+def quantize_layers(
+    layers: nn.ModuleList,
+    selection: Fp8Selection = ALL_PROJECTIONS,
+    numbers: Sequence[int] | None = None,
+    count: int | None = None,
+) -> tuple[int, int]:
+    """Replace the `nn.Linear`s inside `layers` that `selection` picks with `Fp8Linear`s, in place. Layer k
+    of `layers` is layer numbers[k] of a model of `count` layers (default: `layers` is the model's whole
+    list), which is what `selection.keep_layers` counts in. Projections of a shape the kernels do not take
+    keep the model's dtype. Returns (replaced, kept): kept counts those of a shape the kernels do not take,
+    not the ones the selection leaves out."""
+    skipped = selection.kept_layers(len(layers) if count is None else count)
     replaced = kept = 0
-    for layer in layers:
-        for parent in list(layer.modules()):
+    for number, layer in zip(range(len(layers)) if numbers is None else numbers, layers, strict=True):
+        if number in skipped:
+            continue
+        for path, parent in list(layer.named_modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, Fp8Linear):  # quantized already, as its layer was loaded
                     replaced += 1
                     continue
-                if type(child) is not nn.Linear:
+                if type(child) is not nn.Linear or not selection.quantizes(f"{path}.{name}"):
                     continue
                 if quantizable(child):
                     setattr(parent, name, Fp8Linear(child))

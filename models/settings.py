@@ -15,6 +15,7 @@ FusedMlpChoice = Literal["auto", "on", "off"]
 PoolingChoice = Literal["auto", "last", "last_token", "cls", "mean"]  # "auto" or a models.packing.Pooling
 DtypeChoice = Literal["auto", "float32", "float16", "bfloat16"]
 Quantization = Literal["none", "fp8"]
+Fp8Projections = Literal["all", "attention", "mlp"]
 
 _DEVICES = ("auto", "cpu", "cuda")
 
@@ -79,6 +80,17 @@ class EngineSettings(BaseModel):
         description="fp8: the transformer layers' projections run in FP8 e4m3 (weights per output channel, "
         "activations per token); Hopper/Ada GPUs in bfloat16, or the CPU",
     )
+    fp8_projections: Fp8Projections = Field(
+        "all",
+        description="with quantization=fp8, the projections of each layer that run in FP8: all; attention "
+        "(query, key, value and output; the MLP's keep the model dtype); mlp (the MLP's; attention's keep "
+        "the model dtype): less of FP8's speed for less of its rounding",
+    )
+    fp8_keep_layers: tuple[int, ...] = Field(
+        (),
+        description="with quantization=fp8, layers whose projections all keep the model dtype (0 the first, "
+        "-1 the last); a JSON list in the environment",
+    )
     tensor_parallel: int = Field(
         1,
         ge=1,
@@ -141,6 +153,14 @@ class EngineSettings(BaseModel):
     def _check_named_directories(cls, value: str) -> str:
         parse_adapters(value)
         return value
+
+    @model_validator(mode="after")
+    def _fp8_choices_with_fp8(self) -> EngineSettings:
+        if self.quantization != "fp8" and (self.fp8_projections != "all" or self.fp8_keep_layers):
+            raise ValueError(
+                "fp8_projections and fp8_keep_layers choose what runs in FP8: they need quantization='fp8'"
+            )
+        return self
 
     @model_validator(mode="after")
     def _adapters_on_one_device(self) -> EngineSettings:

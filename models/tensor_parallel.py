@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from models.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from models.fp8 import Fp8Selection
 from models.layers import decoder_layers
 from models.loading import (
     DECODER_MODEL_TYPES,
@@ -348,24 +351,30 @@ def fill(
     value_of: ValueOf,
     device: torch.device,
     dtype: torch.dtype,
-    quantize: bool = False,
+    quantize: Fp8Selection | None = None,
 ) -> int:
     """Give every meta parameter its values, one tensor at a time; with `quantize`, each decoder layer's
-    projections become FP8 as soon as the layer is complete, so that no more than one layer is ever held
-    at the model's dtype beside the FP8 ones. The bytes this rank holds."""
+    projections it selects become FP8 as soon as the layer is complete, so that no more than one layer is
+    ever held at the model's dtype beside the FP8 ones. The bytes this rank holds."""
     from models.fp8 import quantize_layers
 
     layers = decoder_layers(_base_and_embeddings(cast(PreTrainedModel, model))[0]) or nn.ModuleList()
+    if quantize is not None:
+        try:
+            quantize.kept_layers(len(layers))
+        except ValueError as exc:
+            raise ModelLoadError(f"quantization='fp8': {exc}") from exc
     names = {module: name for name, module in model.named_modules()}
     left = {names[layer] + ".": sum(1 for _ in layer.parameters()) for layer in layers}
     owner = {names[layer] + ".": layer for layer in layers}
+    number = {names[layer] + ".": index for index, layer in enumerate(layers)}
     for name, param in list(model.named_parameters()):
         _set(model, name, value_of(name, cuts.get(name, Cut(name)), param).to(device=device, dtype=dtype))
         prefix = next((p for p in left if name.startswith(p)), None)
         if prefix is not None:
             left[prefix] -= 1
-            if quantize and left[prefix] == 0:
-                quantize_layers(nn.ModuleList([owner[prefix]]))
+            if quantize is not None and left[prefix] == 0:
+                quantize_layers(nn.ModuleList([owner[prefix]]), quantize, [number[prefix]], len(layers))
     missing = [name for name, param in model.named_parameters() if param.is_meta]
     if missing:
         raise ModelLoadError(f"parameters without values after loading: {', '.join(missing[:5])}")
@@ -406,7 +415,7 @@ def load_sharded(
     attn_implementation: str,
     shard: Shard,
     trust_remote_code: bool = False,
-    quantize: bool = False,
+    quantize: Fp8Selection | None = None,
 ) -> tuple[LoadedModel, int]:
     """This rank's share of a decoder classifier (LoadedModel, as load_model gives the whole one), and the
     bytes of weights it holds; with `quantize`, its projections in FP8, each layer quantized as it is read."""

@@ -101,20 +101,25 @@ def test_fp8_fidelity_script_attributes_the_deviation_on_real_weights(tmp_path: 
     assert options["rows"]["one_minus_cosine"] > options["bf16"]["one_minus_cosine"] > 0
     assert sum(name.startswith("rows, layer ") for name in options) == 6
     assert sum(o["projections_in_fp8"] for n, o in options.items() if n.startswith("rows, only ")) == 36
+    # The engine's choices: attention's four projections and the MLP's two per layer; two layers kept.
+    assert options["fp8_projections=attention"]["projections_in_fp8"] == 24
+    assert options["fp8_projections=mlp"]["projections_in_fp8"] == 12
+    assert options["fp8_keep_layers=[0, -1]"]["projections_in_fp8"] == 24
 
 
 def test_fp8_benchmark_quick_run_reports_both_paths_side_by_side(tmp_path: Path) -> None:
-    """bench/fp8.py on tiny shapes on the CPU: bf16 and FP8 timed on L1 and W1, both checked against
-    float32, the report written with a verdict."""
-    proc = _run_script(["bench/fp8.py", "--quick"], tmp_path, 600)
+    """bench/fp8.py on tiny shapes on the CPU: bf16, FP8 and a variant keeping the attention projections
+    in bf16 timed on L1 and W1, each checked against float32, the report written with a verdict."""
+    proc = _run_script(["bench/fp8.py", "--quick", "--variants", "fp8,fp8-mlp"], tmp_path, 600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "fp8-quick.json").read_text())
     assert report["verdict"] == "ok"
-    assert set(report["l1"]["timings"]) == {"none/1", "none/64", "fp8/1", "fp8/64"}
-    assert set(report["w1"]["runs"]) == {"none", "fp8"}
+    assert set(report["l1"]["timings"]) == {f"{p}/{n}" for p in ("none", "fp8", "fp8-mlp") for n in (1, 64)}
+    assert set(report["w1"]["runs"]) == {"none", "fp8", "fp8-mlp"}
     for case in ("l1", "w1"):
         checks = report[case]["correctness"]
-        assert set(checks["vs_fp32"]) == {"hf_bf16", "none", "fp8"}
+        assert set(checks["vs_fp32"]) == {"hf_bf16", "none", "fp8", "fp8-mlp"}
+        assert set(checks["vs_fp8_fp32"]) == {"hf_fp8_bf16", "fp8", "hf_fp8-mlp_bf16", "fp8-mlp"}
         # FP8 rounds far coarser than bf16: e4m3's unit roundoff is 2^-4, bfloat16's 2^-8, so an FP8 run's
         # median error through the same model is about 16 times bf16's; one within 3 times of it did not
         # quantize (a separation of two error levels 16x apart, not a rounding bound).

@@ -38,8 +38,10 @@ from tolerances import (
 from models import Scorer, ScorerConfig
 from models.errors import ModelLoadError
 from models.fp8 import (
+    ALL_PROJECTIONS,
     FP8_MAX,
     Fp8Linear,
+    Fp8Selection,
     cpu_scaled_mm_takes_row_scales,
     fp8_supported,
     jittered,
@@ -193,7 +195,9 @@ def test_only_the_decoder_layers_projections_are_replaced(tiny_llama_dir: Path) 
     assert type(odd[0][0]) is torch.nn.Linear and isinstance(odd[0][1], Fp8Linear)
 
 
-def _agrees_with_hf_fp8(scorer: Scorer, model_dir: Path) -> tuple[float, float]:
+def _agrees_with_hf_fp8(
+    scorer: Scorer, model_dir: Path, selection: Fp8Selection = ALL_PROJECTIONS
+) -> tuple[float, float, float]:
     """Score LENGTHS with `scorer` and with HF's own eager forward with the same FP8 projections (float32).
 
     Items agree to float32 rounding where no rounding to e4m3 differs between the paths; but their last-bit
@@ -209,7 +213,7 @@ def _agrees_with_hf_fp8(scorer: Scorer, model_dir: Path) -> tuple[float, float]:
     reference_model = load_reference_model(model_dir)
     layers = transformer_layers(reference_model.base_model)
     assert layers is not None
-    quantize_layers(layers)
+    quantize_layers(layers, selection)
     requests = token_requests(LENGTHS, seed=5)
     prompts = [list(item) for request in requests for item in request.items]
     reference = hf_reference(model_dir, prompts, model=reference_model)
@@ -251,6 +255,66 @@ def decoder_dir(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_decoder_scores_like_hf_with_the_same_fp8_projections(decoder_dir: Path) -> None:
     scorer = Scorer(decoder_dir, ScorerConfig(device="cpu", quantization="fp8"))
     median, largest, allowed = _agrees_with_hf_fp8(scorer, decoder_dir)
+    assert median <= allowed and largest <= allowed, (median, largest, allowed)
+
+
+def _fp8_paths(model: torch.nn.Module) -> list[set[str]]:
+    """Per transformer layer, the paths (inside the layer) of its projections that run in FP8."""
+    layers = transformer_layers(model.base_model)
+    assert layers is not None
+    return [{name for name, m in layer.named_modules() if isinstance(m, Fp8Linear)} for layer in layers]
+
+
+@pytest.mark.parametrize("architecture", [*DECODERS, *ENCODERS])
+def test_attention_and_mlp_projections_are_told_apart_in_every_architecture(
+    architecture: str, tmp_path: Path
+) -> None:
+    """fp8_projections "attention" and "mlp" split what "all" quantizes into two parts, each non-empty in
+    every layer, through the engine's loading (decoders layer by layer as they are read, encoders after
+    loading); the attention part is what sits in the layer's attention module."""
+    model_dir = write_tiny_model(tmp_path / architecture, architecture, seed=3, num_labels=2)
+    found = {
+        part: _fp8_paths(
+            Scorer(model_dir, ScorerConfig(device="cpu", quantization="fp8", fp8_projections=part)).hf_model
+        )
+        for part in ("all", "attention", "mlp")
+    }
+    for whole, attention, mlp in zip(found["all"], found["attention"], found["mlp"], strict=True):
+        assert attention and mlp and not attention & mlp and attention | mlp == whole, (attention, mlp)
+        assert all("attn" in path or "attention" in path for path in attention), attention
+
+
+def test_kept_layers_keep_the_model_dtype(tiny_llama_dir: Path) -> None:
+    for kept in ((-1,), (0,)):
+        config = ScorerConfig(device="cpu", quantization="fp8", fp8_keep_layers=kept)
+        paths = _fp8_paths(Scorer(tiny_llama_dir, config).hf_model)
+        count = len(paths)
+        assert [len(p) for p in paths] == [0 if k in kept or k - count in kept else 7 for k in range(count)]
+    with pytest.raises(ModelLoadError, match=f"the model has {count} layers"):
+        Scorer(tiny_llama_dir, ScorerConfig(device="cpu", quantization="fp8", fp8_keep_layers=(count,)))
+    encoder = write_tiny_model(tiny_llama_dir.parent / "fp8-keep-bert", "bert", seed=3, num_labels=2)
+    with pytest.raises(ModelLoadError, match="layers"):  # loaded whole, then quantized (models/execute.py)
+        Scorer(encoder, ScorerConfig(device="cpu", quantization="fp8", fp8_keep_layers=(-99,)))
+    with pytest.raises(ValueError, match="need quantization='fp8'"):
+        ScorerConfig(fp8_projections="mlp")
+    with pytest.raises(ValueError, match="need quantization='fp8'"):
+        ScorerConfig(fp8_keep_layers=(0,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "selection", [Fp8Selection("attention"), Fp8Selection("mlp"), Fp8Selection("all", (-1,))], ids=str
+)
+def test_a_selection_of_fp8_projections_scores_like_hf_with_the_same_projections(
+    tiny_llama_dir: Path, selection: Fp8Selection
+) -> None:
+    config = ScorerConfig(
+        device="cpu",
+        quantization="fp8",
+        fp8_projections=selection.projections,
+        fp8_keep_layers=selection.keep_layers,
+    )
+    median, largest, allowed = _agrees_with_hf_fp8(Scorer(tiny_llama_dir, config), tiny_llama_dir, selection)
     assert median <= allowed and largest <= allowed, (median, largest, allowed)
 
 

@@ -322,9 +322,9 @@ def test_fp8_on_one_device_loads_layer_by_layer(
     unread_at_each: list[int] = []
     quantize, fill = models.fp8.quantize_layers, models.tensor_parallel.fill
 
-    def watched_quantize(layers: torch.nn.ModuleList) -> tuple[int, int]:
+    def watched_quantize(layers: torch.nn.ModuleList, *args: Any) -> tuple[int, int]:
         unread_at_each.append(sum(1 for p in filling[0].parameters() if p.is_meta))
-        return quantize(layers)
+        return quantize(layers, *args)
 
     def watched_fill(model: torch.nn.Module, *args: Any, **kwargs: Any) -> int:
         filling.append(model)
