@@ -148,6 +148,18 @@ class EngineSettings(BaseModel):
             raise ValueError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N")
         return value
 
+    @field_validator("fp8_keep_layers", mode="before")
+    @classmethod
+    def _layers_from_text(cls, value: Any) -> Any:
+        """A flag's text: a JSON list ("[0, -1]") or comma-separated numbers ("0,-1")."""
+        if isinstance(value, str):
+            text = value.strip().removeprefix("[").removesuffix("]")
+            try:
+                return tuple(int(part) for part in text.split(",") if part.strip())
+            except ValueError:
+                raise ValueError(f"fp8_keep_layers {value!r}: layer numbers, e.g. [0, -1] or 0,-1") from None
+        return value
+
     @field_validator("adapters", "heads")
     @classmethod
     def _check_named_directories(cls, value: str) -> str:

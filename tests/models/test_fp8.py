@@ -299,6 +299,11 @@ def test_kept_layers_keep_the_model_dtype(tiny_llama_dir: Path) -> None:
         ScorerConfig(fp8_projections="mlp")
     with pytest.raises(ValueError, match="need quantization='fp8'"):
         ScorerConfig(fp8_keep_layers=(0,))
+    # A flag's or variable's text: a JSON list or comma-separated numbers.
+    for text in ("[0, -1]", "0,-1"):
+        assert ScorerConfig(quantization="fp8", fp8_keep_layers=text).fp8_keep_layers == (0, -1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="layer numbers"):
+        ScorerConfig(quantization="fp8", fp8_keep_layers="first")  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
