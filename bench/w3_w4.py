@@ -9,6 +9,9 @@ Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/w3_
   work a perfect sharing would leave.
 - W4 interleaved (`w4i`): the same requests with each prompt's answers spread over the stream (every
   prompt's first answer, then every second, ...), each path scoring them in one call that the engine cuts.
+- W4 interleaved over calls (`w4c`): the interleaved requests as 8 calls (each holding one answer of every
+  prompt), as a sampler sends answers as they come; the shared path keeps a prefix cache
+  (`--cache-mib`, emptied before each timed pass), so calls after the first take the prompts from it.
 - W4: W1's model (8B Llama shapes); 256 prompts of 300-1,000 tokens with 8 responses of 50-300 tokens each,
   sent as 2,048 single-item requests, a prompt's 8 one after another, the prompts in random order.
 Batches are cut as the worker cuts them: arrival order, at most `--max-batch-tokens` tokens, counted as
@@ -125,7 +128,17 @@ def time_path(
 ) -> tuple[list[ScoreResult], dict[str, float]]:
     """Best wall time of `repeats` passes after one warm-up pass, two ways: the model step
     (`score_prepared` on requests prepared beforehand, as the worker's intake prepares them beside the
-    model) and the whole call (`score`, preparing on the same thread first). The model step's results."""
+    model) and the whole call (`score`, preparing on the same thread first). The model step's results.
+    A scorer's prefix cache is emptied before every pass: each starts as the first call of a stream."""
+    cache = scorer.executor.prefix_cache
+
+    def timed_pass(run: Any) -> tuple[Any, float]:
+        if cache is not None:
+            cache.clear()
+        return timed(run)
+
+    if cache is not None:
+        cache.clear()
     packed_path.run_scorer(scorer, requests, cut)
     prepared = []
     for chunk in cut:
@@ -153,16 +166,16 @@ def time_path(
     best = {"step_s": float("inf"), "overlapped_s": float("inf"), "whole_s": float("inf")}
     results: list[ScoreResult] = []
     for _ in range(repeats):
-        results, elapsed = timed(step)
+        results, elapsed = timed_pass(step)
         best["step_s"] = min(best["step_s"], elapsed)
-        launched_ahead, elapsed = timed(overlapped)
+        launched_ahead, elapsed = timed_pass(overlapped)
         best["overlapped_s"] = min(best["overlapped_s"], elapsed)
         # Timed, so checked: the same batches launched ahead score as they do alone (the same kernels on
         # the same inputs; a thousandth of the score scale leaves room for nothing but a broken overlap).
         check = agree(launched_ahead, results, share=1e-3)
         if not check["ok"]:
             raise RuntimeError(f"batches launched ahead disagree with the same batches alone: {check}")
-        _, elapsed = timed(lambda: packed_path.run_scorer(scorer, requests, cut))
+        _, elapsed = timed_pass(lambda: packed_path.run_scorer(scorer, requests, cut))
         best["whole_s"] = min(best["whole_s"], elapsed)
     return results, best
 
@@ -205,23 +218,29 @@ def run_case(
     args: argparse.Namespace,
     device: str,
     one_call: bool = False,
+    calls: int = 0,
 ) -> dict[str, Any]:
     """`one_call`: every path's requests as one `score_prepared` call, the engine cutting the batches (and
     grouping requests that share a prompt across the call), rather than cut beforehand in arrival order
-    as the worker's batcher cuts a stream."""
+    as the worker's batcher cuts a stream. `calls`: the requests as that many calls of consecutive
+    requests (each cut by the engine), the shared path with a prefix cache of `--cache-mib`."""
     requests, bare = work
     dtype = "bfloat16" if device == "cuda" else "float32"
     base = {"device": device, "dtype": dtype, "max_batch_tokens": args.max_batch_tokens}
     today = Scorer(model_dir, ScorerConfig(**base))
-    shared = Scorer(model_dir, ScorerConfig(**base, share_prefix_min_tokens=args.min_tokens))
+    cache = {"prefix_cache_mib": args.cache_mib} if calls else {}
+    shared = Scorer(model_dir, ScorerConfig(**base, share_prefix_min_tokens=args.min_tokens, **cache))
     cut = [range(len(requests))] if one_call else chunks(requests, args.max_batch_tokens)
     shared_cut = [range(len(requests))] if one_call else chunks(requests, args.max_batch_tokens, shared)
+    if calls:
+        size = -(-len(requests) // calls)
+        cut = shared_cut = [range(k, min(k + size, len(requests))) for k in range(0, len(requests), size)]
     items = sum(len(r.items) for r in requests)
     whole_tokens = sum(len(p) for r in requests for p in whole_prompts(r))
     whole_results, whole_t = time_path(today, requests, cut, args.repeats)
     shared_results, shared_t = time_path(shared, requests, shared_cut, args.repeats)
     distinct_tokens = sum(len(r.items[0]) for r in bare)
-    bare_cut = [range(len(bare))] if one_call else chunks(bare, args.max_batch_tokens)
+    bare_cut = [range(len(bare))] if one_call or calls else chunks(bare, args.max_batch_tokens)
     _, distinct_t = time_path(today, bare, bare_cut, args.repeats)
     del today
 
@@ -253,6 +272,10 @@ def run_case(
     }
     noise = float(report["vs_fp32"].get("hf_bf16_max_abs_score_diff", 0.0))
     report["agreement"] = agree(shared_results, whole_results, noise=noise)
+    prefix_cache = shared.executor.prefix_cache
+    if prefix_cache is not None:  # the last timed pass's (the cache is emptied before each)
+        stats = prefix_cache.stats
+        report["prefix_cache"] = {"mib": args.cache_mib, "bytes": prefix_cache.bytes, **vars(stats)}
     del shared
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -280,8 +303,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_options(parser, "w3_w4", quick=False, max_batch_tokens=16384)
     parser.add_argument(
         "--cases",
-        default="w3,w4,w4i",
-        help="which of w3, w4, w4i (W4 with each prompt's answers interleaved, scored in one call) to run",
+        default="w3,w4,w4i,w4c",
+        help="which of w3, w4, w4i (W4 with each prompt's answers interleaved, scored in one call), w4c (the "
+        "same interleaved requests as 8 calls, the shared path with a prefix cache) to run",
+    )
+    parser.add_argument(
+        "--cache-mib", type=int, default=32768, help="prefix_cache_mib of the shared path in w4c"
     )
     parser.add_argument(
         "--min-tokens", type=int, default=32, help="share_prefix_min_tokens of the shared path"
@@ -307,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["w3"] = run_case(
                 "W3", w3_dir, w3_requests(rng, shapes["vocab_size"], *sizes), args, device
             )
-        if cases & {"w4", "w4i"}:
+        if cases & {"w4", "w4i", "w4c"}:
             shapes = W4_QUICK if args.quick else W4_SHAPES
             w4_dir = model_dir("llama", shapes, device, Path(tmp) / "w4-llama")
             spec = (6, 3, (30, 60), (5, 20)) if args.quick else (256, 8, (300, 1000), (50, 300))
@@ -317,9 +344,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "w4i" in cases:
             w4i = interleaved(w4, spec[1])
             report["w4i"] = run_case("W4 interleaved, one call", w4_dir, w4i, args, device, one_call=True)
+        if "w4c" in cases:
+            w4c = interleaved(w4, spec[1])
+            report["w4c"] = run_case(
+                f"W4 interleaved, {spec[1]} calls, prefix cache", w4_dir, w4c, args, device, calls=spec[1]
+            )
     failures = [
         f"{name}: {check}"
-        for name in ("w3", "w4", "w4i")
+        for name in ("w3", "w4", "w4i", "w4c")
         if name in report
         for check in ("agreement", "vs_fp32")
         if not report[name][check]["ok"]

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from models.packing import PrefixCross
+from models.prefix_cache import CacheIO
 from models.varlen import CAUSAL_OR_FULL, WANT_LSE, LseRequest, VarlenKernel
 
 REFERENCE_ATTENTION = "score_worker_reference"
@@ -92,9 +93,13 @@ def reference_attention(
     cu_seq_lens_k: torch.Tensor | None = None,
     packed_key_index: torch.Tensor | None = None,
     prefix_cross: PrefixCross | None = None,
+    prefix_cache: CacheIO | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """HF attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None).
+
+    With `prefix_cache`, the batch's cached keys and values come before the row's (key rows counted from
+    the cached region's first), and the rows the cache keeps are copied out (models/prefix_cache.py).
 
     Sequence i's queries are rows cu_seq_lens_q[i]:[i+1]. Its keys are the same rows, or, with
     `packed_key_index`, the rows packed_key_index[cu_seq_lens_k[i]:[i+1]] (a shared prefix, then its own):
@@ -104,6 +109,8 @@ def reference_attention(
         raise ValueError("packed attention needs cu_seq_lens_q; call the model through models.Scorer")
     if prefix_cross is not None and packed_key_index is None:
         raise ValueError("the exact path reads shared prefixes through gathered keys (packed_key_index)")
+    if prefix_cache is not None:
+        key, value = prefix_cache.extend(module, key, value)
     bounds = cu_seq_lens_q.tolist()
     key_bounds = bounds if packed_key_index is None or cu_seq_lens_k is None else cu_seq_lens_k.tolist()
     out = torch.empty(
@@ -159,6 +166,7 @@ def varlen_attention(
     max_length_k: int | None = None,
     packed_key_index: torch.Tensor | None = None,
     prefix_cross: PrefixCross | None = None,
+    prefix_cache: CacheIO | None = None,
     *,
     kernel: VarlenKernel,
     kernel_gqa: bool = False,
@@ -181,6 +189,8 @@ def varlen_attention(
         raise NotImplementedError(
             "the varlen kernel has no attention logit softcap; use attention='reference'"
         )
+    if prefix_cache is not None:  # cached keys first (pack gathers every sequence's keys then)
+        key, value = prefix_cache.extend(module, key, value)
     cu_q = cu_seq_lens_q.to(torch.int32)  # flash kernels index with int32 offsets
     window = _left_window(sliding_window)
     left = -1 if window is None else window

@@ -67,6 +67,7 @@ class LaunchedBatch:
     hidden_bytes: dict[str, int]
     packed_tokens: int
     compiled_graphs: int = 0  # see BatchStats
+    cache: tuple[int, int, int, int] | None = None  # the prefix cache's traffic: see batch_stats
     # Token outputs: the logits at every position read [M, L] on their way to the host, and the asked
     # hidden states there (None where the batch reads no position).
     token_logits: torch.Tensor | None = None
@@ -347,6 +348,8 @@ class Scorer:
     def _launch_or_recover(self, batch: list[PreparedRequest], on_batch: BatchObserver | None) -> Finished:
         started = time.perf_counter()
         traced = self.executor.traced_graphs()
+        cache = self.executor.prefix_cache
+        counted = None if cache is None else (cache.stats.lookups, cache.stats.hits, cache.stats.tokens_saved)
         try:
             launched = self._launch_batch(batch)
         except DeviceLostError:
@@ -354,6 +357,9 @@ class Scorer:
         except Exception as exc:  # out of memory, kernel errors: find the request that causes it
             return self._after_failure(batch, exc, on_batch, started)
         launched.compiled_graphs = self.executor.traced_graphs() - traced
+        if cache is not None and counted is not None:
+            now = (cache.stats.lookups, cache.stats.hits, cache.stats.tokens_saved)
+            launched.cache = (*(a - b for a, b in zip(now, counted, strict=True)), cache.bytes)  # type: ignore[assignment]
         return launched
 
     def _finish_batch(self, launched: Finished, on_batch: BatchObserver | None) -> list[ScoreResult]:
@@ -376,7 +382,7 @@ class Scorer:
             on_batch(
                 batch_stats(
                     batch, forward_s, copy_s, launched.hidden_bytes, launched.packed_tokens,
-                    compiled_graphs=launched.compiled_graphs,
+                    compiled_graphs=launched.compiled_graphs, cache=launched.cache,
                 )
             )  # fmt: skip
         return scored(batch, scores, hidden, self.model_name, forward_s, copy_s, tokens, named)
@@ -451,7 +457,7 @@ class Scorer:
         for dtype, size in token_bytes.items():
             hidden_bytes[dtype] = hidden_bytes.get(dtype, 0) + size
         timer.mark()  # the copies' end
-        packed_tokens = sum(len(p) for p in prompts) - saved_tokens(shared)
+        packed_tokens = self.executor.row_tokens or sum(len(p) for p in prompts) - saved_tokens(shared)
         return LaunchedBatch(
             batch, item_counts, started, timer, host_logits, columns, rows, hidden_bytes, packed_tokens,
             token_logits=None if token_logits is None else to_host_async(token_logits), token_rows=token_rows,

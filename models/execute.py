@@ -39,6 +39,7 @@ from models.packing import (
     position_rows,
 )
 from models.pooled_rows import LastLayerAtPooledRows, last_layer_row_wise, padded_rows
+from models.prefix_cache import CacheIO, PrefixCache
 from models.prepare import Prompt
 
 if TYPE_CHECKING:
@@ -84,6 +85,10 @@ class Executor:
         )
         if self.adapters is not None and self.pooled_layer is not None:
             self.adapters.restrict_within(self.pooled_layer.modules)
+        self.prefix_cache = self._prefix_cache()
+        # The tokens the last packed batch's row computed (shared prefixes once, cached ones not at all);
+        # None after a padded or item-by-item batch.
+        self.row_tokens: int | None = None
         self.compiled_layers: CompiledLayers | None = None
         if config.resolve_compile(attention, device):
             self.compiled_layers = compile_layers(loaded.base)
@@ -136,6 +141,47 @@ class Executor:
         return load_adapters(
             self._config.adapter_dirs, loaded.model, head, self.device, self.dtype, layers, loaded.head
         )
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache where `prefix_cache_mib` asks for one; ModelLoadError where it cannot serve."""
+        mib = self._config.prefix_cache_mib
+        if not mib:
+            return None
+        name = self._loaded.name
+        layers = transformer_layers(self._loaded.base)
+        why = None
+        if not (self._loaded.packable and is_causal_decoder(self._loaded)) or layers is None:
+            why = f"{name} is not a causal decoder on the packed path (where a prefix has states of its own)"
+        elif self.pooling == "mean":
+            why = (
+                "mean pooling reads every row of a prompt, and the cache holds no rows, only keys and values"
+            )
+        elif self._config.deterministic:
+            why = "the deterministic setting runs every item alone, from its first token"
+        elif self._config.tensor_parallel > 1:
+            why = "under tensor parallelism each rank holds a share of the heads; the cache serves one device"
+        else:
+            numbers = [getattr(m, "layer_idx", None) for m in self._attention_modules(layers)]
+            if sorted(n for n in numbers if isinstance(n, int)) != list(range(len(layers))):
+                why = f"{name}'s attention modules do not number their layers (layer_idx)"
+        if why is not None:
+            raise ModelLoadError(f"prefix_cache_mib: {why}")
+        self._layer_count = len(layers)  # type: ignore[arg-type]
+        log.info(
+            "%s: a prefix cache of %d MiB, blocks of %d tokens",
+            name, mib, self._config.prefix_cache_block_tokens,
+        )  # fmt: skip
+        return PrefixCache(self._config.prefix_cache_block_tokens, mib << 20)
+
+    @staticmethod
+    def _attention_modules(layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
+        """Each layer's attention module: the module directly inside the layer whose name says attention."""
+        return [
+            child
+            for layer in layers
+            for child_name, child in layer.named_children()
+            if "attn" in child_name or "attention" in child_name
+        ]
 
     def _last_layer_at_pooled_rows(self) -> LastLayerAtPooledRows | None:
         """The last layer's row-wise modules restricted to the pooled rows (models/pooled_rows.py), where set,
@@ -198,6 +244,7 @@ class Executor:
         """Each prompt's pooled hidden state [N, H] (float32 for MEAN), the prefixes of `shared` once; and,
         with `positions` (per prompt, token positions), the hidden states at them [M, H], prompt by prompt
         (None without). `adapters`: each prompt's LoRA adapter index (-1: the base model)."""
+        self.row_tokens = None
         if self._config.deterministic:
             forward = self.packed_pooled if self._loaded.packable else self.padded_pooled
             # Every item alone: no result depends on what else shares the batch (kernels pick their tiling
@@ -211,6 +258,7 @@ class Executor:
                 )
                 for index, prompt in enumerate(prompts)
             ]
+            self.row_tokens = None  # the last item's row only
             pooled = torch.cat([one for one, _ in outputs])
             at = [rows for _, rows in outputs if rows is not None]
             return pooled, torch.cat(at) if at else None
@@ -227,7 +275,17 @@ class Executor:
         adapters: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the base model on the packed row, the prefixes of shared `groups` once, and pool each item:
-        [N, H] (float32 for MEAN); and the rows at `positions` [M, H] where given."""
+        [N, H] (float32 for MEAN); and the rows at `positions` [M, H] where given. With the prefix cache, a
+        prompt's cached prefix is not computed again, and the blocks the batch computes are kept."""
+        use = None
+        if self.prefix_cache is not None:
+            use = self.prefix_cache.plan(
+                prompts, self._adapted(adapters), self._cache_limits(prompts, positions)
+            )
+            if use.regions:  # a prompt with cached tokens shares them with no group
+                groups = _without_members(groups, {i for i, run in enumerate(use.hits) if run})
+            if not use.active:
+                use = None
         packed = pack(
             prompts,
             self.device,
@@ -239,11 +297,18 @@ class Executor:
             gather_keys=bool(groups) and self._gathers_keys(prompts),
             read_at=positions,
             adapters=self._adapted(adapters),
+            cached=None
+            if use is None
+            else [(use.cached_tokens(i), use.offsets[i]) for i in range(len(prompts))],
+            capture=None
+            if use is None
+            else [(c.prompt, c.start, c.start + use.block_tokens) for c in use.captures],
         )
+        self.row_tokens = int(packed.input_ids.shape[1])
         # A replayed graph runs no Python forward: the layers are swapped in only where one runs (in the
         # graphs' own forward when they record, and below). Graphs hold the pooled rows' count of their
-        # shape: a batch that also reads positions runs the ordinary forward.
-        plain = positions is not None or packed.adapter_rows is not None
+        # shape: a batch that also reads positions, or uses the prefix cache, runs the ordinary forward.
+        plain = positions is not None or packed.adapter_rows is not None or use is not None
         hidden = None if self.graphs is None or plain else self.graphs.run(packed)
         if hidden is None:
             # The varlen kernel reads the bounds on the device; the exact path loops over items in
@@ -260,6 +325,9 @@ class Executor:
             if packed.adapter_rows is not None:
                 assert self.adapters is not None
                 adapted = self.adapters.active(packed.adapter_rows, pooled_rows)
+            cache = None
+            if use is not None and self.prefix_cache is not None:
+                cache = CacheIO(self.prefix_cache.region(use), packed.capture_rows, self._layer_count)
             with adapted:
                 hidden = self._fast_packed_forward(
                     packed.input_ids,
@@ -271,7 +339,10 @@ class Executor:
                     cross=packed.cross,
                     pooled_rows=pooled_rows,
                     fused=packed.adapter_rows is None or self._fused_with_adapters,
+                    prefix_cache=cache,
                 )
+            if cache is not None and use is not None and use.captures and self.prefix_cache is not None:
+                self.prefix_cache.store(use, *cache.captured())
         at = None if packed.position_rows is None else hidden.index_select(0, packed.position_rows)
         return pool(hidden, packed), at  # [N, H], float32 for MEAN pooling; [M, H]
 
@@ -282,7 +353,10 @@ class Executor:
         Adapter batches come with their adapted projections swapped in: the compiled layers trace them as
         a variant of their own."""
         mlps = self.fused_mlps if fused else None
-        with self.compiled_layers or contextlib.nullcontext(), mlps or contextlib.nullcontext():
+        # Batches that read or fill the prefix cache run the layers eager: the cache's traffic is Python
+        # inside attention, which the compiled layers' graphs do not hold.
+        compiled = self.compiled_layers if kwargs.get("prefix_cache") is None else None
+        with compiled or contextlib.nullcontext(), mlps or contextlib.nullcontext():
             return self.packed_forward(*args, **kwargs)
 
     def _adapted(self, adapters: Sequence[int] | None) -> Sequence[int] | None:
@@ -299,6 +373,20 @@ class Executor:
         if packed.rows_read is not None:  # the positions read are computed too
             return padded_rows(packed.rows_read, pooled_row_slots(packed.rows_read.shape[0]))
         return padded_rows(packed.pooled_rows, pooled_row_slots(len(packed.host_cu_seqlens) - 1))
+
+    def _cache_limits(
+        self, prompts: Sequence[Prompt], positions: Sequence[Sequence[int]] | None
+    ) -> list[int]:
+        """How many first tokens of each prompt may come from the prefix cache: up to the first row its
+        results read (the pooled token; any position asked for), which must be computed."""
+        lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        pooled = pooled_positions(prompts, starts, ends, self.pooling, self._loaded.pad_token_id) - starts
+        limits: list[int] = pooled.tolist()
+        if positions is not None:
+            limits = [min([limit, *read]) for limit, read in zip(limits, positions, strict=True)]
+        return limits
 
     def _gathers_keys(self, prompts: Sequence[Prompt]) -> bool:
         """Whether a batch with shared prefixes gathers each sequence's keys: on the exact path, which reads
@@ -320,6 +408,7 @@ class Executor:
         keys: KeyLayout | None = None,
         cross: PrefixCross | None = None,
         pooled_rows: torch.Tensor | None = None,
+        prefix_cache: CacheIO | None = None,
     ) -> torch.Tensor:
         """The base model on one packed row [1, T]: its last hidden states [T, H]. Shared prefixes
         (models/packing.py): suffixes attend to their prefixes through `cross` and, where given, attention
@@ -330,6 +419,8 @@ class Executor:
             extra["packed_key_index"] = keys.key_index
         if cross is not None:
             extra["prefix_cross"] = cross
+        if prefix_cache is not None:
+            extra["prefix_cache"] = prefix_cache
         restricted: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if pooled_rows is not None and self.pooled_layer is not None:
             restricted = self.pooled_layer.at(pooled_rows)
@@ -390,3 +481,13 @@ class Executor:
         lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         rows = pooled_positions(prompts, starts, starts + lengths, self.pooling, self._loaded.pad_token_id)
         return flat.index_select(0, torch.from_numpy(rows).to(self.device)), at
+
+
+def _without_members(groups: Sequence[SharedPrefix], gone: set[int]) -> list[SharedPrefix]:
+    """`groups` without the prompts of `gone` (a group left with one member is no group)."""
+    out = []
+    for group in groups:
+        members = tuple(m for m in group.members if m not in gone)
+        if len(members) > 1:
+            out.append(SharedPrefix(members, group.length))
+    return out

@@ -25,12 +25,19 @@ class BatchStats:
     # Bytes of pooled hidden states copied to the host, by dtype name ("float32", "float16", "bfloat16").
     hidden_bytes: dict[str, int] = field(default_factory=dict)
     failed: bool = False  # the forward pass raised: its requests are scored again in halves
-    # Tokens of the packed row the forward computed: `tokens` less what shared prefixes saved (0: not
-    # reported, read as `tokens`).
+    # Tokens of the packed row the forward computed: `tokens` less what shared prefixes and the prefix
+    # cache saved (0: not reported, read as `tokens`).
     packed_tokens: int = 0
     # Graphs torch.compile traced for the compiled layers while this batch launched: a kind of batch they
     # had not met (models/warmup.py); each holds the model for seconds on a GPU.
     compiled_graphs: int = 0
+    # The prefix cache (models/prefix_cache.py), where one is set: prompts looked up, those that found a
+    # cached prefix, the tokens they took from it instead of computing, and the bytes it holds after the
+    # batch (None: no cache).
+    cache_lookups: int = 0
+    cache_hits: int = 0
+    cached_tokens: int = 0
+    cache_bytes: int | None = None
 
 
 BatchObserver = Callable[[BatchStats], None]

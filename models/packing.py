@@ -94,6 +94,10 @@ class PackedBatch:
     rows_read: torch.Tensor | None = None
     # [T] int64: the LoRA adapter of every row (-1: the base model); None when no prompt has one
     adapter_rows: torch.Tensor | None = None
+    # [R] int64: the rows whose keys and values the prefix cache keeps, span after span (pack's `capture`)
+    capture_rows: torch.Tensor | None = None
+    # The cached region's rows, whose keys attention puts before the row's (0: none; see pack's `cached`)
+    cached_rows: int = 0
 
 
 def find_shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int) -> list[SharedPrefix]:
@@ -240,8 +244,19 @@ def pack(
     gather_keys: bool = False,
     read_at: Sequence[Sequence[int]] | None = None,
     adapters: Sequence[int] | None = None,
+    cached: Sequence[tuple[int, int]] | None = None,
+    capture: Sequence[tuple[int, int, int]] | None = None,
 ) -> PackedBatch:
     """Pack non-empty prompts; built on the host with numpy, then moved to `device` in one go each.
+
+    `capture`: (prompt, start, stop) spans of tokens whose keys and values the prefix cache keeps; their
+    rows, span after span, become PackedBatch.capture_rows.
+
+    `cached`: per prompt, how many of its first tokens come from the prefix cache and where their keys start
+    in the batch's cached region (models/prefix_cache.py), which attention puts before the row's own keys:
+    such a prompt packs only its other tokens (positions continuing after the cached ones) and every
+    sequence's keys are gathered, the row's indices shifted past the region. A prompt with cached tokens
+    belongs to no shared group.
 
     `adapters`: per prompt, its LoRA adapter's index (-1: none), for PackedBatch.adapter_rows; a shared
     prefix must be shared by prompts of one adapter.
@@ -253,10 +268,17 @@ def pack(
     `shared`: prefixes to pack once (`find_shared_prefixes`; causal models only, without either of those).
     `gather_keys`: with `shared`, also lay out each sequence's keys for gathering (`SharedKeys`).
     """
-    if shared:
+    if cached is not None and not any(tokens for tokens, _ in cached):
+        cached = None
+    if shared or cached is not None or capture:
         if token_types is not None or position_pad is not None:
-            raise ValueError("shared prefixes are packed for causal decoders only")
-        return _pack_shared(prompts, shared, device, pooling, pad_id, gather_keys, read_at, adapters)
+            raise ValueError("shared prefixes and cached ones are packed for causal decoders only")
+        if cached is not None and pooling == "mean":
+            raise ValueError("mean pooling reads every row: a prompt with cached tokens has none for them")
+        gather_keys = gather_keys or cached is not None
+        return _pack_shared(
+            prompts, shared, device, pooling, pad_id, gather_keys, read_at, adapters, cached, capture
+        )
     lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
     ends = np.cumsum(lengths)
     starts = ends - lengths
@@ -340,17 +362,29 @@ class _SharedLayout(NamedTuple):
 
 
 def _lay_out_shared(
-    prompts: Sequence[Sequence[int]], groups: Sequence[SharedPrefix], gather_keys: bool
+    prompts: Sequence[Sequence[int]],
+    groups: Sequence[SharedPrefix],
+    gather_keys: bool,
+    cached: Sequence[tuple[int, int]] | None = None,
 ) -> _SharedLayout:
     """Every group's shared prefix once, then every group's suffixes (positions continuing after their
-    prefix), then every other prompt whole."""
+    prefix), then every other prompt whole, or, where `cached` says its first tokens come from the cache,
+    the rest of it. A prompt's rows for its cached tokens are -1 (no row holds them); key rows count the
+    cached region first (its keys come before the row's in attention), so the row's own are shifted by its
+    length."""
+    shift = 0 if cached is None else _region_rows(cached)
     ids: list[np.ndarray] = []
     positions: list[np.ndarray] = []
     keys: list[np.ndarray] = []  # per attention sequence: the rows it attends to
     rows_of: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(prompts)  # per prompt, its rows
     row = 0
 
-    def emit(tokens: Sequence[int], first_position: int, prefix_rows: np.ndarray) -> np.ndarray:
+    def emit(
+        tokens: Sequence[int],
+        first_position: int,
+        prefix_rows: np.ndarray,
+        cached_keys: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Lay out one sequence's tokens; returns the rows its prompt's tokens lie in (prefix and own)."""
         nonlocal row
         own = np.arange(row, row + len(tokens), dtype=np.int64)
@@ -358,7 +392,7 @@ def _lay_out_shared(
         positions.append(np.arange(first_position, first_position + len(tokens), dtype=np.int64))
         rows = np.concatenate((prefix_rows, own)) if len(prefix_rows) else own
         if gather_keys:
-            keys.append(rows)
+            keys.append(rows + shift if cached_keys is None else np.concatenate((cached_keys, rows + shift)))
         row += len(tokens)
         return rows
 
@@ -371,9 +405,21 @@ def _lay_out_shared(
         suffix_ends.append(row)
     grouped = {member for group in groups for member in group.members}
     for index, prompt in enumerate(prompts):
-        if index not in grouped:
+        if index in grouped:
+            continue
+        tokens, start = (0, 0) if cached is None else cached[index]
+        if tokens:
+            region = np.arange(start, start + tokens, dtype=np.int64)
+            own = emit(prompt[tokens:], tokens, none, region)
+            rows_of[index] = np.concatenate((np.full(tokens, -1, dtype=np.int64), own))
+        else:
             rows_of[index] = emit(prompt, 0, none)
     return _SharedLayout(ids, positions, rows_of, keys, suffix_ends, row)
+
+
+def _region_rows(cached: Sequence[tuple[int, int]]) -> int:
+    """The cached region's rows: where the furthest prompt's cached keys end."""
+    return max((start + tokens for tokens, start in cached if tokens), default=0)
 
 
 def _pack_shared(
@@ -385,13 +431,16 @@ def _pack_shared(
     gather_keys: bool,
     read_at: Sequence[Sequence[int]] | None = None,
     adapters: Sequence[int] | None = None,
+    cached: Sequence[tuple[int, int]] | None = None,
+    capture: Sequence[tuple[int, int, int]] | None = None,
 ) -> PackedBatch:
     """Every group's shared prefix once, then every group's suffixes (positions continuing after their
     prefix), then every other prompt whole (`_lay_out_shared`): the prefixes, and the suffixes, lie in one
     run of rows each, so the suffixes' pass over their prefixes (`PrefixCross`) is one varlen call with a
     sequence per group. A suffix attends to its prefix's rows, then its own: what it would attend to in its
-    whole prompt, so its states are those of the whole prompt."""
-    ids, positions, rows_of, keys, suffix_ends, row = _lay_out_shared(prompts, groups, gather_keys)
+    whole prompt, so its states are those of the whole prompt. A prompt with `cached` tokens attends to
+    their keys in the cached region, then its own rows."""
+    ids, positions, rows_of, keys, suffix_ends, row = _lay_out_shared(prompts, groups, gather_keys, cached)
     q_lengths = np.fromiter((len(p) for p in positions), dtype=np.int64, count=len(positions))
     cu = np.concatenate(([0], np.cumsum(q_lengths))).astype(np.int32)
     prefix_lengths = np.fromiter((g.length for g in groups), dtype=np.int64, count=len(groups))
@@ -405,6 +454,14 @@ def _pack_shared(
     starts = ends - lengths
     row_of_token = np.concatenate(rows_of)
     pooled = row_of_token[pooled_positions(prompts, starts, ends, pooling, pad_id)]  # on the host
+    read_rows = None if read_at is None else row_of_token[position_rows(read_at, starts)]
+    if (pooled < 0).any() or (read_rows is not None and (read_rows < 0).any()):
+        raise ValueError("a row results read comes from the prefix cache, which holds keys and values only")
+    captured = None
+    if capture:
+        captured = np.concatenate([rows_of[prompt][start:stop] for prompt, start, stop in capture])
+        if (captured < 0).any():
+            raise ValueError("a span to keep in the prefix cache was taken from it")
     non_blocking = device.type == "cuda"
     mean = pooling == "mean"
     return PackedBatch(
@@ -428,18 +485,17 @@ def _pack_shared(
             max_q=int(np.diff(cross_q).max()),
             max_k=int(prefix_lengths.max()),
             rows=_to_device(suffix_rows, device, non_blocking),
-        ),
+        )
+        if groups
+        else None,
         shared=_shared_keys(keys, device, non_blocking) if gather_keys else None,
         # A position inside a shared prefix reads the prefix's one row: its state is every member's.
-        **_rows_read(
-            None if read_at is None else row_of_token[position_rows(read_at, starts)],
-            None if mean else pooled,
-            device,
-            non_blocking,
-        ),
+        **_rows_read(read_rows, None if mean else pooled, device, non_blocking),
         adapter_rows=None
         if adapters is None
         else _to_device(_row_adapters(rows_of, adapters, row), device, non_blocking),
+        capture_rows=None if captured is None else _to_device(captured, device, non_blocking),
+        cached_rows=0 if cached is None else _region_rows(cached),
     )
 
 
@@ -447,7 +503,7 @@ def _row_adapters(rows_of: Sequence[np.ndarray], adapters: Sequence[int], rows: 
     """The adapter of every packed row: its prompt's (a shared prefix's rows, its members' one adapter)."""
     out = np.full(rows, -1, dtype=np.int64)
     for prompt_rows, adapter in zip(rows_of, adapters, strict=True):
-        out[prompt_rows] = adapter
+        out[prompt_rows[prompt_rows >= 0]] = adapter  # -1: a cached token, in no row
     return out
 
 

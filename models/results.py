@@ -231,8 +231,10 @@ def batch_stats(
     packed_tokens: int | None = None,
     failed: bool = False,
     compiled_graphs: int = 0,
+    cache: tuple[int, int, int, int] | None = None,
 ) -> BatchStats:
-    """What a batch cost, for the engine's observer."""
+    """What a batch cost, for the engine's observer. `cache`: the prefix cache's lookups, hits, tokens
+    taken and bytes held (None: no cache)."""
     tokens = sum(p.num_tokens for p in batch)
     return BatchStats(
         requests=len(batch),
@@ -245,4 +247,11 @@ def batch_stats(
         hidden_bytes=hidden_bytes,
         failed=failed,
         compiled_graphs=compiled_graphs,
+        **(
+            {}
+            if cache is None
+            else dict(
+                zip(("cache_lookups", "cache_hits", "cached_tokens", "cache_bytes"), cache, strict=True)
+            )
+        ),
     )

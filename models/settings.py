@@ -75,6 +75,20 @@ class EngineSettings(BaseModel):
         "one prompt sent with several responses) once when it is at least this long; 0: never. Causal "
         "decoders on the packed path; looking for them costs little on batches that share nothing",
     )
+    prefix_cache_mib: int = Field(
+        0,
+        ge=0,
+        description="memory (MiB, on the model's device) for the keys and values of prompt prefixes computed "
+        "recently, so that a later batch computes only what follows them (a prompt's answers sent in several "
+        "calls, a system prompt every request repeats); least recently used blocks go first; 0: off. Causal "
+        "decoders on the packed path, pooling one row",
+    )
+    prefix_cache_block_tokens: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="tokens per block of the prefix cache: a prompt reuses whole blocks only",
+    )
     quantization: Quantization = Field(
         "none",
         description="fp8: the transformer layers' projections run in FP8 e4m3 (weights per output channel, "

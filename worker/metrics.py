@@ -162,6 +162,17 @@ class WorkerMetrics:
             "shared_prefix_tokens_saved_total",
             "prompt tokens not computed: prefixes that prompts of a batch share, computed once",
         )
+        self.cache_lookups = counter(
+            "prefix_cache_lookups_total", "prompts looked up in the prefix cache (0 without one)"
+        )
+        self.cache_hits = counter(
+            "prefix_cache_hits_total", "prompts that found a prefix of theirs in the prefix cache"
+        )
+        self.cache_tokens = counter(
+            "prefix_cache_tokens_saved_total",
+            "prompt tokens not computed: their keys and values came from the prefix cache",
+        )
+        self.cache_bytes = gauge("prefix_cache_bytes", "bytes the prefix cache holds (keys and values)")
         self.regrouped_requests = counter(
             "regrouped_requests_total",
             "requests moved to another waiting batch, beside requests that share their prompt's prefix",
@@ -249,6 +260,7 @@ class WorkerMetrics:
             self.e2e, self.batch_wait, self.tokenize, self.forward, self.hidden_copy, self.encode,
             self.publish, self.batch_size, self.batch_tokens, self.batch_fill, self.hidden_share,
             self.requests, self.items, self.tokens, self.prefix_saved, self.regrouped_requests,
+            self.cache_lookups, self.cache_hits, self.cache_tokens, self.cache_bytes,
             self.intake_processed, self.intake_restarts, self.batches, self.batch_failures,
             self.layer_compilations, self.hidden_requests, self.commits, self.commit_failures,
             self.rebalances, self.assigned, self.inflight, self.inflight_bytes, self.paused, self.held,
@@ -309,7 +321,13 @@ class WorkerMetrics:
         self._of(self.items).inc(stats.items)
         self._of(self.tokens).inc(stats.tokens)
         if stats.packed_tokens:
-            self._of(self.prefix_saved).inc(max(0, stats.tokens - stats.packed_tokens))
+            shared = stats.tokens - stats.packed_tokens - stats.cached_tokens
+            self._of(self.prefix_saved).inc(max(0, shared))
+        if stats.cache_bytes is not None:
+            self._of(self.cache_lookups).inc(stats.cache_lookups)
+            self._of(self.cache_hits).inc(stats.cache_hits)
+            self._of(self.cache_tokens).inc(stats.cached_tokens)
+            self._of(self.cache_bytes).set(stats.cache_bytes)
         self._of(self.hidden_share).observe(stats.hidden_requests / max(1, stats.requests))
         self._of(self.hidden_requests).inc(stats.hidden_requests)
         if stats.hidden_bytes:

@@ -128,11 +128,19 @@ def throughput(d: Layout) -> None:
         "Batches / s", [(rate("batches_total"), "batches"), (rate("batch_failures_total"), "failed")], "ops"
     )
     d.panel("Prompt tokens / s: computed vs shared prefixes computed once", [
-        (f"{rate('tokens_total')} - {rate('shared_prefix_tokens_saved_total')}", "computed"),
+        (f"{rate('tokens_total')} - {rate('shared_prefix_tokens_saved_total')}"
+         f" - {rate('prefix_cache_tokens_saved_total')}", "computed"),
         (rate("shared_prefix_tokens_saved_total"), "saved by shared prefixes"),
     ], "short", description="Saved tokens are prefixes that prompts of one batch share (a multi-item "
        "request's query, one prompt sent with several responses), computed once; zero when "
        "share_prefix_min_tokens is 0.")  # fmt: skip
+    d.panel("Prefix cache: hit ratio and tokens saved / s", [
+        (f"{rate('prefix_cache_hits_total')} / clamp_min({rate('prefix_cache_lookups_total')}, 1e-9)",
+         "hit ratio (prompts)"),
+        (rate("prefix_cache_tokens_saved_total"), "tokens / s taken from the cache"),
+    ], "short", description="Prompts that found a prefix of theirs in the prefix cache, of those looked up, "
+       "and the prompt tokens whose keys and values came from it instead of being computed; empty when "
+       "prefix_cache_mib is 0.")  # fmt: skip
 
 
 def latency(d: Layout) -> None:

@@ -74,19 +74,22 @@ def test_w1_checks_a_run_without_hidden_states_on_its_scores() -> None:
 
 
 def test_shared_prefix_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) -> None:
-    """bench/w3_w4.py on tiny models on the CPU: both workloads timed, checked against float32 and the
+    """bench/w3_w4.py on tiny models on the CPU: every case timed, checked against float32 and the
     unshared path, the report written; a run whose checks did not pass would exit 1."""
     proc = _run_script(["bench/w3_w4.py", "--quick", "--repeats", "1"], tmp_path, 600)
     target = tmp_path / "w3_w4-quick.json"
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(target.read_text())
     assert report["verdict"] == "ok"
-    for case in ("w3", "w4", "w4i"):
+    for case in ("w3", "w4", "w4i", "w4c"):
         assert report[case]["vs_fp32"]["ok"] and report[case]["agreement"]["ok"]
         assert report[case]["distinct_tokens"] < report[case]["whole_prompt_tokens"]
         # Timed as the model step, with batches overlapped, and with preparing on the same thread.
         for timing in (report[case], report[case]["overlapped"], report[case]["with_prepare"]):
             assert timing["shared_items_per_s"] > 0 and timing["today_items_per_s"] > 0
+    # Over calls, the shared path's later calls take every prompt's whole blocks from the prefix cache.
+    cache = report["w4c"]["prefix_cache"]
+    assert cache["hits"] > 0 and cache["tokens_saved"] > 0 and cache["bytes"] > 0
 
 
 def test_fp8_fidelity_script_attributes_the_deviation_on_real_weights(tmp_path: Path) -> None:

@@ -334,3 +334,20 @@ class CpuVarlenKernelGqa(CpuVarlenKernel):
             query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
             scale=scale, window_size=window_size, return_aux=return_aux,
         )  # fmt: skip
+
+
+class PackSpy:
+    """Counts the tokens each batch's packed row holds (what the model actually runs)."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        from models import execute
+
+        self.tokens: list[int] = []
+        real = execute.pack
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            packed = real(*args, **kwargs)
+            self.tokens.append(int(packed.input_ids.shape[1]))
+            return packed
+
+        monkeypatch.setattr(execute, "pack", spy)

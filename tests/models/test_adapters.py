@@ -235,6 +235,41 @@ def test_prefixes_are_shared_only_within_an_adapter(tiny_llama_dir: Path, adapte
         assert_forward_close(scores_of(result), reference.logits, tiny_llama_dir, longest=36)
 
 
+def test_the_prefix_cache_serves_a_prefix_only_under_the_adapter_that_computed_it(
+    tiny_llama_dir: Path, adapter_root: str
+) -> None:
+    """One query under the base model and two adapters, over two calls with the prefix cache: the second
+    call finds each prompt's blocks under its own adapter only, and every item equals its adapter merged."""
+    adapters = _adapters(tiny_llama_dir, adapter_root)
+    config = ScorerConfig(
+        device="cpu", adapters=_setting(adapters), prefix_cache_mib=8, prefix_cache_block_tokens=8
+    )
+    scorer = Scorer(tiny_llama_dir, config)
+    query = tuple(range(10, 40))  # 30 tokens: three whole blocks before the items
+    chosen = [None, "full", "attn"]
+    for call in range(2):
+        requests = [
+            ScoreRequest(
+                f"c{call}-{i}",
+                items=_ids(10 * call + i, 1, 5),
+                query=query,
+                adapter=name,
+                return_pooled_hidden_states=True,
+            )
+            for i, name in enumerate(chosen)
+        ]
+        results = scorer.score(requests)
+        for request, result, name in zip(requests, results, chosen, strict=True):
+            assert result.ok, result.error
+            model = None if name is None else _merged(tiny_llama_dir, adapters[name])
+            reference = hf_reference(tiny_llama_dir, [(*query, *request.items[0])], model=model)
+            assert_forward_close(scores_of(result), reference.logits, tiny_llama_dir, longest=35)
+            assert_forward_close(hidden_of(result), reference.hidden, tiny_llama_dir, longest=35)
+    stats = scorer.executor.prefix_cache.stats  # type: ignore[union-attr]
+    # The first call kept three blocks per adapter (nothing crossed over); the second took them, each its own.
+    assert (stats.hits, stats.tokens_saved) == (3, 3 * 24)
+
+
 def test_token_outputs_and_the_deterministic_setting_under_adapters(
     tiny_qwen3_dir: Path, adapter_root: str
 ) -> None:

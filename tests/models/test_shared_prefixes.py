@@ -12,6 +12,7 @@ import pytest
 import torch
 from scoring_testkit import (
     CpuVarlenKernelGqa,
+    PackSpy,
     assert_forward_close,
     exact_attention,
     hf_reference,
@@ -52,21 +53,6 @@ def _whole_prompts() -> list[tuple[int, ...]]:
 
 # The longest whole prompt (40 + 18 tokens): the most keys a softmax-weighted sum adds up here.
 LONGEST = max(len(p) for p in _whole_prompts())
-
-
-class PackSpy:
-    """Counts the tokens the engine packs (what the model actually runs)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.tokens: list[int] = []
-        real = execute.pack
-
-        def spy(*args: Any, **kwargs: Any) -> Any:
-            packed = real(*args, **kwargs)
-            self.tokens.append(int(packed.input_ids.shape[1]))
-            return packed
-
-        monkeypatch.setattr(execute, "pack", spy)
 
 
 @pytest.mark.parametrize("attention", ["reference", "varlen"])

@@ -1,0 +1,278 @@
+"""A cache of the layers' keys and values for prompt prefixes seen recently, so that a prompt whose beginning
+an earlier batch computed computes only the rest (best-of-N answers spread over several calls, a long system
+prompt or few-shot header sent with every request).
+
+Prompts are cut into blocks of `block_tokens` tokens. A block is known by its parent block and its own tokens
+(the first block's parent is the prompt's LoRA adapter: the same tokens give other states under another), so a
+block stands for the whole prefix that ends with it, as in vLLM's automatic prefix caching; the lookup is a
+dictionary keyed by (parent, tokens), which compares the tokens themselves, so two different prefixes never
+share an entry (no hash is trusted alone). A block holds every layer's keys (after the rotary embedding:
+a prefix always starts at position 0) and values for its tokens, in the model's dtype.
+
+The cache is bounded by bytes. When a new block does not fit, the least recently used blocks that no other
+block continues go first (a block's prefix is reachable only through its parents, so a parent goes after its
+children). A prompt that reuses blocks touches them all, parent first.
+
+What the engine asks (models/execute.py): for each prompt of a batch, the longest run of cached blocks within
+the tokens it may take from the cache (`plan`: never the rows its results read, nor its last token), and which
+of its full blocks the batch computes and should keep; after the forward pass, the captured keys and values
+(`store`). Batches that pool the mean of every row, and anything deterministic, do not use it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+# A block's parent: another block's number, or, for a prompt's first block, ("root", adapter index); in a
+# batch's plan, also ("new", k): the k-th block the batch captures.
+Parent = int | tuple[str, int]
+
+
+@dataclass(eq=False)
+class _Block:
+    parent: Parent
+    tokens: tuple[int, ...]
+    keys: torch.Tensor  # [L, Hkv, B, D]
+    values: torch.Tensor  # [L, Hkv, B, D]
+    children: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A block a batch computes and the cache keeps: its parent (a cached block's number, or the index of an
+    earlier Capture of the same batch, as `("new", index)`), its tokens, and the prompt and token offset whose
+    rows hold it."""
+
+    parent: Parent
+    tokens: tuple[int, ...]
+    prompt: int
+    start: int
+
+
+@dataclass
+class CacheUse:
+    """What one batch takes from the cache and gives it. `hits[i]`: prompt i's cached blocks, in order (its
+    first len * block_tokens tokens come from the cache). `regions`: the distinct runs of cached blocks, laid
+    out one after another; `offsets[i]`: where prompt i's run starts in that layout (its cached rows)."""
+
+    block_tokens: int
+    hits: list[tuple[int, ...]]
+    regions: list[tuple[int, ...]]
+    offsets: list[int]
+    captures: list[Capture] = field(default_factory=list)
+
+    def cached_tokens(self, prompt: int) -> int:
+        return len(self.hits[prompt]) * self.block_tokens
+
+    @property
+    def region_tokens(self) -> int:
+        """The cached rows the batch's attention reads, each distinct run once."""
+        return sum(len(run) for run in self.regions) * self.block_tokens
+
+    @property
+    def active(self) -> bool:
+        return bool(self.regions or self.captures)
+
+
+@dataclass
+class CacheStats:
+    """Counters since the cache was made: prompts looked up and those that found a cached prefix, the tokens
+    they did not compute, blocks stored and evicted."""
+
+    lookups: int = 0
+    hits: int = 0
+    tokens_saved: int = 0
+    stored: int = 0
+    evicted: int = 0
+
+
+class PrefixCache:
+    """Keys and values of recently computed prompt prefixes, in blocks of `block_tokens`, at most `max_bytes`
+    (docs/models.md, "Prefix cache")."""
+
+    def __init__(self, block_tokens: int, max_bytes: int) -> None:
+        if block_tokens <= 0 or max_bytes <= 0:
+            raise ValueError("a prefix cache needs a positive block size and a positive memory bound")
+        self.block_tokens = block_tokens
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.stats = CacheStats()
+        self._blocks: OrderedDict[int, _Block] = OrderedDict()  # least recently used first
+        self._index: dict[tuple[Parent, tuple[int, ...]], int] = {}
+        self._numbers = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def clear(self) -> None:
+        """Drop every block (the counters stay)."""
+        self._blocks.clear()
+        self._index.clear()
+        self.bytes = 0
+
+    def plan(
+        self, prompts: Sequence[Sequence[int]], adapters: Sequence[int] | None, limits: Sequence[int]
+    ) -> CacheUse:
+        """Each prompt's longest cached prefix of whole blocks within its first `limits[i]` tokens, and the
+        blocks of its first len(prompt) // block_tokens that the batch computes and the cache does not hold
+        yet (each once, where prompts share them)."""
+        size = self.block_tokens
+        hits: list[tuple[int, ...]] = []
+        captures: list[Capture] = []
+        pending: dict[tuple[Parent, tuple[int, ...]], int] = {}
+        for index, prompt in enumerate(prompts):
+            parent: Parent = ("root", -1 if adapters is None else adapters[index])
+            run: list[int] = []
+            usable = limits[index] // size
+            whole = len(prompt) // size
+            for block in range(whole):
+                tokens = tuple(prompt[block * size : (block + 1) * size])
+                found = self._index.get((parent, tokens))
+                if found is not None and block < usable:
+                    run.append(found)
+                    parent = found
+                    continue
+                if found is not None:  # cached, but this prompt may not take it (rows it reads)
+                    parent = found
+                    continue
+                key = (parent, tokens)
+                if key not in pending:
+                    pending[key] = len(captures)
+                    captures.append(Capture(parent, tokens, index, block * size))
+                parent = ("new", pending[key])
+            hits.append(tuple(run))
+        self.stats.lookups += len(prompts)
+        regions: list[tuple[int, ...]] = []
+        where: dict[tuple[int, ...], int] = {}
+        offsets: list[int] = []
+        for taken in hits:
+            if taken and taken not in where:
+                where[taken] = sum(len(r) for r in regions) * size
+                regions.append(taken)
+            offsets.append(where.get(taken, 0))
+        return CacheUse(size, hits, regions, offsets, captures)
+
+    def region(self, use: CacheUse) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys and values of the batch's cached runs, one after another: [L, Hkv, C, D] each (None where
+        the batch takes nothing); marks them used, parents first, and counts the hits."""
+        if not use.regions:
+            return None
+        for run in use.hits:
+            if run:
+                self.stats.hits += 1
+                self.stats.tokens_saved += len(run) * self.block_tokens
+        blocks = [self._blocks[number] for run in use.regions for number in run]
+        for run in use.regions:
+            for number in run:
+                self._blocks.move_to_end(number)
+        return torch.cat([b.keys for b in blocks], dim=2), torch.cat([b.values for b in blocks], dim=2)
+
+    def store(self, use: CacheUse, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep the batch's captured blocks: `keys`/`values` [L, Hkv, R, D] hold the rows `capture_rows` gave,
+        in that order. A block whose parent is not kept (the bound) is not kept either: nothing could reach
+        it."""
+        size = self.block_tokens
+        made: list[int | None] = []
+        for number, capture in enumerate(use.captures):
+            parent: Parent | None = capture.parent
+            if isinstance(parent, tuple) and parent[0] == "new":
+                parent = made[parent[1]]
+            if parent is None or (isinstance(parent, int) and parent not in self._blocks):
+                made.append(None)
+                continue
+            span = slice(number * size, (number + 1) * size)
+            block = _Block(parent, capture.tokens, keys[:, :, span].clone(), values[:, :, span].clone())
+            made.append(self._insert(block))
+
+    def capture_rows(self, use: CacheUse, rows_of: Sequence[Sequence[int]]) -> list[int]:
+        """The packed rows holding each captured block's tokens, block after block (`rows_of[i]`: prompt i's
+        row for each of its tokens)."""
+        out: list[int] = []
+        for capture in use.captures:
+            out.extend(
+                int(r) for r in rows_of[capture.prompt][capture.start : capture.start + self.block_tokens]
+            )
+        return out
+
+    def _insert(self, block: _Block) -> int | None:
+        """Store a block, evicting least recently used leaves to make room; None when it cannot fit."""
+        if block.nbytes > self.max_bytes:
+            return None
+        key = (block.parent, block.tokens)
+        existing = self._index.get(key)
+        if existing is not None:  # another batch stored it meanwhile
+            self._blocks.move_to_end(existing)
+            return existing
+        while self.bytes + block.nbytes > self.max_bytes:
+            if not self._evict_one(protect=block.parent):
+                return None
+        number = next(self._numbers)
+        self._blocks[number] = block
+        self._index[key] = number
+        self.bytes += block.nbytes
+        if isinstance(block.parent, int):
+            self._blocks[block.parent].children += 1
+            self._blocks.move_to_end(block.parent)
+        self._blocks.move_to_end(number)
+        self.stats.stored += 1
+        return number
+
+    def _evict_one(self, protect: Parent) -> bool:
+        """Drop the least recently used block that no block continues (never `protect`, the parent of the
+        block being stored); False when there is none."""
+        for number, block in self._blocks.items():
+            if block.children == 0 and number != protect:
+                del self._blocks[number]
+                del self._index[(block.parent, block.tokens)]
+                self.bytes -= block.nbytes
+                if isinstance(block.parent, int) and block.parent in self._blocks:
+                    self._blocks[block.parent].children -= 1
+                self.stats.evicted += 1
+                return True
+        return False
+
+
+class CacheIO:
+    """One batch's traffic with the prefix cache inside attention (models/attention.py): each layer's cached
+    keys and values put before the row's own (the region `pack` laid the keys out for), and the keys and
+    values of the rows the cache keeps copied out, layer by layer."""
+
+    def __init__(
+        self, region: tuple[torch.Tensor, torch.Tensor] | None, capture_rows: torch.Tensor | None, layers: int
+    ) -> None:
+        self._keys: torch.Tensor | None = None if region is None else region[0]
+        self._values: torch.Tensor | None = None if region is None else region[1]
+        self._capture_rows = capture_rows
+        self._captured_keys: list[torch.Tensor | None] = [None] * layers
+        self._captured_values: list[torch.Tensor | None] = [None] * layers
+
+    def extend(
+        self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`key`/`value` [1, Hkv, T, D] of the layer `module` belongs to, with the cached region's rows put
+        first ([1, Hkv, C + T, D]); the rows to keep are copied out first."""
+        layer = int(module.layer_idx)  # type: ignore[arg-type]  # every packed decoder's attention has one
+        if self._capture_rows is not None:
+            self._captured_keys[layer] = key[0].index_select(1, self._capture_rows)
+            self._captured_values[layer] = value[0].index_select(1, self._capture_rows)
+        if self._keys is None or self._values is None:
+            return key, value
+        cached_keys = self._keys[layer].unsqueeze(0).to(key.dtype)
+        cached_values = self._values[layer].unsqueeze(0).to(value.dtype)
+        return torch.cat((cached_keys, key), dim=2), torch.cat((cached_values, value), dim=2)
+
+    def captured(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept rows' keys and values, [L, Hkv, R, D] each."""
+        keys, values = self._captured_keys, self._captured_values
+        if any(k is None for k in keys) or any(v is None for v in values):
+            raise RuntimeError("a layer's attention did not pass through the prefix cache")
+        return torch.stack(keys), torch.stack(values)  # type: ignore[arg-type]
