@@ -11,7 +11,8 @@ Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/w3_
   prompt's first answer, then every second, ...), each path scoring them in one call that the engine cuts.
 - W4 interleaved over calls (`w4c`): the interleaved requests as 8 calls (each holding one answer of every
   prompt), as a sampler sends answers as they come; the shared path keeps a prefix cache
-  (`--cache-mib`, emptied before each timed pass), so calls after the first take the prompts from it.
+  (`--cache-mib`, emptied before each timed pass), which keeps a prompt's blocks at their second sight (the
+  second call) and serves them to the calls after it.
 - W4: W1's model (8B Llama shapes); 256 prompts of 300-1,000 tokens with 8 responses of 50-300 tokens each,
   sent as 2,048 single-item requests, a prompt's 8 one after another, the prompts in random order.
 Batches are cut as the worker cuts them: arrival order, at most `--max-batch-tokens` tokens, counted as

@@ -9,6 +9,12 @@ dictionary keyed by (parent, tokens), which compares the tokens themselves, so t
 share an entry (no hash is trusted alone). A block holds every layer's keys (after the rotary embedding:
 a prefix always starts at position 0) and values for its tokens, in the model's dtype.
 
+A block is kept the second time it is seen (in an earlier batch, or by another prompt of the same batch),
+not the first: a workload that never repeats a prefix (W1) then never fills the cache, and its batches keep
+the compiled layers and CUDA graphs, which batches that read or fill the cache do without. What was seen is
+remembered by a hash of the prefix, in a bounded list (`SEEN_PREFIXES`, least recently seen forgotten
+first); a collision there only admits a block early, it never serves one.
+
 The cache is bounded by bytes. When a new block does not fit, the least recently used blocks that no other
 block continues go first (a block's prefix is reachable only through its parents, so a parent goes after its
 children). A prompt that reuses blocks touches them all, parent first.
@@ -28,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Prefixes remembered as seen once (a hash each), for admission on the second sight.
+SEEN_PREFIXES = 1 << 16
 # A block's parent: another block's number, or, for a prompt's first block, ("root", adapter index); in a
 # batch's plan, also ("new", k): the k-th block the batch captures.
 Parent = int | tuple[str, int]
@@ -99,11 +107,13 @@ class PrefixCache:
     """Keys and values of recently computed prompt prefixes, in blocks of `block_tokens`, at most `max_bytes`
     (docs/models.md, "Prefix cache")."""
 
-    def __init__(self, block_tokens: int, max_bytes: int) -> None:
+    def __init__(self, block_tokens: int, max_bytes: int, admit_first_sight: bool = False) -> None:
         if block_tokens <= 0 or max_bytes <= 0:
             raise ValueError("a prefix cache needs a positive block size and a positive memory bound")
         self.block_tokens = block_tokens
         self.max_bytes = max_bytes
+        self._admit_first_sight = admit_first_sight
+        self._seen: OrderedDict[int, None] = OrderedDict()  # prefix hashes seen once, least recent first
         self.bytes = 0
         self.stats = CacheStats()
         self._blocks: OrderedDict[int, _Block] = OrderedDict()  # least recently used first
@@ -114,35 +124,40 @@ class PrefixCache:
         return len(self._blocks)
 
     def clear(self) -> None:
-        """Drop every block (the counters stay)."""
+        """Drop every block and forget what was seen (the counters stay)."""
         self._blocks.clear()
         self._index.clear()
+        self._seen.clear()
         self.bytes = 0
 
     def plan(
         self, prompts: Sequence[Sequence[int]], adapters: Sequence[int] | None, limits: Sequence[int]
     ) -> CacheUse:
         """Each prompt's longest cached prefix of whole blocks within its first `limits[i]` tokens, and the
-        blocks of its first len(prompt) // block_tokens that the batch computes and the cache does not hold
-        yet (each once, where prompts share them)."""
+        blocks of its first len(prompt) // block_tokens that the batch computes, the cache does not hold yet
+        and admits (seen before; each once, where prompts share them)."""
         size = self.block_tokens
         hits: list[tuple[int, ...]] = []
         captures: list[Capture] = []
         pending: dict[tuple[Parent, tuple[int, ...]], int] = {}
         for index, prompt in enumerate(prompts):
-            parent: Parent = ("root", -1 if adapters is None else adapters[index])
+            parent: Parent | None = ("root", -1 if adapters is None else adapters[index])
+            prefix = hash(parent)  # the prefix so far, as a hash: what admission remembers
             run: list[int] = []
             usable = limits[index] // size
             whole = len(prompt) // size
             for block in range(whole):
                 tokens = tuple(prompt[block * size : (block + 1) * size])
-                found = self._index.get((parent, tokens))
-                if found is not None and block < usable:
-                    run.append(found)
+                prefix = hash((prefix, tokens))
+                found = None if parent is None else self._index.get((parent, tokens))
+                if found is not None:
+                    if block < usable:  # else cached, but this prompt may not take it (rows it reads)
+                        run.append(found)
                     parent = found
                     continue
-                if found is not None:  # cached, but this prompt may not take it (rows it reads)
-                    parent = found
+                admitted = self._admits(prefix)  # remembered either way
+                if parent is None or not admitted:
+                    parent = None  # neither this block nor what follows it can be kept
                     continue
                 key = (parent, tokens)
                 if key not in pending:
@@ -160,6 +175,19 @@ class PrefixCache:
                 regions.append(taken)
             offsets.append(where.get(taken, 0))
         return CacheUse(size, hits, regions, offsets, captures)
+
+    def _admits(self, prefix: int) -> bool:
+        """Whether a block the cache lacks is kept: seen before (its prefix's hash remembered), or every
+        block where the cache admits on first sight. Remembers it either way."""
+        if self._admit_first_sight:
+            return True
+        if prefix in self._seen:
+            self._seen.move_to_end(prefix)
+            return True
+        self._seen[prefix] = None
+        if len(self._seen) > SEEN_PREFIXES:
+            self._seen.popitem(last=False)
+        return False
 
     def region(self, use: CacheUse) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The keys and values of the batch's cached runs, one after another: [L, Hkv, C, D] each (None where

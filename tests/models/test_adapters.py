@@ -238,8 +238,10 @@ def test_prefixes_are_shared_only_within_an_adapter(tiny_llama_dir: Path, adapte
 def test_the_prefix_cache_serves_a_prefix_only_under_the_adapter_that_computed_it(
     tiny_llama_dir: Path, adapter_root: str
 ) -> None:
-    """One query under the base model and two adapters, over two calls with the prefix cache: the second
-    call finds each prompt's blocks under its own adapter only, and every item equals its adapter merged."""
+    """One query under the base model and two adapters, over three calls with the prefix cache: the second
+    sight keeps each prompt's blocks, the third call finds them under its own adapter only (the first
+    call's sight of the query under one adapter admits nothing under another), and every item equals its
+    adapter merged."""
     adapters = _adapters(tiny_llama_dir, adapter_root)
     config = ScorerConfig(
         device="cpu", adapters=_setting(adapters), prefix_cache_mib=8, prefix_cache_block_tokens=8
@@ -247,7 +249,7 @@ def test_the_prefix_cache_serves_a_prefix_only_under_the_adapter_that_computed_i
     scorer = Scorer(tiny_llama_dir, config)
     query = tuple(range(10, 40))  # 30 tokens: three whole blocks before the items
     chosen = [None, "full", "attn"]
-    for call in range(2):
+    for call in range(3):
         requests = [
             ScoreRequest(
                 f"c{call}-{i}",
@@ -266,7 +268,7 @@ def test_the_prefix_cache_serves_a_prefix_only_under_the_adapter_that_computed_i
             assert_forward_close(scores_of(result), reference.logits, tiny_llama_dir, longest=35)
             assert_forward_close(hidden_of(result), reference.hidden, tiny_llama_dir, longest=35)
     stats = scorer.executor.prefix_cache.stats  # type: ignore[union-attr]
-    # The first call kept three blocks per adapter (nothing crossed over); the second took them, each its own.
+    # The second call kept three blocks per adapter; the third took them, each its own.
     assert (stats.hits, stats.tokens_saved) == (3, 3 * 24)
 
 

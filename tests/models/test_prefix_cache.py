@@ -22,9 +22,9 @@ from scoring_testkit import (
     scores_of,
 )
 
-from models import Scorer, ScorerConfig
+from models import Scorer, ScorerConfig, execute
 from models.errors import ModelLoadError
-from models.prefix_cache import PrefixCache
+from models.prefix_cache import CacheIO, PrefixCache
 from models.tiny import DECODERS, write_tiny_model
 from schemas import ScoreRequest
 
@@ -100,7 +100,9 @@ def _three_calls_score_as_whole_prompts(
     )
 
 
-def test_the_compiled_and_graphed_path_uses_the_cache_and_scores_the_same(tiny_qwen3_dir: Path) -> None:
+def test_the_compiled_and_graphed_path_uses_the_cache_and_scores_the_same(
+    tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With compiled layers and CUDA graphs (CPU stand-ins), batches that read or fill the cache run the
     ordinary layers and equal the engine without the cache."""
     rerun = lambda run: run  # noqa: E731 - a recorder whose replay runs the function again
@@ -115,6 +117,16 @@ def test_the_compiled_and_graphed_path_uses_the_cache_and_scores_the_same(tiny_q
         tiny_qwen3_dir, ScorerConfig(**common, prefix_cache_mib=16, prefix_cache_block_tokens=BLOCK)
     )
     plain = Scorer(tiny_qwen3_dir, ScorerConfig(**common))
+    # Prompts seen once neither read nor fill the cache: their batches keep the compiled, graphed path.
+    made: list[object] = []
+    monkeypatch.setattr(execute, "CacheIO", lambda *a: made.append(a) or CacheIO(*a))
+    rng = np.random.default_rng(5)
+    fresh = [
+        ScoreRequest(f"fresh-{k}", items=(tuple(int(t) for t in rng.integers(4, 200, 40)),)) for k in range(3)
+    ]
+    for request in fresh:
+        cached.score([request])
+    assert made == [] and len(cached.executor.prefix_cache) == 0  # type: ignore[arg-type]
     for call in range(3):
         requests = _requests(range(2 * call, 2 * call + 2))
         got, expected = cached.score(requests), plain.score(requests)
@@ -130,7 +142,7 @@ def test_positions_read_are_never_taken_from_the_cache(tiny_llama_dir: Path) -> 
     position it reads; its token outputs equal the engine's without the cache."""
     config = ScorerConfig(device="cpu", prefix_cache_mib=16, prefix_cache_block_tokens=BLOCK)
     cached, plain = Scorer(tiny_llama_dir, config), Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
-    cached.score(_requests(range(1)))  # keeps the prompt's blocks
+    cached.score(_requests(range(2)))  # two answers: the prompt's blocks seen twice, and kept
     reading = ScoreRequest(
         "tokens",
         items=(PROMPT + ANSWERS[1],),
@@ -197,7 +209,7 @@ def _tensors(blocks: int, layers: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_a_plan_takes_the_longest_cached_run_within_each_limit_and_captures_the_rest_once() -> None:
-    cache = PrefixCache(BLOCK, 1 << 20)
+    cache = PrefixCache(BLOCK, 1 << 20, admit_first_sight=True)
     prompt = list(range(1, 41))  # five blocks
     first = cache.plan([prompt, [*prompt, 99]], None, [39, 40])
     assert first.hits == [(), ()] and [c.start for c in first.captures] == [0, 8, 16, 24, 32]  # once for both
@@ -218,7 +230,7 @@ def test_a_plan_takes_the_longest_cached_run_within_each_limit_and_captures_the_
 
 def test_eviction_takes_least_recently_used_blocks_that_nothing_continues() -> None:
     block_bytes = 2 * 2 * BLOCK * 2 * 4
-    cache = PrefixCache(BLOCK, 6 * block_bytes)
+    cache = PrefixCache(BLOCK, 6 * block_bytes, admit_first_sight=True)
     a, b = list(range(1, 33)), list(range(101, 133))  # four blocks each
     cache.store(cache.plan([a], None, [32]), *_tensors(4))
     cache.store(cache.plan([b], None, [32]), *_tensors(4))
@@ -278,3 +290,21 @@ def test_a_prefix_shared_in_a_batch_is_kept_from_its_one_row_and_reused_later(
     scorer = Scorer(tiny_mistral_dir, _cached_config(attention, share_prefix_min_tokens=8))
     held = _three_calls_score_as_whole_prompts(scorer, tiny_mistral_dir, monkeypatch)
     assert held.computed == [held.whole[0] - len(PROMPT), held.whole[1] - 80, held.whole[2] - 80], held
+
+
+def test_a_block_is_kept_the_second_time_it_is_seen() -> None:
+    """Admission on the second sight: a prompt seen once leaves the cache empty (a batch that repeats
+    nothing neither reads nor fills it); seen again, in a later batch or by another prompt of the same one,
+    its blocks are kept; a block seen once whose parent is new is not kept without it."""
+    cache = PrefixCache(BLOCK, 1 << 20)
+    prompt = list(range(1, 25))  # three blocks
+    once = cache.plan([prompt], None, [24])
+    assert not once.active
+    again = cache.plan([prompt], None, [24])
+    assert [c.start for c in again.captures] == [0, 8, 16]
+    cache.store(again, *_tensors(3))
+    assert [len(run) for run in cache.plan([prompt], None, [24]).hits] == [3]
+    other = list(range(101, 125))
+    together = cache.plan([other, [*other[:16], 7, 7, 7, 7, 7, 7, 7, 7]], None, [24, 24])
+    assert [(c.prompt, c.start) for c in together.captures] == [(1, 0), (1, 8)]  # the two blocks both hold
+    assert len(cache) == 3
