@@ -23,7 +23,7 @@ from models.interface import BatchObserver, ModelInfo, PendingScores
 from models.layers import is_causal_decoder
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import saved_tokens
-from models.plan import BatchPlan
+from models.plan import BatchPlan, order_of_places
 from models.prepare import PairTemplate, PreparedRequest, PromptBuilder, PromptError
 from models.results import (
     Head,
@@ -323,11 +323,15 @@ class Scorer:
         if budget and not self.plan.fits(requests, budget):
             # More than one batch: requests that share a prefix side by side first, whatever their arrival
             # order, so that a batch holds them together (within one batch the packing finds them anyway).
-            order = self.plan.grouped_order(requests)
+            places = self.plan.grouped_places(requests)
+            order = order_of_places(places)
             indices, requests = [indices[k] for k in order], [requests[k] for k in order]
+            runs = self.plan.grouped_runs(requests, [places[k] for k in order], budget)
+        else:
+            runs = self.plan.runs(requests, budget)
         batches: list[tuple[list[int], object]] = [
             (indices[run.start : run.stop], self._launch_or_recover(requests[run.start : run.stop], on_batch))
-            for run in self.plan.runs(requests, budget)
+            for run in runs
         ]
         return PendingScores(results, batches, on_batch)
 

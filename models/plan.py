@@ -43,23 +43,54 @@ def token_runs(
 
     The one rule for cutting a sequence into token-budget batches: the worker's batcher, the engine's split
     and the cutting of a large request all follow it. Sequences that fit whole as measured (a batch the
-    worker's batcher closed within the budget) are measured once, not once per entry beyond the sum.
+    worker's batcher closed within the budget) are measured once, not once per entry beyond the sum; past
+    the sum, how far a run reaches within the budget is found in a logarithmic number of measures
+    (`_furthest_within`), not one per entry: each measure sorts the run's prompts.
     """
     if measure is not None and sum(sizes) > max_tokens and measure(0, len(sizes)) <= max_tokens:
         yield range(0, len(sizes))
         return
     start, tokens = 0, 0
+    # Measured for the current run: entries up to `fits_until` fit in it, entry `fails_at` does not.
+    fits_until, fails_at = -1, -1
     for index, size in enumerate(sizes):
-        over = index > start and tokens + size > max_tokens
-        if over and (measure is None or measure(start, index + 1) > max_tokens):
+        over = index > start and tokens + size > max_tokens and index > fits_until
+        if over and (measure is None or index == fails_at or measure(start, index + 1) > max_tokens):
             cut = index
             if measure is not None and joins is not None and size <= max_tokens:
                 cut = group_cut(start, index, joins, measure, max_tokens)
             yield range(start, cut)
-            start, tokens = cut, sum(sizes[cut:index])
+            start, tokens, fits_until, fails_at = cut, sum(sizes[cut:index]), -1, -1
+        elif over and measure is not None:
+            fits_until, fails_at = _furthest_within(measure, start, index, len(sizes), max_tokens)
         tokens += size
     if start < len(sizes):
         yield range(start, len(sizes))
+
+
+def _furthest_within(
+    measure: RangeMeasure, start: int, fits: int, count: int, max_tokens: int
+) -> tuple[int, int]:
+    """The furthest entry j (fits <= j < count) such that entries start..j measure within `max_tokens`,
+    given that start..fits does, and the entry after it when that one was measured not to fit (else -1):
+    steps that double, then halving between the last that fit and the first that did not. What a run
+    computes grows with every entry (each keeps a token of its own), so the entries before j fit too; every
+    j returned was measured."""
+    good, step = fits, 1
+    bad = count
+    while good + step < count:
+        if measure(start, good + step + 1) <= max_tokens:
+            good, step = good + step, 2 * step
+        else:
+            bad = good + step
+            break
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        if measure(start, middle + 1) <= max_tokens:
+            good = middle
+        else:
+            bad = middle
+    return good, bad if bad < count else -1
 
 
 def group_cut(start: int, index: int, joins: RangeJoins, measure: RangeMeasure, max_tokens: int) -> int:
@@ -228,6 +259,43 @@ class BatchPlan:
 
         def measure(start: int, stop: int) -> int:
             return self.tokens([prompt for p in prepared[start:stop] for prompt in p.prompts])
+
+        def joins(earlier: int, later: int) -> bool:
+            return self.joins(prepared[earlier], prepared[later])
+
+        return token_runs(sizes, max_tokens, measure, joins)
+
+    def grouped_runs(
+        self, prepared: Sequence[PreparedRequest], group_of: Sequence[int], max_tokens: int
+    ) -> Iterator[range]:
+        """`runs` for requests in grouped order (`grouped_places`: each group's members side by side, and
+        `group_of[i]` request i's group), measured group by group: requests of different groups share less
+        than `min_shared_tokens` (else one group would hold them), so what a run computes is the sum of what
+        its groups' parts compute, each part measured once, however many runs are tried. Where a request's
+        other prompts share with another group's, the count is over, never under, what the run computes."""
+        sizes = [p.num_tokens for p in prepared]
+        if not self.shares_prefixes:
+            return token_runs(sizes, max_tokens)
+        ends = list(range(1, len(prepared) + 1))  # where the run of members of each request's group ends
+        for index in range(len(prepared) - 2, -1, -1):
+            if group_of[index] == group_of[index + 1]:
+                ends[index] = ends[index + 1]
+        parts: dict[tuple[int, int], int] = {}
+
+        def computed(lo: int, hi: int) -> int:
+            if (lo, hi) not in parts:
+                prompts = [prompt for p in prepared[lo:hi] for prompt in p.prompts]
+                saved = saved_tokens(find_shared_prefixes(prompts, self.min_shared_tokens))
+                parts[lo, hi] = sum(map(len, prompts)) - saved
+            return parts[lo, hi]
+
+        def measure(start: int, stop: int) -> int:
+            total, index = 0, start
+            while index < stop:
+                end = min(ends[index], stop)
+                total += computed(index, end)
+                index = end
+            return max(total, -(-sum(sizes[start:stop]) // KEYS_PER_TOKEN))
 
         def joins(earlier: int, later: int) -> bool:
             return self.joins(prepared[earlier], prepared[later])

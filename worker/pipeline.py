@@ -295,9 +295,12 @@ class Pipeline:
         before = {id(unit): number for number, batch in enumerate(self._ready) for unit in batch}
         ordered = [sequence[k] for k in order]
         limit = self._settings.max_batch_requests
+        runs = self._plan.grouped_runs(
+            [u.prepared for u in ordered], [places[k] for k in order], self._settings.max_batch_tokens
+        )
         batches = [
             ordered[start : min(run.stop, start + limit)]
-            for run in self._plan.runs([u.prepared for u in ordered], self._settings.max_batch_tokens)
+            for run in runs
             for start in range(run.start, run.stop, limit)
         ]
         moved = sum(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,8 +12,8 @@ import torch
 from scoring_testkit import forward_atol
 from tolerances import rounded_pair_tolerances
 
-from models import PreparedRequest, Scorer, ScorerConfig
-from models.plan import join_results, split_request, token_runs
+from models import BatchPlan, PreparedRequest, Scorer, ScorerConfig
+from models.plan import join_results, order_of_places, split_request, token_runs
 from schemas import ErrorCode, HiddenDType, ResultStatus, ScoreRequest, ScoreResult, Truncation
 
 
@@ -54,6 +55,77 @@ def test_token_runs_measure_a_sequence_that_fits_whole_once() -> None:
     assert list(token_runs(sizes, 16, measure)) == [range(0, 4)]
     assert asked == [(0, 4)]
     assert list(token_runs(sizes, 16)) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+
+
+def _linear_runs(sizes: Sequence[int], budget: int, measure: Any) -> list[range]:
+    """The cut entry by entry, measuring every entry past the plain sum: what token_runs must equal."""
+    out, start, tokens = [], 0, 0
+    for index, size in enumerate(sizes):
+        if index > start and tokens + size > budget and measure(start, index + 1) > budget:
+            out.append(range(start, index))
+            start, tokens = index, 0
+        tokens += size
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
+
+
+def test_token_runs_find_how_far_a_run_reaches_in_few_measures() -> None:
+    """Past the plain sum, a run's reach is found by doubling steps then halving: the cuts of measuring
+    every entry, in a logarithmic number of measures per run."""
+    rng = np.random.default_rng(4)
+    for _ in range(50):
+        sizes = [int(s) for s in rng.integers(1, 40, int(rng.integers(1, 300)))]
+        own = [max(1, int(s * f)) for s, f in zip(sizes, rng.random(len(sizes)), strict=True)]
+        asked: list[tuple[int, int]] = []
+
+        def measure(start: int, stop: int, own: list[int] = own, asked: list[Any] = asked) -> int:
+            asked.append((start, stop))
+            return sum(own[start:stop])  # each entry adds what it computes of its own: grows with stop
+
+        budget = int(rng.integers(40, 400))
+        runs = list(token_runs(sizes, budget, measure))
+        measured = len(asked)
+        assert runs == _linear_runs(sizes, budget, measure)
+        # Per run: one where the plain sum goes over, then doubling steps and halving to its end.
+        longest = max(len(run) for run in runs)
+        assert measured <= 1 + len(runs) * (2 * int(np.log2(longest)) + 5)
+
+
+def test_a_long_run_past_the_plain_sum_is_found_in_few_measures() -> None:
+    """Best of N at its best: every entry holds 30 tokens and computes 2 of its own, so a 300-token run
+    reaches 150 entries, 140 past the plain sum; measured entry by entry that would be 140 measures a run."""
+    asked: list[tuple[int, int]] = []
+
+    def measure(start: int, stop: int) -> int:
+        asked.append((start, stop))
+        return 2 * (stop - start)
+
+    runs = list(token_runs([30] * 600, 300, measure))
+    assert runs == [range(k, k + 150) for k in range(0, 600, 150)]
+    assert len(asked) <= 1 + 4 * (2 * 8 + 5)
+
+
+def test_grouped_runs_cut_as_runs_do_measuring_each_group_once() -> None:
+    """Requests in grouped order (best of N, interleaved then grouped) cut by grouped_runs as by runs,
+    which measures every prompt of a run again at each try."""
+    rng = np.random.default_rng(8)
+    plan = BatchPlan(8)
+    prompts = [tuple(int(t) for t in rng.integers(4, 9000, int(rng.integers(20, 80)))) for _ in range(12)]
+
+    def request(k: int, prompt: tuple[int, ...]) -> PreparedRequest:
+        answer = tuple(int(t) for t in rng.integers(4, 9000, int(rng.integers(3, 30))))
+        return PreparedRequest(ScoreRequest(f"r{k}", items=(prompt + answer,)), (prompt + answer,), 0.0)
+
+    interleaved = [request(k, prompts[k % 12]) for k in range(96)]
+    places = plan.grouped_places(interleaved)
+    order = order_of_places(places)
+    ordered = [interleaved[k] for k in order]
+    for budget in (200, 500, 1500):
+        grouped = list(plan.grouped_runs(ordered, [places[k] for k in order], budget))
+        assert grouped == list(plan.runs(ordered, budget))
+        assert all(plan.tokens([p for r in ordered[run.start : run.stop] for p in r.prompts]) <= budget
+                   for run in grouped if len(run) > 1)  # fmt: skip
 
 
 def test_a_request_whose_items_share_their_query_is_cut_by_what_it_computes() -> None:
