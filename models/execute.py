@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -172,6 +172,16 @@ class Executor:
             name, mib, self._config.prefix_cache_block_tokens,
         )  # fmt: skip
         return PrefixCache(self._config.prefix_cache_block_tokens, mib << 20)
+
+    @contextlib.contextmanager
+    def prefix_cache_paused(self) -> Iterator[None]:
+        """Batches inside neither read nor fill the prefix cache: the start-up warm-up (which scores each
+        kind of batch twice, the second time for its CUDA graph) and the self-check."""
+        cache, self.prefix_cache = self.prefix_cache, None
+        try:
+            yield
+        finally:
+            self.prefix_cache = cache
 
     @staticmethod
     def _attention_modules(layers: torch.nn.ModuleList) -> list[torch.nn.Module]:

@@ -70,7 +70,8 @@ def run_self_check(scorer: Scorer) -> SelfCheckReport:
         hidden_states_dtype=HiddenDType.FLOAT32,
         label_token_ids=labels,
     )
-    result = scorer.score([request])[0]
+    with scorer.executor.prefix_cache_paused():  # the packed path as traffic without a cache finds it
+        result = scorer.score([request])[0]
     if not result.ok or result.pooled_hidden_states is None:
         raise ModelLoadError(f"self-check: the packed path failed on a fixed input: {result.error}")
     packed_scores = np.asarray(result.scores, dtype=np.float64)

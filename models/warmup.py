@@ -72,7 +72,13 @@ class WarmUpReport:
 
 def warm_up(scorer: Scorer) -> WarmUpReport:
     """Score the synthetic batches (see the module's docstring); ModelLoadError when one of them fails: a
-    model that cannot score them would fail the same requests in traffic."""
+    model that cannot score them would fail the same requests in traffic. The prefix cache is left out:
+    a batch that used it would run the ordinary layers, and its kind would go uncompiled."""
+    with scorer.executor.prefix_cache_paused():
+        return _warm_up(scorer)
+
+
+def _warm_up(scorer: Scorer) -> WarmUpReport:
     started = time.perf_counter()
     graphs_before = traced_graphs()
     recorded_before = scorer.executor.graphs.recorded if scorer.executor.graphs is not None else 0

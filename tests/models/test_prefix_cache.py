@@ -308,3 +308,16 @@ def test_a_block_is_kept_the_second_time_it_is_seen() -> None:
     together = cache.plan([other, [*other[:16], 7, 7, 7, 7, 7, 7, 7, 7]], None, [24, 24])
     assert [(c.prompt, c.start) for c in together.captures] == [(1, 0), (1, 8)]  # the two blocks both hold
     assert len(cache) == 3
+
+
+def test_the_self_check_runs_without_the_cache(tiny_llama_dir: Path) -> None:
+    """The start-up self-check scores the packed path as traffic without a cache finds it, and leaves the
+    cache as it was."""
+    from models.selfcheck import run_self_check
+
+    config = ScorerConfig(device="cpu", prefix_cache_mib=8, prefix_cache_block_tokens=BLOCK)
+    scorer = Scorer(tiny_llama_dir, config)
+    report = run_self_check(scorer)
+    assert report.max_score_diff <= report.score_bound
+    cache = scorer.executor.prefix_cache
+    assert cache is not None and cache.stats.lookups == 0 and len(cache) == 0

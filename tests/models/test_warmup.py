@@ -244,3 +244,18 @@ def test_the_worker_warms_its_scorer_before_serving(
     assert "warmed up in 0.50 s: 3 batches of 40 tokens, 2 layer graphs compiled" in caplog.text
     _load_scorer(WorkerSettings(**settings, warm_up=False))
     assert len(calls) == 1
+
+
+def test_the_warm_up_leaves_the_prefix_cache_alone_and_warms_as_without_it(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm-up scores each kind of batch twice: with the prefix cache on, the second time would fill
+    it and run the ordinary layers, and no graph would be recorded. It runs without the cache, recording
+    what it records without one, and leaves the cache untouched."""
+    monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
+    plain = warm_up(_scorer(tiny_llama_dir, compile="off"))  # graphs alone: the same variants, quicker
+    scorer = _scorer(tiny_llama_dir, compile="off", prefix_cache_mib=8)
+    cached = warm_up(scorer)
+    assert cached.cuda_graphs == plain.cuda_graphs > 0 and cached.batches == plain.batches
+    cache = scorer.executor.prefix_cache
+    assert cache is not None and cache.stats.lookups == 0 and len(cache) == 0
