@@ -11,8 +11,8 @@ Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/w3_
   prompt's first answer, then every second, ...), each path scoring them in one call that the engine cuts.
 - W4 interleaved over calls (`w4c`): the interleaved requests as 8 calls (each holding one answer of every
   prompt), as a sampler sends answers as they come; the shared path keeps a prefix cache
-  (`--cache-mib`, emptied before each timed pass), which keeps a prompt's blocks at their second sight (the
-  second call) and serves them to the calls after it.
+  (`--cache-mib`, emptied before each timed pass; `--cache-admit`, default first: every prompt's blocks
+  kept at the first call and served to the calls after it; second: kept at the second call).
 - W4: W1's model (8B Llama shapes); 256 prompts of 300-1,000 tokens with 8 responses of 50-300 tokens each,
   sent as 2,048 single-item requests, a prompt's 8 one after another, the prompts in random order.
 Batches are cut as the worker cuts them: arrival order, at most `--max-batch-tokens` tokens, counted as
@@ -229,7 +229,7 @@ def run_case(
     dtype = "bfloat16" if device == "cuda" else "float32"
     base = {"device": device, "dtype": dtype, "max_batch_tokens": args.max_batch_tokens}
     today = Scorer(model_dir, ScorerConfig(**base))
-    cache = {"prefix_cache_mib": args.cache_mib} if calls else {}
+    cache = {"prefix_cache_mib": args.cache_mib, "prefix_cache_admit": args.cache_admit} if calls else {}
     shared = Scorer(model_dir, ScorerConfig(**base, share_prefix_min_tokens=args.min_tokens, **cache))
     cut = [range(len(requests))] if one_call else chunks(requests, args.max_batch_tokens)
     shared_cut = [range(len(requests))] if one_call else chunks(requests, args.max_batch_tokens, shared)
@@ -276,7 +276,12 @@ def run_case(
     prefix_cache = shared.executor.prefix_cache
     if prefix_cache is not None:  # the last timed pass's (the cache is emptied before each)
         stats = prefix_cache.stats
-        report["prefix_cache"] = {"mib": args.cache_mib, "bytes": prefix_cache.bytes, **vars(stats)}
+        report["prefix_cache"] = {
+            "mib": args.cache_mib,
+            "admit": args.cache_admit,
+            "bytes": prefix_cache.bytes,
+            **vars(stats),
+        }
     del shared
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -310,6 +315,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--cache-mib", type=int, default=32768, help="prefix_cache_mib of the shared path in w4c"
+    )
+    parser.add_argument(
+        "--cache-admit", choices=("second", "first"), default="first", help="prefix_cache_admit in w4c"
     )
     parser.add_argument(
         "--min-tokens", type=int, default=32, help="share_prefix_min_tokens of the shared path"

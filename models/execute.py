@@ -168,10 +168,14 @@ class Executor:
             raise ModelLoadError(f"prefix_cache_mib: {why}")
         self._layer_count = len(layers)  # type: ignore[arg-type]
         log.info(
-            "%s: a prefix cache of %d MiB, blocks of %d tokens",
-            name, mib, self._config.prefix_cache_block_tokens,
+            "%s: a prefix cache of %d MiB, blocks of %d tokens, kept at their %s sight",
+            name, mib, self._config.prefix_cache_block_tokens, self._config.prefix_cache_admit,
         )  # fmt: skip
-        return PrefixCache(self._config.prefix_cache_block_tokens, mib << 20)
+        return PrefixCache(
+            self._config.prefix_cache_block_tokens,
+            mib << 20,
+            admit_first_sight=self._config.prefix_cache_admit == "first",
+        )
 
     @contextlib.contextmanager
     def prefix_cache_paused(self) -> Iterator[None]:

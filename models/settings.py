@@ -83,6 +83,13 @@ class EngineSettings(BaseModel):
         "calls, a system prompt every request repeats); least recently used blocks go first; 0: off. Causal "
         "decoders on the packed path, pooling one row",
     )
+    prefix_cache_admit: Literal["second", "first"] = Field(
+        "second",
+        description="when the prefix cache keeps a block: the second time its prefix is seen (a stream that "
+        "repeats nothing never fills it, and its batches keep the compiled layers and CUDA graphs), or the "
+        "first (every batch fills it and runs the ordinary layers; a prompt's answers over several calls "
+        "are served from the second call on)",
+    )
     prefix_cache_block_tokens: int = Field(
         16,
         ge=1,

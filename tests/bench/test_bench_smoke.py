@@ -92,6 +92,24 @@ def test_shared_prefix_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) 
     assert cache["hits"] > 0 and cache["tokens_saved"] > 0 and cache["bytes"] > 0
 
 
+def test_prefix_cache_count_checks_every_path_against_the_one_without_the_cache(tmp_path: Path) -> None:
+    """bench/prefix_cache_count.py: W4's answers as 8 calls through the engine without and with the
+    prefix cache, every result checked against the path without it; the cache computes fewer tokens, and
+    admitting at the first sight fewer than at the second."""
+    proc = _run_script(["bench/prefix_cache_count.py"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "prefix_cache_count.json").read_text())
+    paths = report["paths"]
+    assert report["verdict"] == "ok" and paths["no cache"]["computed_tokens"] == report["held_tokens"]
+    first, second = paths["cache, first sight"], paths["cache, second sight"]
+    assert (
+        report["distinct_tokens"]
+        < first["computed_tokens"]
+        < second["computed_tokens"]
+        < report["held_tokens"]
+    )
+
+
 def test_fp8_fidelity_script_attributes_the_deviation_on_real_weights(tmp_path: Path) -> None:
     """bench/fp8_fidelity.py on the MiniLM package's BERT: every option measured against float32, FP8's
     e4m3 rounding (3 mantissa bits) visibly coarser than bfloat16's (7), each layer and each kind of

@@ -321,3 +321,26 @@ def test_the_self_check_runs_without_the_cache(tiny_llama_dir: Path) -> None:
     assert report.max_score_diff <= report.score_bound
     cache = scorer.executor.prefix_cache
     assert cache is not None and cache.stats.lookups == 0 and len(cache) == 0
+
+
+@pytest.mark.parametrize("admit", ["first", "second"])
+def test_the_admission_setting_keeps_a_prompt_at_its_first_or_second_sight(
+    admit: str, tiny_llama_dir: Path
+) -> None:
+    """prefix_cache_admit: "first" keeps a prompt seen once, so the next call takes it; "second" keeps it
+    at the next call, and the one after takes it. Either way the results are the whole prompts'."""
+    config = ScorerConfig(
+        device="cpu", prefix_cache_mib=8, prefix_cache_block_tokens=BLOCK, prefix_cache_admit=admit
+    )
+    scorer, plain = Scorer(tiny_llama_dir, config), Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    cache = scorer.executor.prefix_cache
+    assert cache is not None
+    saved = []
+    for call in range(3):
+        requests = _requests(range(call, call + 1))
+        for got, expected in zip(scorer.score(requests), plain.score(requests), strict=True):
+            longest = len(PROMPT) + len(ANSWERS[call])
+            assert_forward_close(scores_of(got), scores_of(expected), tiny_llama_dir, longest=longest)
+            assert_forward_close(hidden_of(got), hidden_of(expected), tiny_llama_dir, longest=longest)
+        saved.append(cache.stats.tokens_saved)
+    assert saved == ([0, 40, 80] if admit == "first" else [0, 0, 40])
