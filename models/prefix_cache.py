@@ -31,6 +31,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -45,13 +46,17 @@ Parent = int | tuple[str, int]
 class _Block:
     parent: Parent
     tokens: tuple[int, ...]
-    keys: torch.Tensor  # [L, Hkv, B, D]
-    values: torch.Tensor  # [L, Hkv, B, D]
+    slot: int  # its rows in the pools: slot * block_tokens onwards
     children: int = 0
 
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+
+class CacheRegion(NamedTuple):
+    """A batch's cached keys and values, where they lie: the pools [L, Hkv, S, D] and the pool rows of the
+    batch's cached runs, one after another [C]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    rows: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,10 @@ class CacheStats:
 
 class PrefixCache:
     """Keys and values of recently computed prompt prefixes, in blocks of `block_tokens`, at most `max_bytes`
-    (docs/models.md, "Prefix cache")."""
+    (docs/models.md, "Prefix cache"). They lie in two pools, keys and values [L, Hkv, slots * block, D],
+    allocated at the first block kept (its shapes, dtype and device are the model's): a batch reads its
+    cached rows with one gather per layer, and memory is what the bound says from then on, not a copy of
+    every block a batch reads."""
 
     def __init__(self, block_tokens: int, max_bytes: int, admit_first_sight: bool = False) -> None:
         if block_tokens <= 0 or max_bytes <= 0:
@@ -116,6 +124,9 @@ class PrefixCache:
         self._seen: OrderedDict[int, None] = OrderedDict()  # prefix hashes seen once, least recent first
         self.bytes = 0
         self.stats = CacheStats()
+        self._pools: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._block_bytes = 0
+        self._free: list[int] = []  # slots of the pools no block holds
         self._blocks: OrderedDict[int, _Block] = OrderedDict()  # least recently used first
         self._index: dict[tuple[Parent, tuple[int, ...]], int] = {}
         self._numbers = itertools.count()
@@ -124,7 +135,8 @@ class PrefixCache:
         return len(self._blocks)
 
     def clear(self) -> None:
-        """Drop every block and forget what was seen (the counters stay)."""
+        """Drop every block and forget what was seen (the counters stay; the pools stay allocated)."""
+        self._free += [block.slot for block in self._blocks.values()]
         self._blocks.clear()
         self._index.clear()
         self._seen.clear()
@@ -189,26 +201,33 @@ class PrefixCache:
             self._seen.popitem(last=False)
         return False
 
-    def region(self, use: CacheUse) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The keys and values of the batch's cached runs, one after another: [L, Hkv, C, D] each (None where
-        the batch takes nothing); marks them used, parents first, and counts the hits."""
-        if not use.regions:
+    def region(self, use: CacheUse) -> CacheRegion | None:
+        """Where the batch's cached runs lie, one after another (None where the batch takes nothing); marks
+        them used, parents first, and counts the hits."""
+        if not use.regions or self._pools is None:
             return None
         for run in use.hits:
             if run:
                 self.stats.hits += 1
                 self.stats.tokens_saved += len(run) * self.block_tokens
-        blocks = [self._blocks[number] for run in use.regions for number in run]
+        slots = [self._blocks[number].slot for run in use.regions for number in run]
         for run in use.regions:
             for number in run:
                 self._blocks.move_to_end(number)
-        return torch.cat([b.keys for b in blocks], dim=2), torch.cat([b.values for b in blocks], dim=2)
+        keys, values = self._pools
+        size = self.block_tokens
+        rows = (torch.tensor(slots, dtype=torch.int64).repeat_interleave(size) * size).add_(
+            torch.arange(size).repeat(len(slots))
+        )
+        return CacheRegion(keys, values, rows.to(keys.device, non_blocking=True))
 
     def store(self, use: CacheUse, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep the batch's captured blocks: `keys`/`values` [L, Hkv, R, D] hold the rows `capture_rows` gave,
         in that order. A block whose parent is not kept (the bound) is not kept either: nothing could reach
         it."""
         size = self.block_tokens
+        if self._pools is None and not self._allocate(keys):
+            return
         made: list[int | None] = []
         for number, capture in enumerate(use.captures):
             parent: Parent | None = capture.parent
@@ -218,35 +237,43 @@ class PrefixCache:
                 made.append(None)
                 continue
             span = slice(number * size, (number + 1) * size)
-            block = _Block(parent, capture.tokens, keys[:, :, span].clone(), values[:, :, span].clone())
-            made.append(self._insert(block))
+            made.append(self._insert(parent, capture.tokens, keys[:, :, span], values[:, :, span]))
 
-    def capture_rows(self, use: CacheUse, rows_of: Sequence[Sequence[int]]) -> list[int]:
-        """The packed rows holding each captured block's tokens, block after block (`rows_of[i]`: prompt i's
-        row for each of its tokens)."""
-        out: list[int] = []
-        for capture in use.captures:
-            out.extend(
-                int(r) for r in rows_of[capture.prompt][capture.start : capture.start + self.block_tokens]
-            )
-        return out
+    def _allocate(self, keys: torch.Tensor) -> bool:
+        """The pools, shaped as `keys` [L, Hkv, R, D] with as many blocks as the bound holds; False when not
+        one block fits it."""
+        layers, heads, _, width = keys.shape
+        self._block_bytes = 2 * layers * heads * self.block_tokens * width * keys.element_size()
+        slots = self.max_bytes // self._block_bytes
+        if slots == 0:
+            return False
+        shape = (layers, heads, slots * self.block_tokens, width)
+        self._pools = (keys.new_empty(shape), keys.new_empty(shape))
+        self._free = list(range(slots - 1, -1, -1))
+        return True
 
-    def _insert(self, block: _Block) -> int | None:
-        """Store a block, evicting least recently used leaves to make room; None when it cannot fit."""
-        if block.nbytes > self.max_bytes:
-            return None
-        key = (block.parent, block.tokens)
+    def _insert(
+        self, parent: Parent, tokens: tuple[int, ...], keys: torch.Tensor, values: torch.Tensor
+    ) -> int | None:
+        """Store a block (`keys`/`values` [L, Hkv, B, D]), evicting least recently used leaves to make room;
+        None when it cannot be kept."""
+        key = (parent, tokens)
         existing = self._index.get(key)
         if existing is not None:  # another batch stored it meanwhile
             self._blocks.move_to_end(existing)
             return existing
-        while self.bytes + block.nbytes > self.max_bytes:
-            if not self._evict_one(protect=block.parent):
+        while not self._free:
+            if not self._evict_one(protect=parent):
                 return None
+        assert self._pools is not None
+        block = _Block(parent, tokens, self._free.pop())
+        rows = slice(block.slot * self.block_tokens, (block.slot + 1) * self.block_tokens)
+        self._pools[0][:, :, rows].copy_(keys)
+        self._pools[1][:, :, rows].copy_(values)
         number = next(self._numbers)
         self._blocks[number] = block
         self._index[key] = number
-        self.bytes += block.nbytes
+        self.bytes += self._block_bytes
         if isinstance(block.parent, int):
             self._blocks[block.parent].children += 1
             self._blocks.move_to_end(block.parent)
@@ -261,7 +288,8 @@ class PrefixCache:
             if block.children == 0 and number != protect:
                 del self._blocks[number]
                 del self._index[(block.parent, block.tokens)]
-                self.bytes -= block.nbytes
+                self._free.append(block.slot)
+                self.bytes -= self._block_bytes
                 if isinstance(block.parent, int) and block.parent in self._blocks:
                     self._blocks[block.parent].children -= 1
                 self.stats.evicted += 1
@@ -274,11 +302,8 @@ class CacheIO:
     keys and values put before the row's own (the region `pack` laid the keys out for), and the keys and
     values of the rows the cache keeps copied out, layer by layer."""
 
-    def __init__(
-        self, region: tuple[torch.Tensor, torch.Tensor] | None, capture_rows: torch.Tensor | None, layers: int
-    ) -> None:
-        self._keys: torch.Tensor | None = None if region is None else region[0]
-        self._values: torch.Tensor | None = None if region is None else region[1]
+    def __init__(self, region: CacheRegion | None, capture_rows: torch.Tensor | None, layers: int) -> None:
+        self._region = region
         self._capture_rows = capture_rows
         self._captured_keys: list[torch.Tensor | None] = [None] * layers
         self._captured_values: list[torch.Tensor | None] = [None] * layers
@@ -292,10 +317,11 @@ class CacheIO:
         if self._capture_rows is not None:
             self._captured_keys[layer] = key[0].index_select(1, self._capture_rows)
             self._captured_values[layer] = value[0].index_select(1, self._capture_rows)
-        if self._keys is None or self._values is None:
+        region = self._region
+        if region is None:
             return key, value
-        cached_keys = self._keys[layer].unsqueeze(0).to(key.dtype)
-        cached_values = self._values[layer].unsqueeze(0).to(value.dtype)
+        cached_keys = region.keys[layer].index_select(1, region.rows).unsqueeze(0).to(key.dtype)
+        cached_values = region.values[layer].index_select(1, region.rows).unsqueeze(0).to(value.dtype)
         return torch.cat((cached_keys, key), dim=2), torch.cat((cached_values, value), dim=2)
 
     def captured(self) -> tuple[torch.Tensor, torch.Tensor]:

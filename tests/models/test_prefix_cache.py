@@ -220,10 +220,11 @@ def test_a_plan_takes_the_longest_cached_run_within_each_limit_and_captures_the_
     assert [again.cached_tokens(i) for i in range(3)] == [40, 16, 16]
     assert again.regions == [again.hits[0], again.hits[1]] and again.offsets == [0, 40, 40]
     assert [(c.prompt, c.start) for c in again.captures] == [(1, 16), (1, 24), (1, 32)]  # the second's own
-    keys, values = cache.region(again)  # type: ignore[misc]
-    assert keys.shape == (2, 1, 56, 2)
-    assert keys[0, 0, :, 0].tolist() == [float(b) for b in (0, 1, 2, 3, 4, 0, 1) for _ in range(BLOCK)]
-    assert torch.equal(values, -keys)
+    region = cache.region(again)
+    assert region is not None and region.rows.shape == (56,)
+    keys = region.keys[0].index_select(1, region.rows)  # what attention reads for layer 0
+    assert keys[0, :, 0].tolist() == [float(b) for b in (0, 1, 2, 3, 4, 0, 1) for _ in range(BLOCK)]
+    assert torch.equal(region.values[1].index_select(1, region.rows), -keys)
     # Under another adapter the same tokens are another prefix.
     assert cache.plan([prompt], [1], [40]).hits == [()]
 
@@ -235,6 +236,9 @@ def test_eviction_takes_least_recently_used_blocks_that_nothing_continues() -> N
     cache.store(cache.plan([a], None, [32]), *_tensors(4))
     cache.store(cache.plan([b], None, [32]), *_tensors(4))
     assert cache.bytes <= cache.max_bytes and len(cache) == 6 and cache.stats.evicted == 2
+    # The pools were allocated once, at the first block kept, for the six blocks the bound holds.
+    pools = cache.region(cache.plan([b], None, [32]))
+    assert pools is not None and 2 * pools.keys.numel() * pools.keys.element_size() == 6 * block_bytes
     # a's last two blocks went (its leaves, the oldest); a's first two remain and are found.
     assert [len(run) for run in cache.plan([a, b], None, [32, 32]).hits] == [2, 4]
     use = cache.plan([a], None, [32])
