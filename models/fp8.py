@@ -16,11 +16,13 @@ import contextlib
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from models.settings import Fp8Projections
+if TYPE_CHECKING:  # a type only: importing the settings (pydantic) here would cost every loader its memory
+    from models.settings import Fp8Projections
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
