@@ -9,9 +9,10 @@ dictionary keyed by (parent, tokens), which compares the tokens themselves, so t
 share an entry (no hash is trusted alone). A block holds every layer's keys (after the rotary embedding:
 a prefix always starts at position 0) and values for its tokens, in the model's dtype.
 
-A block is kept the second time it is seen (in an earlier batch, or by another prompt of the same batch),
-not the first: a workload that never repeats a prefix (W1) then never fills the cache, and its batches keep
-the compiled layers and CUDA graphs, which batches that read or fill the cache do without. What was seen is
+By default a block is kept the second time it is seen (in an earlier batch, or by another prompt of the same
+batch), not the first: a workload that never repeats a prefix (W1) then never fills the cache, and its
+batches keep the compiled layers and CUDA graphs, which batches that read or fill the cache do without
+(`admit_first_sight` keeps every block at once, for streams known to repeat). What was seen is
 remembered by a hash of the prefix, in a bounded list (`SEEN_PREFIXES`, least recently seen forgotten
 first); a collision there only admits a block early, it never serves one.
 
