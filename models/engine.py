@@ -24,6 +24,7 @@ from models.layers import is_causal_decoder
 from models.loading import LoadedModel, load_model, read_config
 from models.packing import saved_tokens
 from models.plan import BatchPlan, order_of_places
+from models.prefix_cache import CacheTraffic
 from models.prepare import PairTemplate, PreparedRequest, PromptBuilder, PromptError
 from models.results import (
     Head,
@@ -67,7 +68,7 @@ class LaunchedBatch:
     hidden_bytes: dict[str, int]
     packed_tokens: int
     compiled_graphs: int = 0  # see BatchStats
-    cache: tuple[int, int, int, int] | None = None  # the prefix cache's traffic: see batch_stats
+    cache: CacheTraffic | None = None  # what the batch took from the prefix cache (None: no cache)
     # Token outputs: the logits at every position read [M, L] on their way to the host, and the asked
     # hidden states there (None where the batch reads no position).
     token_logits: torch.Tensor | None = None
@@ -353,7 +354,7 @@ class Scorer:
         started = time.perf_counter()
         traced = self.executor.traced_graphs()
         cache = self.executor.prefix_cache
-        counted = None if cache is None else (cache.stats.lookups, cache.stats.hits, cache.stats.tokens_saved)
+        counted = None if cache is None else cache.traffic()
         try:
             launched = self._launch_batch(batch)
         except DeviceLostError:
@@ -361,9 +362,8 @@ class Scorer:
         except Exception as exc:  # out of memory, kernel errors: find the request that causes it
             return self._after_failure(batch, exc, on_batch, started)
         launched.compiled_graphs = self.executor.traced_graphs() - traced
-        if cache is not None and counted is not None:
-            now = (cache.stats.lookups, cache.stats.hits, cache.stats.tokens_saved)
-            launched.cache = (*(a - b for a, b in zip(now, counted, strict=True)), cache.bytes)  # type: ignore[assignment]
+        if cache is not None:
+            launched.cache = cache.traffic(since=counted)
         return launched
 
     def _finish_batch(self, launched: Finished, on_batch: BatchObserver | None) -> list[ScoreResult]:

@@ -96,8 +96,6 @@ class PackedBatch:
     adapter_rows: torch.Tensor | None = None
     # [R] int64: the rows whose keys and values the prefix cache keeps, span after span (pack's `capture`)
     capture_rows: torch.Tensor | None = None
-    # The cached region's rows, whose keys attention puts before the row's (0: none; see pack's `cached`)
-    cached_rows: int = 0
 
 
 def find_shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int) -> list[SharedPrefix]:
@@ -495,7 +493,6 @@ def _pack_shared(
         if adapters is None
         else _to_device(_row_adapters(rows_of, adapters, row), device, non_blocking),
         capture_rows=None if captured is None else _to_device(captured, device, non_blocking),
-        cached_rows=0 if cached is None else _region_rows(cached),
     )
 
 

@@ -10,7 +10,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from models.graphs import KEYS_PER_TOKEN
-from models.packing import SharedPrefix, find_shared_prefixes, saved_tokens, shareable_prefix
+from models.packing import (
+    SharedPrefix,
+    find_shared_prefixes,
+    packed_length,
+    saved_tokens,
+    shareable_prefix,
+)
 from models.prepare import PreparedRequest, Prompt
 from schemas import ResultStatus, ScoreResult, Tensor
 
@@ -285,8 +291,7 @@ class BatchPlan:
         def computed(lo: int, hi: int) -> int:
             if (lo, hi) not in parts:
                 prompts = [prompt for p in prepared[lo:hi] for prompt in p.prompts]
-                saved = saved_tokens(find_shared_prefixes(prompts, self.min_shared_tokens))
-                parts[lo, hi] = sum(map(len, prompts)) - saved
+                parts[lo, hi] = packed_length(prompts, self.min_shared_tokens)
             return parts[lo, hi]
 
         def measure(start: int, stop: int) -> int:
@@ -302,15 +307,6 @@ class BatchPlan:
 
         return token_runs(sizes, max_tokens, measure, joins)
 
-    def grouped_order(
-        self, prepared: Sequence[PreparedRequest], keys: Sequence[int] | None = None
-    ) -> list[int]:
-        """The order to cut `prepared` in: requests whose first prompts share a prefix of at least
-        `min_shared_tokens` (and the same key: one LoRA adapter) next to each other, so that one batch
-        computes their prefix once whatever order they came in (best-of-N answers interleaved with other
-        prompts' answers): `grouped_places` put in order."""
-        return order_of_places(self.grouped_places(prepared, keys))
-
     def grouped_places(
         self,
         prepared: Sequence[PreparedRequest],
@@ -318,11 +314,12 @@ class BatchPlan:
         arrivals: Sequence[int] | None = None,
         reach: int | None = None,
     ) -> list[int]:
-        """Where each request goes: its own index (it keeps its place), or the index of the first request
-        of its group, which it follows. A group is the requests whose first prompts share a prefix of at
-        least `min_shared_tokens` under one key (`keys`, else the plan's `key`: one LoRA adapter); each group
-        takes the place of its first request, its members in their order; a request that shares nothing
-        keeps its place, so the order is the given order where nothing is shared.
+        """Where each request goes (`order_of_places` puts them in that order): its own index (it keeps its
+        place), or the index of the first request of its group, which it follows. A group is the requests
+        whose first prompts share a prefix of at least `min_shared_tokens` under one key (`keys`, else the
+        plan's `key`: one LoRA adapter); each group takes the place of its first request, its members in
+        their order; a request that shares nothing keeps its place, so the order is the given order where
+        nothing is shared.
 
         With `arrivals` (each request's arrival number) and `reach`, a request moves ahead only if it
         arrived at most `reach` after the oldest request given; one that came later keeps its place. So a

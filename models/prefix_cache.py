@@ -88,13 +88,18 @@ class CacheUse:
         return len(self.hits[prompt]) * self.block_tokens
 
     @property
-    def region_tokens(self) -> int:
-        """The cached rows the batch's attention reads, each distinct run once."""
-        return sum(len(run) for run in self.regions) * self.block_tokens
-
-    @property
     def active(self) -> bool:
         return bool(self.regions or self.captures)
+
+
+class CacheTraffic(NamedTuple):
+    """What batches took from the cache: prompts looked up, those that found a cached prefix, and the
+    tokens they took; and the bytes it holds."""
+
+    lookups: int
+    hits: int
+    tokens: int
+    bytes: int
 
 
 @dataclass
@@ -134,6 +139,13 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def traffic(self, since: CacheTraffic | None = None) -> CacheTraffic:
+        """The counters now (less those of `since`: what happened in between), and the bytes held now."""
+        now = (self.stats.lookups, self.stats.hits, self.stats.tokens_saved)
+        before = (0, 0, 0) if since is None else since[:3]
+        lookups, hits, tokens = (a - b for a, b in zip(now, before, strict=True))
+        return CacheTraffic(lookups, hits, tokens, self.bytes)
 
     def clear(self) -> None:
         """Drop every block and forget what was seen (the counters stay; the pools stay allocated)."""

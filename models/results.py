@@ -12,6 +12,7 @@ import torch
 from models.interface import BatchStats
 from models.loading import LoadedModel
 from models.packing import Pooling, pooled_positions
+from models.prefix_cache import CacheTraffic
 from models.prepare import PreparedRequest
 from models.transfer import HostRows, item_ranges, wants_hidden
 from schemas import ErrorCode, ResultStatus, ScoreRequest, ScoreResult, Tensor
@@ -231,10 +232,10 @@ def batch_stats(
     packed_tokens: int | None = None,
     failed: bool = False,
     compiled_graphs: int = 0,
-    cache: tuple[int, int, int, int] | None = None,
+    cache: CacheTraffic | None = None,
 ) -> BatchStats:
-    """What a batch cost, for the engine's observer. `cache`: the prefix cache's lookups, hits, tokens
-    taken and bytes held (None: no cache)."""
+    """What a batch cost, for the engine's observer. `cache`: what it took from the prefix cache (None: no
+    cache)."""
     tokens = sum(p.num_tokens for p in batch)
     return BatchStats(
         requests=len(batch),
@@ -250,8 +251,11 @@ def batch_stats(
         **(
             {}
             if cache is None
-            else dict(
-                zip(("cache_lookups", "cache_hits", "cached_tokens", "cache_bytes"), cache, strict=True)
-            )
+            else {
+                "cache_lookups": cache.lookups,
+                "cache_hits": cache.hits,
+                "cached_tokens": cache.tokens,
+                "cache_bytes": cache.bytes,
+            }
         ),
     )

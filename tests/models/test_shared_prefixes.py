@@ -489,7 +489,7 @@ def test_interleaved_best_of_n_is_grouped_across_one_call(
     config = ScorerConfig(device="cpu", share_prefix_min_tokens=MIN_TOKENS, max_batch_tokens=budget)
     shared = Scorer(tiny_llama_dir, config)
     prepared = [shared.prepare(r) for r in requests]
-    order = shared.plan.grouped_order(prepared)
+    order = plan.order_of_places(shared.plan.grouped_places(prepared))
     assert order == [0, 3, 6, 9, 1, 4, 7, 10, 2, 5, 8, 11]  # each group where its first request came
     spy = PackSpy(monkeypatch)
     ours = shared.score_prepared(prepared)
@@ -514,17 +514,22 @@ def test_grouping_keeps_arrival_order_where_nothing_is_shared_and_keys_apart() -
         return PreparedRequest(ScoreRequest("r", items=(prompt,)), prompts=(prompt,), tokenize_s=0.0)
 
     alone = [request(tuple(range(10 * i, 10 * i + 8))) for i in (5, 1, 3, 2, 4)]
-    assert grouping.grouped_order(alone) == [0, 1, 2, 3, 4]
+    assert plan.order_of_places(grouping.grouped_places(alone)) == [0, 1, 2, 3, 4]
     same = (1, 2, 3, 4, 5, 6)
     keyed = [request((*same, 9)), request((50, 51, 52, 53, 54)), request((*same, 8)), request((*same, 7))]
-    assert grouping.grouped_order(keyed, keys=[0, -1, 1, 0]) == [0, 3, 1, 2]
-    assert grouping.grouped_order(keyed) == [0, 2, 3, 1]
-    assert plan.BatchPlan().grouped_order(keyed) == [0, 1, 2, 3]  # no sharing: arrival order
+    assert plan.order_of_places(grouping.grouped_places(keyed, keys=[0, -1, 1, 0])) == [0, 3, 1, 2]
+    assert plan.order_of_places(grouping.grouped_places(keyed)) == [0, 2, 3, 1]
+    assert plan.order_of_places(plan.BatchPlan().grouped_places(keyed)) == [
+        0,
+        1,
+        2,
+        3,
+    ]  # no sharing: arrival order
     # The plan's own key (an engine serving adapters) keeps them apart as the keys given do.
     by_key = plan.BatchPlan(
         share_prefix_min_tokens=4, key=lambda p: {9: 0, 8: 1, 7: 0}.get(p.prompts[0][-1], -1)
     )
-    assert by_key.grouped_order(keyed) == [0, 3, 1, 2]
+    assert plan.order_of_places(by_key.grouped_places(keyed)) == [0, 3, 1, 2]
     assert not by_key.joins(keyed[0], keyed[2]) and by_key.joins(keyed[0], keyed[3])
 
 
