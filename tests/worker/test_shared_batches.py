@@ -102,3 +102,36 @@ def test_a_batch_closing_between_requests_sharing_a_prompt_leaves_them_together(
     labels = _check_results(outcome, requests, tiny_llama_dir, settings.worker_id)
     assert metrics.registry.get_sample_value("score_worker_batches_total", labels) == 2
     assert metrics.registry.get_sample_value("score_worker_batch_tokens_sum", labels) == 2 * 29
+
+
+def test_a_prompt_kept_in_the_prefix_cache_serves_the_later_batches(
+    kafka_bootstrap: str, tiny_llama_dir: Path
+) -> None:
+    """One request a batch: the first keeps its prompt's blocks in the prefix cache (at the first sight),
+    the next two take them; every result equals the engine's alone, and the worker's metrics count it."""
+    prompt = tuple(range(40, 80))  # 40 tokens: five blocks of 8
+    requests = [
+        ScoreRequest(f"a{r}", items=(prompt + (100 + r, 101 + r),), return_pooled_hidden_states=True)
+        for r in range(3)
+    ]
+    names = Names.unique("prefix-cache")
+    settings = fast_settings(kafka_bootstrap, tiny_llama_dir, names, max_batch_requests=1, topic_partitions=1)
+    config = ScorerConfig(
+        device="cpu", prefix_cache_mib=4, prefix_cache_block_tokens=8, prefix_cache_admit="first"
+    )
+
+    async def scenario() -> Any:
+        worker = ScoreWorker(settings, Scorer(tiny_llama_dir, config))
+        task = asyncio.create_task(worker.run())
+        await produce(kafka_bootstrap, names.requests, [request_record(r, key=b"one") for r in requests])
+        outcome = await finish(settings, [(worker, task)], len(requests), len(requests))
+        return outcome, worker.metrics
+
+    outcome, metrics = asyncio.run(scenario())
+    labels = _check_results(outcome, requests, tiny_llama_dir, settings.worker_id)
+    value = metrics.registry.get_sample_value
+    assert value("score_worker_batches_total", labels) == 3
+    assert value("score_worker_prefix_cache_lookups_total", labels) == 3
+    assert value("score_worker_prefix_cache_hits_total", labels) == 2
+    assert value("score_worker_prefix_cache_tokens_saved_total", labels) == 2 * 40
+    assert (value("score_worker_prefix_cache_bytes", labels) or 0) > 0
