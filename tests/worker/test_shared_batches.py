@@ -43,6 +43,23 @@ def _check_results(
     return {"model": alone.model_name, "worker": worker_id}
 
 
+def _serve(
+    settings: Any, scorer: Scorer, requests: list[ScoreRequest], key: bytes | None = None
+) -> tuple[Any, Any]:
+    """One worker on `scorer` serving `requests` produced to its topic (with `key`, all in one partition, in
+    order) until every result is in: what it published, and its metrics."""
+
+    async def scenario() -> tuple[Any, Any]:
+        worker = ScoreWorker(settings, scorer)
+        task = asyncio.create_task(worker.run())
+        records = [request_record(r, key=key) for r in requests]
+        await produce(settings.bootstrap_servers, settings.requests_topic, records)
+        outcome = await finish(settings, [(worker, task)], len(requests), len(requests))
+        return outcome, worker.metrics
+
+    return asyncio.run(scenario())
+
+
 def test_a_batch_counts_a_shared_query_once(kafka_bootstrap: str, tiny_llama_dir: Path) -> None:
     prompts = [QUERY + item for item in ITEMS] + [(*QUERY, 200 + i) for i in range(3)]
     held, computed = sum(map(len, prompts)), packed_length(prompts, MIN_TOKENS)
@@ -56,14 +73,7 @@ def test_a_batch_counts_a_shared_query_once(kafka_bootstrap: str, tiny_llama_dir
     config = ScorerConfig(device="cpu", max_batch_tokens=budget, share_prefix_min_tokens=MIN_TOKENS)
     requests = _requests()
 
-    async def scenario() -> Any:
-        worker = ScoreWorker(settings, Scorer(tiny_llama_dir, config))
-        task = asyncio.create_task(worker.run())
-        await produce(kafka_bootstrap, names.requests, [request_record(r) for r in requests])
-        outcome = await finish(settings, [(worker, task)], len(requests), len(requests))
-        return outcome, worker.metrics
-
-    outcome, metrics = asyncio.run(scenario())
+    outcome, metrics = _serve(settings, Scorer(tiny_llama_dir, config), requests)
     labels = _check_results(outcome, requests, tiny_llama_dir, settings.worker_id)
     assert metrics.registry.get_sample_value("score_worker_batches_total", labels) == 1
     assert metrics.registry.get_sample_value("score_worker_batch_tokens_sum", labels) == computed
@@ -91,14 +101,7 @@ def test_a_batch_closing_between_requests_sharing_a_prompt_leaves_them_together(
     )
     config = ScorerConfig(device="cpu", max_batch_tokens=56, share_prefix_min_tokens=MIN_TOKENS)
 
-    async def scenario() -> Any:
-        worker = ScoreWorker(settings, Scorer(tiny_llama_dir, config))
-        task = asyncio.create_task(worker.run())
-        await produce(kafka_bootstrap, names.requests, [request_record(r, key=b"trainer") for r in requests])
-        outcome = await finish(settings, [(worker, task)], len(requests), len(requests))
-        return outcome, worker.metrics
-
-    outcome, metrics = asyncio.run(scenario())
+    outcome, metrics = _serve(settings, Scorer(tiny_llama_dir, config), requests, key=b"trainer")
     labels = _check_results(outcome, requests, tiny_llama_dir, settings.worker_id)
     assert metrics.registry.get_sample_value("score_worker_batches_total", labels) == 2
     assert metrics.registry.get_sample_value("score_worker_batch_tokens_sum", labels) == 2 * 29
@@ -111,7 +114,7 @@ def test_a_prompt_kept_in_the_prefix_cache_serves_the_later_batches(
     the next two take them; every result equals the engine's alone, and the worker's metrics count it."""
     prompt = tuple(range(40, 80))  # 40 tokens: five blocks of 8
     requests = [
-        ScoreRequest(f"a{r}", items=(prompt + (100 + r, 101 + r),), return_pooled_hidden_states=True)
+        ScoreRequest(f"a{r}", items=((*prompt, 100 + r, 101 + r),), return_pooled_hidden_states=True)
         for r in range(3)
     ]
     names = Names.unique("prefix-cache")
@@ -120,14 +123,7 @@ def test_a_prompt_kept_in_the_prefix_cache_serves_the_later_batches(
         device="cpu", prefix_cache_mib=4, prefix_cache_block_tokens=8, prefix_cache_admit="first"
     )
 
-    async def scenario() -> Any:
-        worker = ScoreWorker(settings, Scorer(tiny_llama_dir, config))
-        task = asyncio.create_task(worker.run())
-        await produce(kafka_bootstrap, names.requests, [request_record(r, key=b"one") for r in requests])
-        outcome = await finish(settings, [(worker, task)], len(requests), len(requests))
-        return outcome, worker.metrics
-
-    outcome, metrics = asyncio.run(scenario())
+    outcome, metrics = _serve(settings, Scorer(tiny_llama_dir, config), requests, key=b"one")
     labels = _check_results(outcome, requests, tiny_llama_dir, settings.worker_id)
     value = metrics.registry.get_sample_value
     assert value("score_worker_batches_total", labels) == 3
