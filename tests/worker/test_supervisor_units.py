@@ -43,7 +43,10 @@ STAND_IN = r"""
 import http.server, os, pathlib, signal, sys, threading, time
 label = os.environ["SCORE_WORKER_LOG_TAG"]
 control = pathlib.Path(os.environ["STAND_IN_DIR"])
-(control / f"{label}.pid.{os.getpid()}").write_text(os.environ["SCORE_WORKER_GROUP_INSTANCE_ID"])
+# written under a hidden name, then renamed: the test reads a mark only once it holds its whole text
+hidden = control / f".{label}.starting"
+hidden.write_text(os.environ["SCORE_WORKER_GROUP_INSTANCE_ID"])
+os.replace(hidden, control / f"{label}.pid.{os.getpid()}")
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/metrics":
