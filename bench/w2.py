@@ -5,8 +5,11 @@ Run on the GPU machine from the repository root (needs aiokafka, pydantic-settin
 Phases: saturation (all requests produced at once; items/s first send to last result), latency (produced at
 half that rate; p50/p90/p99 produce-to-result), the latency phase again with the worker's fetch wait cut to
 10 ms (a diagnostic), one request in flight at a time (each sent when the previous result arrived; same short
-fetch wait, then 2 ms; on topics of their own), then the model step alone (Scorer.score_prepared on the
-batches the worker formed, and on full token-budget batches). Writes $OUT/w2.json (or --json PATH).
+fetch wait, then 2 ms; on topics of their own), the broker alone at those two fetch waits (a relay in the
+worker's place passes one record at a time on, with the worker's consumer and producer settings), saturation
+again at the 2 ms fetch wait (what the low-latency setting costs; --saturation-variants), then the model
+step alone (Scorer.score_prepared on the batches the worker formed, and on full token-budget batches).
+Writes $OUT/w2.json (or --json PATH).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from dataclasses import asdict
 from pathlib import Path
 from queue import Empty
 from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from bench import packed_path, w2_load
 from bench.common import (
@@ -51,7 +56,7 @@ from worker.config import WorkerSettings
 from worker.intake_processes import process_count
 from worker.metrics import WorkerMetrics
 from worker.publisher import result_record
-from worker.topics import ensure_topics
+from worker.topics import ensure_topics, topic_partitions
 
 PHASES = (
     "warmup",
@@ -84,6 +89,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "switch1ms": {"switch_interval_us": 1000},
     "switch200us": {"switch_interval_us": 200},
     "switch20ms": {"switch_interval_us": 20_000},
+    # The low-latency fetch wait at saturation: what the short wait costs when records are always there.
+    "fetch2": {"fetch_max_wait_ms": 2},
 }
 DEFAULT_SWITCH_INTERVAL_S = sys.getswitchinterval()
 
@@ -109,6 +116,53 @@ STAGES = (
 )  # fmt: skip
 
 
+class Relay:
+    """The broker alone: reads the relay's request topic with the worker's consumer settings (fetch wait,
+    manual assignment instead of a group) and produces an empty record under each record's key to the relay's
+    results topic with the worker's producer settings (acks, linger), without waiting for the acknowledgement
+    (as the worker hands a batch's results to its producer). One record in flight through it is the broker's
+    round trip: what is left of a request's latency when the model and the worker's own work take nothing."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        options = settings.kafka_client_kwargs()
+        self._consumer = AIOKafkaConsumer(
+            **options, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=settings.fetch_max_wait_ms
+        )
+        self._producer = AIOKafkaProducer(
+            **options, acks="all", linger_ms=settings.publish_linger_ms, enable_idempotence=False
+        )
+        self._topics = w2_load.RELAY_TOPICS
+        self._task: asyncio.Task[None] | None = None
+        self.relayed = 0
+
+    async def start(self) -> None:
+        await self._consumer.start()
+        await self._producer.start()
+        partitions = await topic_partitions(self._consumer, self._topics[0])
+        tps = [TopicPartition(self._topics[0], p) for p in sorted(partitions)]
+        self._consumer.assign(tps)
+        await self._consumer.seek_to_end(*tps)
+        self._task = asyncio.create_task(self._relay())
+
+    async def _relay(self) -> None:
+        pending: set[asyncio.Future[Any]] = set()
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=1000)
+            for records in batches.values():
+                for record in records:
+                    future = await self._producer.send(self._topics[1], b"", key=record.key)
+                    pending.add(future)
+                    future.add_done_callback(pending.discard)
+                    self.relayed += 1
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._producer.stop()
+        await self._consumer.stop()
+
+
 class WorkerRun:
     """One in-process worker at a time on this loop, with the loop watcher; restartable between phases."""
 
@@ -119,6 +173,7 @@ class WorkerRun:
         self.stages: dict[str, dict[str, dict[str, float]]] = {}  # run label -> stage -> mean ms, count
         self.intake_processed: dict[str, int] = {}  # run label -> requests prepared in intake processes
         self.task: asyncio.Task[None] | None = None
+        self.relay: Relay | None = None
         self._worker: ScoreWorker | None = None
         self._label = ""
         self._baseline: dict[str, tuple[float, float]] = {}
@@ -133,7 +188,16 @@ class WorkerRun:
         self.task = asyncio.create_task(self._worker.run())
         self._watcher = asyncio.create_task(watch_loop(self._worker, self.loop_samples))
 
+    async def start_relay(self, fetch_max_wait_ms: int) -> None:
+        """Stop the worker and put the broker-only relay in its place, with the worker's settings."""
+        await self.stop()
+        self.relay = Relay(self._settings.model_copy(update={"fetch_max_wait_ms": fetch_max_wait_ms}))
+        await self.relay.start()
+
     async def stop(self) -> None:
+        if self.relay is not None:
+            await self.relay.stop()
+            self.relay = None
         if self._worker is None or self.task is None or self._watcher is None:
             return
         self._worker.stop()
@@ -148,7 +212,7 @@ class WorkerRun:
                 {"model": self._scorer.model_name, "worker": self._settings.worker_id},
             )
             self.intake_processed[self._label] = int(counted or 0)
-        self._worker, self._baseline = None, {}
+        self._worker, self._baseline, self.task = None, {}, None
 
     async def settled(self, timeout_s: float = 120.0) -> None:
         """Wait until the worker's intake processes (if it has any) are up, so that a phase compares
@@ -200,7 +264,8 @@ def stage_means(
 async def _await_report(
     queue: Any, control: Any, process: Any, run: WorkerRun, timeout_s: float
 ) -> dict[str, Any]:
-    """The load process's report; restarts the worker when it asks; fails early if either side dies."""
+    """The load process's report; restarts the worker (or puts the relay in its place) when it asks; fails
+    early if either side dies."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         message: dict[str, Any] | None = None
@@ -208,6 +273,10 @@ async def _await_report(
             message = queue.get(timeout=0.2 if not process.is_alive() else 0.0)
         if message is not None and "mark" in message:
             run.mark()
+            continue
+        if message is not None and message.get("restart") in w2_load.RELAYS:
+            await run.start_relay(w2_load.RELAYS[message["restart"]])
+            control.put("go")
             continue
         if message is not None and message.get("restart") in RESTARTS | VARIANTS:
             await run.stop()
@@ -239,7 +308,7 @@ async def serve(
     """Run the worker while the load process runs its phases; returns its report and the loop samples."""
     # The load process reads the results topics from its start: every phase's topics exist before it.
     await ensure_topics(settings)
-    for requests_topic, results_topic in w2_load.ONE_IN_FLIGHT_TOPICS.values():
+    for requests_topic, results_topic in (*w2_load.ONE_IN_FLIGHT_TOPICS.values(), w2_load.RELAY_TOPICS):
         await ensure_topics(
             settings.model_copy(update={"requests_topic": requests_topic, "results_topic": results_topic})
         )
@@ -355,7 +424,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--saturation-timeout", type=float, default=150.0)
     parser.add_argument(
         "--saturation-variants",
-        default="",
+        default="fetch2",
         help=f"comma-separated restarts, each followed by saturation again: {', '.join(VARIANTS)}",
     )
     parser.add_argument("--budget-s", type=float, default=370.0, help="wall-clock bound on the whole run")
@@ -527,6 +596,24 @@ def print_summary(report: dict[str, Any]) -> None:
             f"producer ack {one['producer_ack'].get('p50_ms', math.nan):.1f} ms, send to result created "
             f"{one['send_to_result_created'].get('p50_ms', math.nan):.1f}, result created to read "
             f"{one['result_created_to_read'].get('p50_ms', math.nan):.1f}"
+        )
+    for (relay, wait_ms), worker_phase in zip(
+        w2_load.RELAYS.items(), ("one_in_flight", "one_in_flight_low_latency"), strict=True
+    ):
+        if relay not in report:
+            continue
+        rt, lt = report[relay], report[relay]["latency"]
+        share = ""
+        if worker_phase in report:
+            whole = report[worker_phase]["latency"].get("p50_ms", math.nan)
+            share = f"; of the worker phase's p50 ({whole:.1f} ms) the broker's is {lt.get('p50_ms', 0):.1f}"
+        print(
+            f"the broker alone (a relay with the worker's settings), one record in flight, fetch_max_wait_ms "
+            f"{wait_ms} ({rt['completed']}/{rt['requests']} done): p50 {lt.get('p50_ms', 0):.1f} ms, "
+            f"p90 {lt.get('p90_ms', 0):.1f}, p99 {lt.get('p99_ms', 0):.1f}; p50 of the parts: producer ack "
+            f"{rt['producer_ack'].get('p50_ms', math.nan):.1f} ms, send to relayed "
+            f"{rt['send_to_result_created'].get('p50_ms', math.nan):.1f}, relayed to read "
+            f"{rt['result_created_to_read'].get('p50_ms', math.nan):.1f}{share}"
         )
     for name in (k for k in report if k.startswith("saturation_") and not k.endswith("_skipped")):
         variant, vw = report[name], report[name]["worker"]

@@ -61,6 +61,11 @@ ONE_IN_FLIGHT_TOPICS = {
     "one_in_flight": ("score.requests.one", "score.results.one"),
     "low_latency": ("score.requests.low", "score.results.low"),
 }
+# The broker alone, one record in flight: in place of the worker, a relay with the worker's fetch and
+# produce settings passes each record on (bench/w2.py's Relay), at the fetch waits of the two phases above.
+# What that round trip takes is the broker's share of a request's latency; the rest is the worker's.
+RELAY_TOPICS = ("score.requests.relay", "score.results.relay")
+RELAYS = {"relay_wait10": 10, "relay_wait2": 2}
 
 
 def make_workload(config: LoadConfig, count: int | None = None) -> list[ScoreRequest]:
@@ -111,8 +116,10 @@ def latency_summary(latencies_s: Sequence[float]) -> dict[str, float]:
 class Loader:
     """One producer and one results reader (manual assignment, no group) shared by the phases."""
 
-    def __init__(self, config: LoadConfig) -> None:
+    def __init__(self, config: LoadConfig, keyed: bool = False) -> None:
+        """`keyed`: the records read back are a relay's, not results: matched to requests by their key."""
         self._config = config
+        self._keyed = keyed
         self._producer = AIOKafkaProducer(
             bootstrap_servers=config.bootstrap,
             client_id="w2-load",
@@ -175,7 +182,10 @@ class Loader:
             now, wall = time.monotonic(), time.time()
             for records in batches.values():
                 for record in records:
-                    rid = self._handle(record.value or b"", now)
+                    if self._keyed:
+                        rid = self._relayed((record.key or b"").decode(errors="replace"), now)
+                    else:
+                        rid = self._handle(record.value or b"", now)
                     if rid is not None:
                         self._received_wall[rid] = wall
                         self._result_created[rid] = record.timestamp / 1000
@@ -204,6 +214,13 @@ class Loader:
             }
         if result.status is not ResultStatus.OK or hidden != self._wants_hidden[rid]:
             self._bad.append(f"{rid}: {result.status.value} {result.error} hidden={hidden}")
+        return rid
+
+    def _relayed(self, rid: str, now: float) -> str | None:
+        """Records a relayed record's first arrival (keyed by the request id); None if not one to count."""
+        if rid not in self._sent or rid in self._received:
+            return None
+        self._received[rid] = now
         return rid
 
     def _encode(self, requests: Sequence[ScoreRequest], prefix: str) -> list[tuple[str, bytes, bool]]:
@@ -425,6 +442,22 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
                 await own.stop()
             report[name]["topics"] = [requests_topic, results_topic]
             _progress(f"one request in flight, {label}", report[name])
+        for restart, wait_ms in RELAYS.items():
+            if config.deadline - time.monotonic() < 30:
+                report[f"{restart}_skipped"] = "no time left"
+                return report
+            queue.put({"restart": restart})
+            await asyncio.to_thread(control.get, True, 90)
+            topics = {"requests_topic": RELAY_TOPICS[0], "results_topic": RELAY_TOPICS[1]}
+            own = Loader(dataclasses.replace(config, **topics), keyed=True)
+            await own.start()
+            try:
+                await own.burst(warm[:16], f"warm-{restart}", config.warmup_timeout_s)
+                report[restart] = await own.one_at_a_time(requests[: config.one_in_flight], restart)
+            finally:
+                await own.stop()
+            label = f"the broker alone (a relay), one record in flight, fetch_max_wait_ms {wait_ms}"
+            _progress(label, report[restart])
         for variant in config.variants:
             if config.deadline - time.monotonic() < 2 * (sat["t_last_result"] - sat["t_first_send"]) + 30:
                 report[f"saturation_{variant}_skipped"] = "no time left"

@@ -189,8 +189,12 @@ def test_w2_quick_run_through_a_real_broker_checks_what_it_timed(tmp_path: Path)
     # The worker's batches were recorded (however its model thread calls the scorer) and replayed alone.
     assert report["model_step_worker_batches"]["batches"] > 0
     assert report["saturation"]["worker"]["batches"] > 0
-    for phase in ("saturation", "saturation_intake1", "one_in_flight", "one_in_flight_low_latency"):
+    phases = ("saturation", "saturation_intake1", "one_in_flight", "one_in_flight_low_latency")
+    for phase in (*phases, "relay_wait10", "relay_wait2"):
         assert report[phase]["completed"] == report[phase]["requests"]
+    # The broker alone: every record went through the relay in the worker's place, its parts measured.
+    for relay in ("relay_wait10", "relay_wait2"):
+        assert report[relay]["bad_results"] == 0 and report[relay]["producer_ack"]["p50_ms"] > 0
     # One request at a time ran through a restarted worker on topics no earlier phase filled.
     assert report["one_in_flight"]["topics"] == ["score.requests.one", "score.results.one"]
     assert report["one_in_flight_low_latency"]["topics"] == ["score.requests.low", "score.results.low"]
