@@ -108,9 +108,17 @@ class ScoreClient:
         reply_topic_partitions: int = 1,
         compression: Compression = DEFAULT_COMPRESSION,
         read_committed: bool = True,
+        fetch_max_wait_ms: int = 50,
+        linger_ms: int = 2,
     ) -> None:
         """`kafka_options` go to every aiokafka client (e.g. security_protocol, ssl_context, sasl_*);
         `compression` is the codec of the request batches it sends (results of any codec are read).
+
+        `fetch_max_wait_ms`: longest the broker may hold the results reader's fetch. Apache Kafka answers
+        a waiting fetch as soon as a result arrives, so the wait costs nothing there; the embedded broker
+        looks again only part-way through it, so there a result waits about a quarter of it (set 2-5 for
+        one request at a time, at the price of that many more idle fetches). `linger_ms`: how long the
+        producer holds requests to send more of them together (0 for one request at a time).
 
         Results are read with isolation.level=read_committed: against workers delivering exactly once
         it sees only results whose transactions committed (each once); against at-least-once workers,
@@ -128,6 +136,10 @@ class ScoreClient:
         self._kafka_options = dict(kafka_options or {})
         self._compression = compression
         self._isolation = "read_committed" if read_committed else "read_uncommitted"
+        if fetch_max_wait_ms < 0 or linger_ms < 0:
+            waits = f"{fetch_max_wait_ms}, {linger_ms}"
+            raise ValueError(f"fetch_max_wait_ms and linger_ms must be >= 0, got {waits}")
+        self._fetch_max_wait_ms, self._linger_ms = fetch_max_wait_ms, linger_ms
         self._pending: dict[str, asyncio.Future[ScoreResult]] = {}
         # Answered ids, bounded: tells a redelivered duplicate from a stranger's result.
         self._answered: OrderedDict[str, None] = OrderedDict()
@@ -157,8 +169,7 @@ class ScoreClient:
             group_id=None,
             enable_auto_commit=False,
             auto_offset_reset="latest",
-            # Short fetch waits: an idle long poll would otherwise add its full wait to result latency.
-            fetch_max_wait_ms=50,
+            fetch_max_wait_ms=self._fetch_max_wait_ms,
             max_partition_fetch_bytes=self._max_message_bytes,
             isolation_level=self._isolation,
             **self._kafka_options,
@@ -167,7 +178,7 @@ class ScoreClient:
             bootstrap_servers=self._bootstrap,
             client_id=self._client_id,
             acks="all",
-            linger_ms=2,
+            linger_ms=self._linger_ms,
             max_batch_size=256 * 1024,
             max_request_size=self._max_message_bytes,
             compression_type=producer_compression(self._compression),

@@ -120,6 +120,34 @@ def test_score_sync_for_scripts(live_worker: LiveWorker) -> None:
         assert_same_outcome(got, want, live_worker.scorer, request)
 
 
+def test_one_request_at_a_time_with_the_low_latency_reader(live_worker: LiveWorker) -> None:
+    """The settings for one request at a time (a short fetch wait, no linger) reach the Kafka clients, and
+    each request, sent only after the previous result, is answered."""
+    names = live_worker.names
+    requests = [ScoreRequest(f"one-{i}", (f"one request {i}",)) for i in range(3)]
+
+    async def scenario() -> list[ScoreResult]:
+        client = ScoreClient(
+            live_worker.bootstrap, requests_topic=names.requests, results_topic=names.results,
+            start_timeout=20, fetch_max_wait_ms=2, linger_ms=0,
+        )  # fmt: skip
+        async with client:
+            assert client._consumer is not None and client._producer is not None
+            assert client._consumer._fetch_max_wait_ms == 2
+            assert client._producer._message_accumulator._linger_time == 0
+            return [(await client.score([request], timeout=60))[0] for request in requests]
+
+    results = asyncio.run(scenario())
+    for got, want, request in zip(results, live_worker.scorer.score(requests), requests, strict=True):
+        assert_same_outcome(got, want, live_worker.scorer, request)
+
+
+def test_reader_waits_are_checked() -> None:
+    for bad in ({"fetch_max_wait_ms": -1}, {"linger_ms": -5}):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            ScoreClient("127.0.0.1:9092", **bad)
+
+
 def test_a_duplicate_result_is_dropped(kafka_bootstrap: str, idle_topics: Names) -> None:
     async def scenario() -> None:
         async with client_for(kafka_bootstrap, idle_topics) as client:
