@@ -132,7 +132,9 @@ def packed_run(
     """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request,
     its decoder layers compiled (the default on CUDA).
 
-    With `deterministic`, the batch-invariant setting (every item alone): its cost, one pass, no profile.
+    With `deterministic`, the batch-invariant setting (batches packed with every product in tiles of rows,
+    or every item alone where the device's check refuses tiles: result["deterministic_form"]): its cost,
+    one pass, no profile.
     With `eager`, the same path with the layers left eager: what compiling them gains, in the same run.
     `budgets`: other token budgets to time one pass each with the same Scorer (result["sweep_runs"]).
     `share_min`: also time a Scorer looking for shared prefixes of that many tokens (W1 has none).
@@ -170,6 +172,10 @@ def packed_run(
         attention_kernel=scorer.info.attention_kernel,
         fused_mlp=scorer.info.fused_mlp,
     )
+    if deterministic:
+        rows = scorer.executor.row_tiles
+        result["deterministic_form"] = "every item alone" if rows is None else f"tiles of {rows} rows"
+        print(f"  {name}: {result['deterministic_form']}", flush=True)
     print(
         f"  {name}: attention kernel {scorer.info.attention_kernel}, fused MLP {scorer.info.fused_mlp}",
         flush=True,

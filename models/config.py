@@ -119,6 +119,8 @@ class ScorerConfig(EngineSettings):
         from models import triton_attention
 
         if self.attention_kernel == "auto":
+            if self.deterministic:  # a choice of kernel by the batch would make a sequence's bits follow it
+                return "flash"
             hopper = (
                 device is not None
                 and device.type == "cuda"

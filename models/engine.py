@@ -318,8 +318,10 @@ class Scorer:
             item if isinstance(item, ScoreResult) else None for item in prepared
         ]
         pending = [(i, item) for i, item in enumerate(prepared) if isinstance(item, PreparedRequest)]
-        # Deterministic: one request per batch (a judge's label columns then depend on the request alone).
-        budget = 0 if self.config.deterministic else self.config.max_batch_tokens
+        # Deterministic with every item alone: one request per batch (a judge's label columns then depend on
+        # the request alone). With row tiles, batches as usual.
+        alone = self.config.deterministic and self.executor.row_tiles is None
+        budget = 0 if alone else self.config.max_batch_tokens
         indices, requests = [i for i, _ in pending], [p for _, p in pending]
         if budget and not self.plan.fits(requests, budget):
             # More than one batch: requests that share a prefix side by side first, whatever their arrival

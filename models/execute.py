@@ -35,12 +35,14 @@ from models.packing import (
     SharedPrefix,
     pack,
     pool,
+    pool_each,
     pooled_positions,
     position_rows,
 )
 from models.pooled_rows import LastLayerAtPooledRows, last_layer_row_wise, padded_rows
 from models.prefix_cache import CacheIO, PrefixCache
 from models.prepare import Prompt
+from models.tiles import RowTiles, rows_invariant
 
 if TYPE_CHECKING:
     from models.fused_mlp import FusedMlps
@@ -76,7 +78,10 @@ class Executor:
         self.sliding_window = sliding_window(text_config)
         if config.quantization == "fp8":
             self._quantize_fp8()
-        self.fused_mlps = self._fuse_mlps()
+        # The deterministic setting on packed batches: every product in tiles of this many rows (None: off,
+        # or every item alone). Decided first: it keeps the fused, compiled and graphed forms out.
+        self.row_tiles = self._row_tiles()
+        self.fused_mlps = None if self.row_tiles is not None else self._fuse_mlps()
         self.adapters = self._load_adapters()
         self.pooled_layer = self._last_layer_at_pooled_rows()
         # Adapter batches keep the fused MLPs unless an adapter changes a projection the kernel reads.
@@ -90,12 +95,12 @@ class Executor:
         # None after a padded or item-by-item batch.
         self.row_tokens: int | None = None
         self.compiled_layers: CompiledLayers | None = None
-        if config.resolve_compile(attention, device):
+        if config.resolve_compile(attention, device) and self.row_tiles is None:
             self.compiled_layers = compile_layers(loaded.base)
             if self.compiled_layers is None:
                 log.info("%s has no decoder layer list to compile: it runs eager", loaded.name)
         self.graphs: GraphedForward | None = None
-        if config.resolve_graphs(device, attention):
+        if config.resolve_graphs(device, attention) and self.row_tiles is None:
             self.graphs = GraphedForward(
                 self._fast_packed_forward,
                 device,
@@ -197,6 +202,40 @@ class Executor:
             if "attn" in child_name or "attention" in child_name
         ]
 
+    def _row_tiles(self) -> int | None:
+        """The deterministic setting's tile of rows (models/tiles.py) where its batches can be packed with
+        every product tiled and the device sums a row alike wherever it sits in a tile; None where the
+        setting is off, or each item must run alone (said in the log, with the reason)."""
+        config, loaded = self._config, self._loaded
+        if not config.deterministic or config.deterministic_tile_rows == 0:
+            return None
+        rows = config.deterministic_tile_rows
+        why = None
+        if not loaded.packable:
+            why = f"{loaded.name} runs padded batches, whose attention follows the longest item"
+        elif loaded.judge:
+            why = "a judge's label columns are the batch's, and a product's kernel follows their count"
+        elif config.quantization == "fp8":
+            why = "FP8 products run torch._scaled_mm, whose kernel follows the batch's rows"
+        elif config.tensor_parallel > 1:
+            why = "the ranks' partial sums are reduced in chunks that follow the batch's size"
+        elif self.attention == "varlen" and config.varlen_kernel_name(self.attention, self.device) != "flash":
+            why = "only torch's flash kernel is known to tile each sequence from its own first row"
+        else:
+            widths = sorted(
+                {
+                    (m.in_features, m.out_features)
+                    for m in loaded.model.modules()
+                    if isinstance(m, torch.nn.Linear)
+                }
+            )
+            why = rows_invariant(rows, widths, self.device, self.dtype)
+        if why is not None:
+            log.warning("deterministic: every item runs alone (%s)", why)
+            return None
+        log.info("deterministic: batches packed, every product in tiles of %d rows", rows)
+        return rows
+
     def _last_layer_at_pooled_rows(self) -> LastLayerAtPooledRows | None:
         """The last layer's row-wise modules restricted to the pooled rows (models/pooled_rows.py), where set,
         on a causal decoder's varlen path (the exact path stays HF's arithmetic) whose pooling selects rows
@@ -259,7 +298,7 @@ class Executor:
         with `positions` (per prompt, token positions), the hidden states at them [M, H], prompt by prompt
         (None without). `adapters`: each prompt's LoRA adapter index (-1: the base model)."""
         self.row_tokens = None
-        if self._config.deterministic:
+        if self._config.deterministic and self.row_tiles is None:
             forward = self.packed_pooled if self._loaded.packable else self.padded_pooled
             # Every item alone: no result depends on what else shares the batch (kernels pick their tiling
             # by the matrix shapes, so a row's rounding can change with the batch).
@@ -358,6 +397,8 @@ class Executor:
             if cache is not None and use is not None and use.captures and self.prefix_cache is not None:
                 self.prefix_cache.store(use, *cache.captured())
         at = None if packed.position_rows is None else hidden.index_select(0, packed.position_rows)
+        if self.row_tiles is not None and packed.item_of_token is not None:
+            return pool_each(hidden, packed), at  # item by item: a mean over the batch's rows is not
         return pool(hidden, packed), at  # [N, H], float32 for MEAN pooling; [M, H]
 
     def _fast_packed_forward(self, *args: Any, fused: bool = True, **kwargs: Any) -> torch.Tensor:
@@ -370,7 +411,9 @@ class Executor:
         # Batches that read or fill the prefix cache run the layers eager: the cache's traffic is Python
         # inside attention, which the compiled layers' graphs do not hold.
         compiled = self.compiled_layers if kwargs.get("prefix_cache") is None else None
-        with compiled or contextlib.nullcontext(), mlps or contextlib.nullcontext():
+        tiles = RowTiles(self.row_tiles) if self.row_tiles is not None else None
+        nothing = contextlib.nullcontext()
+        with compiled or nothing, mlps or nothing, tiles or nothing:
             return self.packed_forward(*args, **kwargs)
 
     def _adapted(self, adapters: Sequence[int] | None) -> Sequence[int] | None:

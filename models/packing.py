@@ -531,6 +531,24 @@ def pool(hidden: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
     return weights @ hidden.float()
 
 
+def pool_each(hidden: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """`pool` of a batch that pools item means, one item at a time: each mean sums only its item's rows, in
+    an order that depends on the item alone (the deterministic setting's; `pool`'s one product over the
+    batch's rows sums them in tiles that follow the batch)."""
+    if packed.item_of_token is None:
+        return pool(hidden, packed)
+    columns = packed.row_of_token
+    if columns is None:
+        columns = torch.arange(hidden.shape[0], device=hidden.device)
+    items = packed.item_of_token.cpu()
+    order = torch.argsort(items, stable=True)
+    counts = torch.bincount(items, minlength=packed.lengths.shape[0]).tolist()
+    rows = torch.split(columns.index_select(0, order.to(columns.device)), counts)
+    lengths = packed.lengths.to(torch.float32)
+    means = [hidden.index_select(0, r).float().sum(0) / lengths[i] for i, r in enumerate(rows)]
+    return torch.stack(means)
+
+
 def _to_device(array: np.ndarray, device: torch.device, non_blocking: bool) -> torch.Tensor:
     host = torch.from_numpy(array)
     if non_blocking:

@@ -34,7 +34,16 @@ class EngineSettings(BaseModel):
     )
     deterministic: bool = Field(
         False,
-        description="bit-identical results whatever shares a request's batch (each item runs alone: slower)",
+        description="bit-identical results whatever shares a request's batch: batches packed as usual with "
+        "every matrix product in tiles of deterministic_tile_rows rows (checked on the device at start-up), "
+        "or, where that cannot hold, every item alone (slower)",
+    )
+    deterministic_tile_rows: int = Field(
+        1024,
+        ge=0,
+        description="the deterministic setting's tile: every product of the forward runs on this many token "
+        "rows at a time (the last tile padded), so a row's arithmetic never depends on its batch; results "
+        "are bit-identical between workers of the same tile, device and software; 0: every item alone",
     )
     attention_kernel: AttentionKernel = Field(
         "auto",

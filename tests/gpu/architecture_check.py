@@ -311,6 +311,8 @@ def check_one(
         np.array_equal(a[3], b[3]) for a, b in zip(mixed["hidden"], single["hidden"], strict=True)
     )
     outcome.numbers["deterministic_identical"] = str(identical)
+    rows = exact.executor.row_tiles
+    outcome.numbers["deterministic_form"] = "every item alone" if rows is None else f"tiles of {rows} rows"
     outcome.expect(identical, "deterministic results changed with the batch")
     outcome.expect(
         drift <= FLOORS[dtype][0] * max(1.0, float(np.abs(packed["scores"]).max())), f"drift {drift:.2e}"
