@@ -678,3 +678,34 @@ def test_adapter_batches_on_the_fast_path_score_as_the_eager_path(
         np.testing.assert_allclose(got_scores, want_scores, atol=atol, rtol=0)
         if name is not None:  # the adapter moved the scores by more than the bound
             assert float(np.abs(want_scores - np.array(b.scores)).max()) > atol
+
+
+# W1's 8B projections (hidden 4096, 8 KV heads of 128, MLP 14336) and a one-column head.
+W1_WIDTHS = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 1)]
+
+
+def test_the_gpu_products_are_row_invariant_in_tiles_at_w1_widths() -> None:
+    """The deterministic setting's tiled form holds on this GPU for W1's shapes in bf16: a row's product
+    is the same bits wherever it sits in its tile and whatever rows are beside it (else the setting falls
+    back to every item alone, which this test is there to show)."""
+    from models.tiles import rows_invariant
+
+    assert rows_invariant(1024, W1_WIDTHS, torch.device("cuda"), torch.bfloat16) is None
+
+
+def test_deterministic_tiles_on_the_gpu_give_the_same_bits_in_any_batch(tiny_qwen3_dir: Path) -> None:
+    """The tiled form on the varlen path in bf16: the same requests in one batch, in reverse order, and
+    each alone give the same scores and hidden states bit for bit."""
+    config = ScorerConfig(device="cuda", dtype="bfloat16", deterministic=True, deterministic_tile_rows=64)
+    scorer = Scorer(tiny_qwen3_dir, config)
+    assert scorer.executor.row_tiles == 64 and scorer.info.attention_kernel == "flash"
+    requests = [*_requests(5, 37, 3), *_requests(4, 150, 4), *_requests(3, 2, 5)]
+    requests = [dataclasses.replace(r, request_id=f"q{i}") for i, r in enumerate(requests)]
+    together = _arrays(scorer.score(requests))
+    backwards = _arrays(scorer.score(requests[::-1]))
+    alone = [_arrays(scorer.score([r])) for r in requests]
+    for i in range(len(requests)):
+        j = len(requests) - 1 - i
+        for part in (0, 1):  # scores, hidden states
+            assert np.array_equal(together[part][i], backwards[part][j])
+            assert np.array_equal(together[part][i], alone[i][part][0])
