@@ -398,7 +398,8 @@ class Executor:
                 self.prefix_cache.store(use, *cache.captured())
         at = None if packed.position_rows is None else hidden.index_select(0, packed.position_rows)
         if self.row_tiles is not None and packed.item_of_token is not None:
-            return pool_each(hidden, packed), at  # item by item: a mean over the batch's rows is not
+            # Item by item: one product over the batch's rows would sum them in tiles that follow the batch.
+            return pool_each(hidden, packed), at
         return pool(hidden, packed), at  # [N, H], float32 for MEAN pooling; [M, H]
 
     def _fast_packed_forward(self, *args: Any, fused: bool = True, **kwargs: Any) -> torch.Tensor:
