@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm)
+_ADD_PRODUCTS = (torch.addmm, torch.Tensor.addmm, torch.Tensor.addmm_)
 
 
 def tiled_product(
@@ -50,9 +51,10 @@ def tiled_product(
 
 
 class RowTiles(TorchFunctionMode):
-    """Inside it, `F.linear(x, w)` and the products of a 2-D matrix of token rows by a 2-D matrix run in
-    tiles of `rows` rows (tiled_product). Products of other ranks (attention's per-head scores on the exact
-    path) pass through: their rows are one sequence's, computed alike in every batch."""
+    """Inside it, `F.linear(x, w)`, the products of a 2-D matrix of token rows by a 2-D matrix and `addmm`
+    (without alpha or beta) run in tiles of `rows` rows (tiled_product). Products of other ranks
+    (attention's per-head scores on the exact path) pass through: their rows are one sequence's, computed
+    alike in every batch."""
 
     def __init__(self, rows: int) -> None:
         super().__init__()
@@ -79,6 +81,14 @@ class RowTiles(TorchFunctionMode):
             and args[1].dim() == 2
         ):
             return tiled_product(self.rows, torch.mm, args[0], args[1])
+        if func in _ADD_PRODUCTS and len(args) == 3 and not kwargs and all(a.dim() == 2 for a in args):
+            # base + m1 @ m2 (a LoRA delta added to its projection's output): the product in tiles, then the
+            # sum, elementwise (the fused form's single rounding would follow the product's kernel).
+            base, left, right = args
+            product = tiled_product(self.rows, torch.mm, left, right)
+            if func is torch.Tensor.addmm_:
+                return base.add_(product.to(base.dtype))
+            return base + product.to(base.dtype)
         return func(*args, **kwargs)
 
 

@@ -4,10 +4,12 @@ its batch and however the batches are cut."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from models import Scorer, ScorerConfig, write_tiny_model
 from models.tiles import RowTiles, rows_invariant, tiled_product
@@ -150,3 +152,31 @@ def test_the_device_check_finds_a_product_that_follows_the_row_position() -> Non
     # Row by row, one call of one shape each: the same bits wherever the row sits, by construction.
     row_by_row = lambda x, w: torch.stack([w @ row for row in x])  # noqa: E731
     assert rows_invariant(16, widths, cpu, f32, product=row_by_row) is None
+
+
+class _Shapes(TorchFunctionMode):
+    """Records the left operand's shape of every product that reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.mm, torch.addmm, torch.Tensor.addmm_):
+            self.seen.append(tuple(args[1 if "addmm" in func.__name__ else 0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_added_product_runs_in_the_tiles_too() -> None:
+    """A LoRA delta's `out.addmm_(m1, m2)` inside RowTiles: its product on [rows, K] tiles only, then added,
+    equal to the whole product (exactly, in integers a float64 product holds)."""
+    generator = torch.Generator().manual_seed(2)
+    base = torch.randint(-8, 8, (37, 5), generator=generator).double()
+    m1 = torch.randint(-8, 8, (37, 12), generator=generator).double()
+    m2 = torch.randint(-8, 8, (12, 5), generator=generator).double()
+    spy = _Shapes()
+    with spy, RowTiles(16):  # the spy outside: it sees the calls the tiles make
+        added = base.clone().addmm_(m1, m2)
+        plain = torch.addmm(base, m1, m2)
+    assert spy.seen == [(16, 12)] * 6  # three tiles for each of the two calls
+    assert torch.equal(added, base + m1 @ m2) and torch.equal(plain, base + m1 @ m2)
