@@ -245,6 +245,15 @@ class AdapterSet:
         """The adapted projections."""
         return tuple(self._modules.values())
 
+    def product_widths(self) -> list[tuple[int, int]]:
+        """The (inner, outer) widths of the deltas' two products: x [T, in] by A^T [in, R], then by B^T
+        [R, out]."""
+        widths = set()
+        for module in self._modules.values():
+            a, b = getattr(module, _A), getattr(module, _B)
+            widths |= {(int(a.shape[1]), int(a.shape[0])), (int(b.shape[1]), int(b.shape[0]))}
+        return sorted(widths)
+
     def restrict_within(self, outer: Sequence[nn.Module]) -> None:
         """Projections that are, or sit inside, one of `outer` (the last layer's modules that run at the
         pooled rows only) read the masks of the restricted rows."""

@@ -83,6 +83,11 @@ class Executor:
         self.row_tiles = self._row_tiles()
         self.fused_mlps = None if self.row_tiles is not None else self._fuse_mlps()
         self.adapters = self._load_adapters()
+        if self.row_tiles is not None and self.adapters is not None:
+            why = rows_invariant(self.row_tiles, self.adapters.product_widths(), self.device, self.dtype)
+            if why is not None:  # the fused MLPs stay out: the setting asks for exact bits, not speed
+                log.warning("deterministic: every item runs alone (adapters: %s)", why)
+                self.row_tiles = None
         self.pooled_layer = self._last_layer_at_pooled_rows()
         # Adapter batches keep the fused MLPs unless an adapter changes a projection the kernel reads.
         self._fused_with_adapters = self.fused_mlps is not None and not (

@@ -283,6 +283,11 @@ def test_token_outputs_and_the_deterministic_setting_under_adapters(
         "tokens", items=_ids(3, 2, 12), adapter="mlp", token_outputs="tokens", token_range=(-4, None),
         return_token_hidden_states=True,
     )  # fmt: skip
+    # The deltas' products are in the device check: ranks stacked per projection (attention: full 4 +
+    # attn 8; MLP: full 4 + mlp 2), each product both ways (x A^T, then B^T).
+    assert scorer.executor.adapters is not None
+    widths = scorer.executor.adapters.product_widths()
+    assert {min(pair) for pair in widths} == {12, 6} and {(r, k) for k, r in widths} & set(widths)
     alone = scorer.score([request])[0]
     beside = scorer.score([ScoreRequest("other", items=_ids(9, 4, 30), adapter="full"), request])[1]
     # bit-identical whatever shares its batch (the batch's timings aside)
