@@ -113,6 +113,21 @@ def latency_summary(latencies_s: Sequence[float]) -> dict[str, float]:
     return {key: float(value) for key, value in values.items()}
 
 
+async def assign_whole_topic(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
+    """Assign every partition of `topic` (waiting up to 5 s for it to exist) to a started `consumer`."""
+    partitions = await topic_partitions(consumer, topic)
+    for _ in range(50):
+        if partitions:
+            break
+        await asyncio.sleep(0.1)
+        partitions = await topic_partitions(consumer, topic)
+    if not partitions:
+        raise RuntimeError(f"topic {topic} does not exist")
+    tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+    consumer.assign(tps)
+    return tps
+
+
 class Loader:
     """One producer and one results reader (manual assignment, no group) shared by the phases."""
 
@@ -154,16 +169,7 @@ class Loader:
 
     async def start(self) -> None:
         await self._consumer.start()
-        partitions = await topic_partitions(self._consumer, self._config.results_topic)
-        for _ in range(50):
-            if partitions:
-                break
-            await asyncio.sleep(0.1)
-            partitions = await topic_partitions(self._consumer, self._config.results_topic)
-        if not partitions:
-            raise RuntimeError(f"results topic {self._config.results_topic} does not exist")
-        tps = [TopicPartition(self._config.results_topic, p) for p in sorted(partitions)]
-        self._consumer.assign(tps)
+        tps = await assign_whole_topic(self._consumer, self._config.results_topic)
         # A fresh broker: the results topic holds only this run's results, so read it from the start.
         await self._consumer.seek_to_beginning(*tps)
         await self._producer.start()
@@ -420,6 +426,25 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
         report["warmup_short_fetch"] = await loader.burst(warm[:16], "warm2", config.warmup_timeout_s)
         report["latency_short_fetch"] = await loader.paced(requests[:count], "lat2", rate)
         _progress("latency, worker fetch_max_wait_ms 10", report["latency_short_fetch"])
+
+        async def one_at_a_time(
+            restart: str, topics: tuple[str, str], prefix: str, warm_prefix: str, relayed: bool
+        ) -> tuple[dict[str, Any], dict[str, Any]]:
+            """After `restart` (a worker's, or the relay in its place): a warm-up, then one request in
+            flight at a time, on `topics` of their own; the warm-up's report and the phase's."""
+            queue.put({"restart": restart})
+            await asyncio.to_thread(control.get, True, 90)
+            own_topics = {"requests_topic": topics[0], "results_topic": topics[1]}
+            own = Loader(dataclasses.replace(config, **own_topics), keyed=relayed)
+            await own.start()
+            try:
+                warmed = await own.burst(warm[:16], warm_prefix, config.warmup_timeout_s)
+                if not relayed:
+                    queue.put({"mark": "warm"})  # the worker's own stage figures count from here
+                return warmed, await own.one_at_a_time(requests[: config.one_in_flight], prefix)
+            finally:
+                await own.stop()
+
         one_phases = (  # worker restart, report key, id prefixes, progress label
             ("one_in_flight", "one_in_flight", "one", "warm3", "worker fetch_max_wait_ms 10"),
             ("low_latency", "one_in_flight_low_latency", "one-low", "warm4", "worker fetch_max_wait_ms 2"),
@@ -428,34 +453,19 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
             if config.deadline - time.monotonic() < 30:
                 report[f"{name}_skipped"] = "no time left"
                 return report
-            queue.put({"restart": restart})
-            await asyncio.to_thread(control.get, True, 90)
-            requests_topic, results_topic = ONE_IN_FLIGHT_TOPICS[restart]
-            topics = {"requests_topic": requests_topic, "results_topic": results_topic}
-            own = Loader(dataclasses.replace(config, **topics))
-            await own.start()
-            try:
-                report[f"warmup_{restart}"] = await own.burst(warm[:16], warm_prefix, config.warmup_timeout_s)
-                queue.put({"mark": "warm"})  # the worker's own stage figures count from here
-                report[name] = await own.one_at_a_time(requests[: config.one_in_flight], prefix)
-            finally:
-                await own.stop()
-            report[name]["topics"] = [requests_topic, results_topic]
+            topics = ONE_IN_FLIGHT_TOPICS[restart]
+            report[f"warmup_{restart}"], report[name] = await one_at_a_time(
+                restart, topics, prefix, warm_prefix, relayed=False
+            )
+            report[name]["topics"] = list(topics)
             _progress(f"one request in flight, {label}", report[name])
         for restart, wait_ms in RELAYS.items():
             if config.deadline - time.monotonic() < 30:
                 report[f"{restart}_skipped"] = "no time left"
                 return report
-            queue.put({"restart": restart})
-            await asyncio.to_thread(control.get, True, 90)
-            topics = {"requests_topic": RELAY_TOPICS[0], "results_topic": RELAY_TOPICS[1]}
-            own = Loader(dataclasses.replace(config, **topics), keyed=True)
-            await own.start()
-            try:
-                await own.burst(warm[:16], f"warm-{restart}", config.warmup_timeout_s)
-                report[restart] = await own.one_at_a_time(requests[: config.one_in_flight], restart)
-            finally:
-                await own.stop()
+            _, report[restart] = await one_at_a_time(
+                restart, RELAY_TOPICS, restart, f"warm-{restart}", relayed=True
+            )
             label = f"the broker alone (a relay), one record in flight, fetch_max_wait_ms {wait_ms}"
             _progress(label, report[restart])
         for variant in config.variants:
