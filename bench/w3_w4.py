@@ -125,11 +125,12 @@ def chunks(requests: Sequence[ScoreRequest], budget: int, scorer: Scorer | None 
 
 
 def time_path(
-    scorer: Scorer, requests: Sequence[ScoreRequest], cut: Sequence[range], repeats: int
+    scorer: Scorer, requests: Sequence[ScoreRequest], cut: Sequence[range], repeats: int, step_only: bool
 ) -> tuple[list[ScoreResult], dict[str, float]]:
-    """Best wall time of `repeats` passes after one warm-up pass, two ways: the model step
+    """Best wall time of `repeats` passes after one warm-up pass, three ways: the model step
     (`score_prepared` on requests prepared beforehand, as the worker's intake prepares them beside the
-    model) and the whole call (`score`, preparing on the same thread first). The model step's results.
+    model), the batches launched ahead, and the whole call (`score`, preparing on the same thread first);
+    `step_only`: the model step alone. The model step's results.
     A scorer's prefix cache is emptied before every pass: each starts as the first call of a stream."""
     cache = scorer.executor.prefix_cache
 
@@ -164,11 +165,15 @@ def time_path(
         per_batch = packed_path.launch_ahead(scorer, prepared)
         return covered(packed_path.in_request_order(len(requests), cut, per_batch))
 
-    best = {"step_s": float("inf"), "overlapped_s": float("inf"), "whole_s": float("inf")}
+    best = {"step_s": float("inf")} | (
+        {} if step_only else {"overlapped_s": float("inf"), "whole_s": float("inf")}
+    )
     results: list[ScoreResult] = []
     for _ in range(repeats):
         results, elapsed = timed_pass(step)
         best["step_s"] = min(best["step_s"], elapsed)
+        if step_only:
+            continue
         launched_ahead, elapsed = timed_pass(overlapped)
         best["overlapped_s"] = min(best["overlapped_s"], elapsed)
         # Timed, so checked: the same batches launched ahead score as they do alone (the same kernels on
@@ -212,6 +217,19 @@ def interleaved(work: Workload, n: int) -> Workload:
     return [requests[p * n + r] for r in range(n) for p in range(prompts)], bare
 
 
+def _other_timings(report: dict[str, Any]) -> str:
+    """The batches-overlapped and with-prepare figures of a case's line, where they were timed."""
+    if "overlapped" not in report:
+        return ""
+    overlapped, prepare = report["overlapped"], report["with_prepare"]
+    return (
+        f"batches overlapped {overlapped['speedup']:.2f}x ({overlapped['shared_items_per_s']:.1f} items/s, "
+        f"{100 * overlapped['share_of_distinct']:.0f}% of the distinct tokens); with prepare on the same "
+        f"thread {prepare['speedup']:.2f}x ({100 * prepare['share_of_distinct']:.0f}% of the distinct "
+        "tokens); "
+    )
+
+
 def run_case(
     name: str,
     model_dir: Path,
@@ -238,11 +256,11 @@ def run_case(
         cut = shared_cut = [range(k, min(k + size, len(requests))) for k in range(0, len(requests), size)]
     items = sum(len(r.items) for r in requests)
     whole_tokens = sum(len(p) for r in requests for p in whole_prompts(r))
-    whole_results, whole_t = time_path(today, requests, cut, args.repeats)
-    shared_results, shared_t = time_path(shared, requests, shared_cut, args.repeats)
+    whole_results, whole_t = time_path(today, requests, cut, args.repeats, args.step_only)
+    shared_results, shared_t = time_path(shared, requests, shared_cut, args.repeats, args.step_only)
     distinct_tokens = sum(len(r.items[0]) for r in bare)
     bare_cut = [range(len(bare))] if one_call or calls else chunks(bare, args.max_batch_tokens)
-    _, distinct_t = time_path(today, bare, bare_cut, args.repeats)
+    _, distinct_t = time_path(today, bare, bare_cut, args.repeats, args.step_only)
     del today
 
     def rates(timing: str) -> dict[str, float]:
@@ -265,12 +283,13 @@ def run_case(
         "shared_batches": len(shared_cut),
         # The model step: what bounds the worker, whose intake prepares requests beside the model.
         **rates("step_s"),
-        # The model step with batches overlapped, as the worker's model thread runs them when they queue.
-        "overlapped": rates("overlapped_s"),
-        # Scorer.score, preparing on the model's thread first (how this benchmark timed until 2026-12-01).
-        "with_prepare": rates("whole_s"),
         "vs_fp32": check_sample(model_dir, device, sample(requests, shared_results, args.sample)),
     }
+    if not args.step_only:
+        # The model step with batches overlapped, as the worker's model thread runs them when they queue.
+        report["overlapped"] = rates("overlapped_s")
+        # Scorer.score, preparing on the model's thread first (how this benchmark timed until 2026-12-01).
+        report["with_prepare"] = rates("whole_s")
     noise = float(report["vs_fp32"].get("hf_bf16_max_abs_score_diff", 0.0))
     report["agreement"] = agree(shared_results, whole_results, noise=noise)
     prefix_cache = shared.executor.prefix_cache
@@ -290,12 +309,8 @@ def run_case(
         f"{distinct_tokens} distinct; batches {len(cut)} whole, {len(shared_cut)} shared; "
         f"items/s today {report['today_items_per_s']:.1f}, shared {report['shared_items_per_s']:.1f} "
         f"({report['speedup']:.2f}x), distinct tokens only {report['distinct_items_per_s']:.1f} "
-        f"(shared reaches {100 * report['share_of_distinct']:.0f}% of it); batches overlapped "
-        f"{report['overlapped']['speedup']:.2f}x ({report['overlapped']['shared_items_per_s']:.1f} items/s, "
-        f"{100 * report['overlapped']['share_of_distinct']:.0f}% of the distinct tokens); "
-        f"with prepare on the same thread "
-        f"{report['with_prepare']['speedup']:.2f}x ({100 * report['with_prepare']['share_of_distinct']:.0f}% "
-        f"of the distinct tokens); agreement {report['agreement']}, "
+        f"(shared reaches {100 * report['share_of_distinct']:.0f}% of it); {_other_timings(report)}"
+        f"agreement {report['agreement']}, "
         f"vs float32 {'ok' if report['vs_fp32']['ok'] else 'FAILED'} "
         f"(max |dscore| {report['vs_fp32']['max_abs_score_diff']:.3g}, "
         f"bound {report['vs_fp32']['score_bound']:.3g})",
@@ -323,6 +338,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--min-tokens", type=int, default=32, help="share_prefix_min_tokens of the shared path"
     )
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per path; the best is reported")
+    parser.add_argument(
+        "--step-only",
+        action="store_true",
+        help="time the model step alone (not also the batches launched ahead and the call with prepare): "
+        "a third of the passes, for W4's 1.6M-token paths within one device call",
+    )
     parser.add_argument("--sample", type=int, default=6, help="requests checked against HF float32 per case")
     return parser.parse_args(argv)
 

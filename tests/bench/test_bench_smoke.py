@@ -92,6 +92,17 @@ def test_shared_prefix_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) 
     assert cache["hits"] > 0 and cache["tokens_saved"] > 0 and cache["bytes"] > 0
 
 
+def test_shared_prefix_benchmark_can_time_the_model_step_alone(tmp_path: Path) -> None:
+    """`--step-only` (W4 on the GPU within one call): the model step timed and checked as before, the other
+    two timings left out of the report rather than reported from passes that did not run."""
+    argv = ["bench/w3_w4.py", "--quick", "--repeats", "1", "--cases", "w4i", "--step-only"]
+    proc = _run_script(argv, tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    case = json.loads((tmp_path / "w3_w4-quick.json").read_text())["w4i"]
+    assert case["vs_fp32"]["ok"] and case["agreement"]["ok"] and case["shared_items_per_s"] > 0
+    assert "overlapped" not in case and "with_prepare" not in case
+
+
 def test_prefix_cache_count_checks_every_path_against_the_one_without_the_cache(tmp_path: Path) -> None:
     """bench/prefix_cache_count.py: W4's answers as 8 calls through the engine without and with the
     prefix cache, every result checked against the path without it; the cache computes fewer tokens, and
