@@ -29,24 +29,55 @@ _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm
 _ADD_PRODUCTS = (torch.addmm, torch.Tensor.addmm, torch.Tensor.addmm_)
 
 
+def _linear_into(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out: torch.Tensor
+) -> torch.Tensor:
+    """F.linear of a 2-D `x` written into `out`: the product F.linear itself makes on 2-D input (a matrix
+    product by the weight's transpose, its bias added in the product's epilogue)."""
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def _mm_into(x: torch.Tensor, other: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    return torch.mm(x, other, out=out)
+
+
+# The products whose whole tiles are written straight into the joined output (no copy of the result).
+_INTO: dict[Any, Callable[..., torch.Tensor]] = {F.linear: _linear_into, torch.mm: _mm_into}
+
+
 def tiled_product(
     rows: int, product: Callable[..., torch.Tensor], left: torch.Tensor, *rest: Any, **kwargs: Any
 ) -> torch.Tensor:
     """`product(left, *rest)` computed `rows` rows of `left` [..., K] at a time, the last tile padded with
-    zeros: every call has the shape [rows, K], whatever the number of rows."""
+    zeros: every call has the shape [rows, K], whatever the number of rows. F.linear's and torch.mm's whole
+    tiles are written into the result where their rows start on a 16-byte boundary (as a fresh output's
+    do, so the kernel is the one a fresh output gets); the others, and the padded tile, are copied in."""
     flat = left.reshape(-1, left.shape[-1])
     count = flat.shape[0]
     if count == 0:
         return product(left, *rest, **kwargs)
-    pieces = []
-    for start in range(0, count, rows):
+
+    def padded(start: int) -> torch.Tensor:
         tile = flat[start : start + rows]
         short = rows - tile.shape[0]
-        if short:
-            tile = torch.cat([tile, tile.new_zeros(short, tile.shape[1])])
-        out = product(tile, *rest, **kwargs)
-        pieces.append(out[: rows - short] if short else out)
-    joined = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        return torch.cat([tile, tile.new_zeros(short, tile.shape[1])]) if short else tile
+
+    first = product(padded(0), *rest, **kwargs)
+    if count <= rows:
+        joined = first[:count]
+    else:
+        into = _INTO.get(product)
+        joined = first.new_empty(count, first.shape[-1])
+        joined[:rows].copy_(first)
+        for start in range(rows, count, rows):
+            stop = min(start + rows, count)
+            target = joined[start:stop]
+            if into is not None and stop - start == rows and target.data_ptr() % 16 == 0:
+                into(flat[start:stop], *rest, **kwargs, out=target)
+            else:
+                target.copy_(product(padded(start), *rest, **kwargs)[: stop - start])
     return joined.reshape(*left.shape[:-1], joined.shape[-1])
 
 

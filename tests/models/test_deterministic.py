@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from models import Scorer, ScorerConfig, write_tiny_model
@@ -138,6 +139,23 @@ def test_every_product_in_the_tiles_has_one_shape() -> None:
         heads = torch.matmul(x, w.T)  # 3-D: one sequence's rows, passed through whole
     assert torch.equal(linear, x @ w.T) and torch.equal(product, x.reshape(-1, 12) @ w.T)
     assert torch.equal(heads, x @ w.T)
+
+
+@pytest.mark.parametrize(("rows", "width"), [(16, 5), (7, 1), (8, 2)])
+def test_linear_and_mm_tiles_written_into_the_result_are_the_whole_product(rows: int, width: int) -> None:
+    """F.linear (with and without bias) and torch.mm write their whole tiles straight into the result, where
+    a tile's rows start on a 16-byte boundary, and copy the others in: the same values as the whole
+    product either way, exactly (integers a float64 product holds without rounding). 7 rows of one float64
+    column start off that boundary in every other tile; 16 x 5 and 8 x 2 on it."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randint(-8, 8, (3, 29, 12), generator=generator).double()
+    w = torch.randint(-8, 8, (width, 12), generator=generator).double()
+    b = torch.randint(-8, 8, (width,), generator=generator).double()
+    assert torch.equal(tiled_product(rows, F.linear, x, w), x @ w.T)
+    assert torch.equal(tiled_product(rows, F.linear, x, w, b), x @ w.T + b)
+    assert torch.equal(tiled_product(rows, F.linear, x, w, bias=b), x @ w.T + b)
+    flat = x.reshape(-1, 12)
+    assert torch.equal(tiled_product(rows, torch.mm, flat, w.T), flat @ w.T)
 
 
 def test_the_device_check_finds_a_product_that_follows_the_row_position() -> None:
