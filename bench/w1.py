@@ -114,6 +114,21 @@ def time_scorer(
     return run
 
 
+def same_bits_in_other_company(
+    scorer: Any, requests: Sequence[Any], batch: Sequence[int], hidden_size: int
+) -> dict[str, Any]:
+    """What the deterministic setting promises, on the timed Scorer: every other request of one batch,
+    scored again in reverse order without the others (other batch-mates, other packing positions), gives
+    the same bits as in the whole batch."""
+    whole = packed_path.run_scorer(scorer, requests, [list(batch)])
+    again = list(batch)[::2][::-1]
+    apart = packed_path.run_scorer(scorer, requests, [again])
+    a = packed_path.results_to_arrays([whole[i] for i in again], hidden_size)
+    b = packed_path.results_to_arrays([apart[i] for i in again], hidden_size)
+    same = bool(np.array_equal(a.scores, b.scores) and np.array_equal(a.hidden, b.hidden))
+    return {"ok": same, "requests": len(again), "of_batch": len(batch)}
+
+
 def packed_run(
     model: torch.nn.Module,
     work: Workload,
@@ -128,13 +143,15 @@ def packed_run(
     other_kernels: Sequence[str] = (),
     other_fused_mlp: Sequence[str] = (),
     whole_last_layer: bool = False,
+    tile_rows: int = 1024,
 ) -> dict[str, Any]:
     """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request,
     its decoder layers compiled (the default on CUDA).
 
     With `deterministic`, the batch-invariant setting (batches packed with every product in tiles of rows,
     or every item alone where the device's check refuses tiles: result["deterministic_form"]): its cost,
-    one pass, no profile.
+    timed as the default path is (the best of `repeats` passes), no profile; `tile_rows`: its tiles' rows
+    (the name says them where they are not the default's).
     With `eager`, the same path with the layers left eager: what compiling them gains, in the same run.
     `budgets`: other token budgets to time one pass each with the same Scorer (result["sweep_runs"]).
     `share_min`: also time a Scorer looking for shared prefixes of that many tokens (W1 has none).
@@ -147,6 +164,8 @@ def packed_run(
     from models.plan import token_runs  # here: the baselines alone (--no-scorer) need no models/
 
     name = "packed_deterministic" if deterministic else "packed_eager" if eager else "packed_varlen"
+    if deterministic and tile_rows != 1024:
+        name = f"{name}_tiles{tile_rows}"
     model_dir = workdir / "w1-model"
     if not (model_dir / "config.json").is_file():
         (copied, save_s) = timed(lambda: packed_path.save_model_dir(model, model_dir))
@@ -155,16 +174,15 @@ def packed_run(
         save_s = 0.0
     compile = "off" if eager else "auto"
     largest = max([max_batch_tokens, *budgets])  # the Scorer must not cut the sweep's batches
-    scorer, load_s = timed(
-        lambda: packed_path.make_scorer(model_dir, largest, deterministic=deterministic, compile=compile)
-    )
+    settings = {"deterministic": deterministic, "compile": compile, "deterministic_tile_rows": tile_rows}
+    scorer, load_s = timed(lambda: packed_path.make_scorer(model_dir, largest, **settings))
     print(f"  Scorer loaded in {load_s:.1f} s", flush=True)
     requests = packed_path.make_requests(work.token_ids)
     chunks = list(token_runs(work.lengths, max_batch_tokens))
     config: Any = model.config
     hidden_size = int(config.hidden_size)
 
-    result = time_scorer(name, scorer, requests, chunks, 1 if deterministic else repeats, hidden_size)
+    result = time_scorer(name, scorer, requests, chunks, repeats, hidden_size)
     result.update(
         save_seconds=save_s,
         load_seconds=load_s,
@@ -175,7 +193,8 @@ def packed_run(
     if deterministic:
         rows = scorer.executor.row_tiles
         result["deterministic_form"] = "every item alone" if rows is None else f"tiles of {rows} rows"
-        print(f"  {name}: {result['deterministic_form']}", flush=True)
+        result["same_bits"] = same_bits_in_other_company(scorer, requests, chunks[0], hidden_size)
+        print(f"  {name}: {result['deterministic_form']}; {result['same_bits']}", flush=True)
     print(
         f"  {name}: attention kernel {scorer.info.attention_kernel}, fused MLP {scorer.info.fused_mlp}",
         flush=True,
@@ -266,6 +285,9 @@ def correctness(runs: dict[str, dict[str, Any]], picks: list[int], ref: PathOutp
         report["vs_fp32"][name] = compare(run["output"].rows(picks), ref)
     if "packed_varlen" in runs and HF8 in runs:
         report["packed_vs_hf8_bf16"] = compare(runs["packed_varlen"]["output"], runs[HF8]["output"])
+    report["deterministic_same_bits"] = {
+        name: run["same_bits"] for name, run in runs.items() if "same_bits" in run
+    }
     if "packed_varlen" in runs and "packed_deterministic" in runs:
         # The batch drift the deterministic setting removes: the same requests, batched vs each item alone.
         report["batched_vs_deterministic"] = compare(
@@ -276,17 +298,19 @@ def correctness(runs: dict[str, dict[str, Any]], picks: list[int], ref: PathOutp
 
 def verdict(checks: dict[str, Any]) -> list[str]:
     """Failures of the timed results against float32: an error beyond twice HF's own bf16 error (plus 5% of
-    the score scale; 10% of it when the HF baselines were skipped), or a non-finite value. A figure whose
-    results are wrong is no figure."""
+    the score scale; 10% of it when the HF baselines were skipped), or a non-finite value; and a
+    deterministic run whose bits changed with the batch. A figure whose results are wrong is no figure."""
     errors = checks["vs_fp32"]
     hf = [v["max_abs_score_diff"] for k, v in errors.items() if k.startswith("hf_")]
     scale = checks["fp32_score_scale"]
     bound = score_bound(max(hf), scale) if hf else score_bound(0.0, scale, share=0.1)
-    return [
+    failures = [
         f"{name}: max |score - fp32| {v['max_abs_score_diff']:.3g} > {bound:.3g} or non-finite"
         for name, v in errors.items()
         if not v["all_finite"] or (not name.startswith("hf_") and v["max_abs_score_diff"] > bound)
     ]
+    bits = checks.get("deterministic_same_bits", {})
+    return failures + [f"{name}: other bits in other company" for name, v in bits.items() if not v["ok"]]
 
 
 def table(runs: dict[str, dict[str, Any]], tokens: int, roofline_tps: float) -> list[dict[str, Any]]:
@@ -350,7 +374,7 @@ def print_summary(rows: list[dict[str, Any]], roofline: dict[str, Any], checks: 
         )
     labels = {
         "packed_vs_hf8_bf16": "packed vs HF pad-8 (bf16, all requests)",
-        "batched_vs_deterministic": "batch drift: packed batches vs each item alone (bf16, all)",
+        "batched_vs_deterministic": "batch drift: packed batches vs the deterministic setting (bf16, all)",
     }
     for key, label in labels.items():
         if key in checks:
@@ -373,6 +397,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-eager", action="store_true", help="skip the packed path with eager layers")
     parser.add_argument(
         "--no-deterministic", action="store_true", help="skip the pass with the deterministic setting"
+    )
+    parser.add_argument(
+        "--deterministic-tile-rows",
+        type=lambda text: [int(part) for part in text.split(",") if part],
+        default=[1024],
+        help="the deterministic setting's tile rows, one pass set each (the default's 1024 first)",
     )
     parser.add_argument(
         "--budgets",
@@ -435,10 +465,14 @@ def run_paths(args: argparse.Namespace, model: torch.nn.Module, work: Workload) 
             runs.update(runs["packed_varlen"].pop("sweep_runs", {}))
             gc.collect()
             torch.cuda.empty_cache()
-            if not args.no_deterministic:
-                runs["packed_deterministic"] = packed_run(
-                    model, work, args.max_batch_tokens, 1, Path(workdir), deterministic=True
-                )
+            for rows in [] if args.no_deterministic else args.deterministic_tile_rows:
+                run = packed_run(
+                    model, work, args.max_batch_tokens, args.repeats, Path(workdir), deterministic=True,
+                    tile_rows=rows,
+                )  # fmt: skip
+                runs[run["name"]] = run
+                gc.collect()
+                torch.cuda.empty_cache()
         except Exception:  # keep the baselines' figures; the traceback says what broke in the packed path
             traceback.print_exc()
             print("packed path FAILED; reporting the baselines only", flush=True)

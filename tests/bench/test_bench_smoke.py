@@ -49,6 +49,34 @@ def test_w1_fails_when_a_timed_path_is_wrong() -> None:
     alone = {"fp32_score_scale": 2.0, "vs_fp32": {"packed_varlen": errors(0.13)}}  # --skip-baselines
     assert verdict(alone) == []
     assert verdict({**alone, "vs_fp32": {"packed_varlen": errors(0.3)}}) != []
+    # A deterministic run whose bits changed with the batch is void too, however close to float32.
+    same = {"packed_deterministic": {"ok": True}, "packed_deterministic_tiles4096": {"ok": True}}
+    assert verdict({**fine, "deterministic_same_bits": same}) == []
+    moved = {**same, "packed_deterministic_tiles4096": {"ok": False}}
+    failed = verdict({**fine, "deterministic_same_bits": moved})
+    assert [f.split(":")[0] for f in failed] == ["packed_deterministic_tiles4096"]
+
+
+def test_w1_checks_the_deterministic_bits_on_the_scorer_it_timed(tmp_path: Path) -> None:
+    """The W1 check of the deterministic setting's promise, on a tiny model on the CPU: requests scored
+    again apart from their batch, in reverse order, give the bits they had in it."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from bench import packed_path
+    from bench.w1 import same_bits_in_other_company
+    from models import Scorer, ScorerConfig, write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "llama", "llama", seed=3)
+    scorer = Scorer(model_dir, ScorerConfig(device="cpu", deterministic=True, deterministic_tile_rows=16))
+    assert scorer.executor.row_tiles == 16
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(4, 500, (n,), generator=generator) for n in (30, 3, 17, 41, 9, 22)]
+    requests = packed_path.make_requests(ids)
+    check = same_bits_in_other_company(scorer, requests, range(len(ids)), hidden_size=64)
+    assert check == {"ok": True, "requests": 3, "of_batch": 6}
 
 
 def test_w1_checks_a_run_without_hidden_states_on_its_scores() -> None:
