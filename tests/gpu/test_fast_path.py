@@ -647,13 +647,21 @@ def test_adapter_batches_on_the_fast_path_score_as_the_eager_path(
     """A batch mixing three LoRA adapters (all projections, attention only, MLP only; two with their own
     head) and the base model, through the GPU's default path (compiled layers with the adapted projections,
     the last layer at the pooled rows, Triton attention; CUDA graphs on, not replayed for adapter batches),
-    against the same adapters on eager layers computing the whole last layer: two bf16 forwards of the same
-    adapted model. The CPU suite checks the adapted model itself against PEFT's merge in float32."""
-    _testkit()  # puts tests/models on the path
-    from test_adapters import _adapters, _mixed_requests, _setting
+    against the same adapters on eager layers computing the whole last layer, both judged by PEFT's merge
+    of each adapter in float32 (the CPU suite checks the eager adapted model against that merge in float32).
+
+    The bound (two bf16 forwards, _bf16_bound) assumes every sum's terms stay at the scale of the scores. An
+    item can break that: on Phi-3 the rank-8 rsLoRA attention adapter (scale 16 / sqrt(8)) puts one item's
+    pooled row where any bfloat16 forward lands far from float32 (0.84 off on a score of 1.81 on the CPU's
+    bf16 eager path, 1.06 on the GPU's, 0.18 on the compiled one). So each item's allowance is the bound
+    plus how far the eager bf16 path itself is from float32: the fast path may be no further from the truth
+    than the eager path, plus the bound."""
+    testkit = _testkit()  # puts tests/models on the path
+    from test_adapters import _adapters, _merged, _mixed_requests, _setting
 
     model_dir = architecture_models[architecture]
-    setting = _setting(_adapters(model_dir, str(tmp_path)))
+    adapters = _adapters(model_dir, str(tmp_path))
+    setting = _setting(adapters)
     fast = Scorer(model_dir, ScorerConfig(device="cuda", dtype="bfloat16", adapters=setting))
     assert fast.executor.compiled and fast.executor.pooled_layer is not None
     eager = Scorer(
@@ -669,13 +677,15 @@ def test_adapter_batches_on_the_fast_path_score_as_the_eager_path(
     want = eager.score(requests)
     base = eager.score([dataclasses.replace(r, adapter=None) for r in requests])
     longest = max(len(p) for r in requests for p in fast.prepare(r).prompts)
-    for name, g, w, b in zip(chosen, got, want, base, strict=True):
+    for name, request, g, w, b in zip(chosen, requests, got, want, base, strict=True):
         assert g.ok and w.ok, (g.error, w.error)
+        merged = None if name is None else _merged(model_dir, adapters[name])
+        truth = testkit.hf_reference(model_dir, fast.prepare(request).prompts, model=merged).logits
         got_scores, want_scores = np.array(g.scores), np.array(w.scores)
-        scale = max(1.0, float(np.abs(want_scores).max()))
-        # Two bf16 forwards of the same adapted model (_bf16_bound), at the scores' scale.
+        scale = max(1.0, float(np.abs(truth).max()))
         atol = _bf16_bound(model_dir, longest, scale)
-        np.testing.assert_allclose(got_scores, want_scores, atol=atol, rtol=0)
+        allowed = np.abs(want_scores - truth) + atol
+        assert np.all(np.abs(got_scores - truth) <= allowed), (name, got_scores, want_scores, truth, atol)
         if name is not None:  # the adapter moved the scores by more than the bound
             assert float(np.abs(want_scores - np.array(b.scores)).max()) > atol
 
