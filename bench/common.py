@@ -490,6 +490,11 @@ _OPTIONS: dict[str, dict[str, Any]] = {
         "help": "also time the default path with the whole last layer (q/o projections and MLP at every row)",
     },
     "reference_sample": {"type": int, "help": "results checked against HF float32 ({default})"},
+    # Its choices are worker.apache_kafka.LOCAL_BROKERS, read when a script asks for the option.
+    "broker": {
+        "help": "the broker the benchmark starts: embedded (the default: the GPU machine has no Java) or "
+        "kafka (Apache Kafka from its jars)",
+    },
 }
 
 
@@ -503,6 +508,10 @@ def add_options(parser: argparse.ArgumentParser, report: str | None = None, **de
     --json option for a report named `report`.json by default."""
     for name, default in defaults.items():
         spec = dict(_OPTIONS[name])
+        if name == "broker":
+            from worker.apache_kafka import LOCAL_BROKERS  # the broker benchmarks' import, not the others'
+
+            spec["choices"] = LOCAL_BROKERS
         text = spec.pop("help").format(default=default)
         parser.add_argument(f"--{name.replace('_', '-')}", default=default, help=text, **spec)
     if report is not None:

@@ -50,7 +50,7 @@ from bench.w2_observe import GcLog, RecordingScorer, Sampler, slowest_batches, w
 from models import Scorer, ScorerConfig
 from models.plan import token_runs
 from models.warmup import describe, warm_up
-from worker.apache_kafka import LOCAL_BROKERS, start_local_broker
+from worker.apache_kafka import start_local_broker
 from worker.app import ScoreWorker
 from worker.config import WorkerSettings
 from worker.intake_processes import process_count
@@ -393,11 +393,7 @@ def model_step_overlapped(scorer: Scorer, groups: Sequence[Sequence[Any]], cap_s
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argument_parser(__doc__)
-    add_options(parser, "w2", quick=False, max_batch_tokens=16384)
-    parser.add_argument(
-        "--broker", choices=LOCAL_BROKERS, default="embedded",
-        help="embedded (the default: the GPU machine has no Java) or kafka (Apache Kafka from its jars)",
-    )  # fmt: skip
+    add_options(parser, "w2", quick=False, max_batch_tokens=16384, broker="embedded")
     parser.add_argument(
         "--no-metrics", action="store_true", help="the worker records no metrics (to measure their cost)"
     )

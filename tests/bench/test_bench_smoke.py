@@ -131,6 +131,30 @@ def test_shared_prefix_benchmark_can_time_the_model_step_alone(tmp_path: Path) -
     assert "overlapped" not in case and "with_prepare" not in case
 
 
+def test_w4_stream_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) -> None:
+    """bench/w4_stream.py on a tiny model on the CPU, through the embedded broker: every configuration's
+    results all back and checked (whole against float32, the others against whole); batches small enough
+    that the worker regroups requests across them, the prefix cache serves later batches, and sharing off
+    shares nothing."""
+    argv = ["bench/w4_stream.py", "--quick", "--max-batch-tokens", "256"]
+    proc = _run_script(argv, tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "w4_stream-quick.json").read_text())
+    assert report["verdict"] == "ok"
+    runs = report["runs"]
+    assert (
+        runs["whole"]["vs_fp32"]["ok"]
+        and runs["default"]["agreement"]["ok"]
+        and runs["cache"]["agreement"]["ok"]
+    )
+    for run in runs.values():
+        assert run["results"] == 18 and run["errors"] == 0 and run["items_per_s"] > 0
+    whole, default, cache = (runs[label]["worker_counts"] for label in ("whole", "default", "cache"))
+    assert whole["shared_prefix_tokens_saved_total"] == 0 and whole["regrouped_requests_total"] == 0
+    assert default["shared_prefix_tokens_saved_total"] > 0 and default["regrouped_requests_total"] > 0
+    assert cache["prefix_cache_tokens_saved_total"] > 0 and runs["cache"]["prefix_cache"]["hits"] > 0
+
+
 def test_prefix_cache_count_checks_every_path_against_the_one_without_the_cache(tmp_path: Path) -> None:
     """bench/prefix_cache_count.py: W4's answers as 8 calls through the engine without and with the
     prefix cache, every result checked against the path without it; the cache computes fewer tokens, and
