@@ -83,7 +83,7 @@ def make_scorer(
     attention_kernel: str = "auto",
     fused_mlp: str = "auto",
     last_layer_pooled_rows: bool = True,
-    deterministic_tile_rows: int = 1024,
+    deterministic_tile_rows: int | None = None,
 ) -> Any:
     from models import Scorer, ScorerConfig
 
@@ -99,7 +99,8 @@ def make_scorer(
         attention_kernel=attention_kernel,  # type: ignore[arg-type]
         fused_mlp=fused_mlp,  # type: ignore[arg-type]
         last_layer_pooled_rows=last_layer_pooled_rows,
-        deterministic_tile_rows=deterministic_tile_rows,
+        # None: the setting's own default
+        **({} if deterministic_tile_rows is None else {"deterministic_tile_rows": deterministic_tile_rows}),
     )
     return Scorer(str(model_dir), config)
 

@@ -87,6 +87,10 @@ def _path(scorer: Any) -> tuple[str, bool, bool]:
     return (scorer.info.attention_kernel, scorer.info.fused_mlp, scorer.config.last_layer_pooled_rows)
 
 
+# The deterministic setting's tile rows by default (models.settings' deterministic_tile_rows).
+DEFAULT_TILE_ROWS = 1024
+
+
 def time_scorer(
     name: str,
     scorer: Any,
@@ -143,7 +147,7 @@ def packed_run(
     other_kernels: Sequence[str] = (),
     other_fused_mlp: Sequence[str] = (),
     whole_last_layer: bool = False,
-    tile_rows: int = 1024,
+    tile_rows: int = DEFAULT_TILE_ROWS,
 ) -> dict[str, Any]:
     """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request,
     its decoder layers compiled (the default on CUDA).
@@ -164,7 +168,7 @@ def packed_run(
     from models.plan import token_runs  # here: the baselines alone (--no-scorer) need no models/
 
     name = "packed_deterministic" if deterministic else "packed_eager" if eager else "packed_varlen"
-    if deterministic and tile_rows != 1024:
+    if deterministic and tile_rows != DEFAULT_TILE_ROWS:
         name = f"{name}_tiles{tile_rows}"
     model_dir = workdir / "w1-model"
     if not (model_dir / "config.json").is_file():
@@ -289,7 +293,8 @@ def correctness(runs: dict[str, dict[str, Any]], picks: list[int], ref: PathOutp
         name: run["same_bits"] for name, run in runs.items() if "same_bits" in run
     }
     if "packed_varlen" in runs and "packed_deterministic" in runs:
-        # The batch drift the deterministic setting removes: the same requests, batched vs each item alone.
+        # The batch drift the deterministic setting removes: the same requests, batched as usual vs batched
+        # with it (whose bits do not follow the batch).
         report["batched_vs_deterministic"] = compare(
             runs["packed_varlen"]["output"], runs["packed_deterministic"]["output"]
         )
@@ -401,8 +406,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--deterministic-tile-rows",
         type=lambda text: [int(part) for part in text.split(",") if part],
-        default=[1024],
-        help="the deterministic setting's tile rows, one pass set each (the default's 1024 first)",
+        default=[DEFAULT_TILE_ROWS],
+        help=f"the deterministic setting's tile rows, one Scorer each (default {DEFAULT_TILE_ROWS})",
     )
     parser.add_argument(
         "--budgets",
