@@ -7,7 +7,8 @@ scaled, into one [out, R]: a batch's delta is then two matmuls, (x A^T * mask) B
 each token's own adapter's columns (zero for the base model's tokens). Every adapter's shrink is computed for
 every token of the batch and masked (R (1/in + 1/out) more arithmetic per projection); punica's SGMV and
 S-LoRA's kernels compute only each token's own, which pays off where many adapters of large rank meet. Two
-matmuls and a mask are graph-, compile- and determinism-friendly and need no sort of the tokens.
+matmuls and a mask are graph-, compile- and determinism-friendly and need no sort of the tokens. Where the
+fused MLP kernel runs, the gate and up products take their two operands (lora_operands) into its sums.
 
 An adapter saved for sequence classification also carries its own head (PEFT's `modules_to_save`: the
 trained `score`); its requests' rows are scored with it.
@@ -24,6 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -32,7 +34,7 @@ from torch import nn
 from models.errors import ModelLoadError
 from models.settings import parse_adapters
 
-__all__ = ["Adapter", "AdapterSet", "load_adapters", "parse_adapters", "read_adapter"]
+__all__ = ["Adapter", "AdapterSet", "load_adapters", "lora_operands", "parse_adapters", "read_adapter"]
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +183,26 @@ _A, _B, _SET, _KEY, _INNER = (
 )
 
 
+# Stacked ranks are padded with zero columns to whole steps of this many: the fused MLP kernel
+# (models/fused_mlp.py) reads the shrink and B in tiles of 16 columns (its products' shortest inner step)
+# whose rows must start on 16-byte boundaries.
+RANK_STEP = 16
+
+
+def lora_operands(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The delta of an adapted projection inside an active block (AdapterSet.active) as two operands: the
+    shrink of x [T, in] by every adapter, masked to each token's own adapter's columns, [T, R], and the
+    stacked B [out, R]; the delta is their product. None for a projection no adapter changes, or outside
+    the block."""
+    masks = _MASKS.get(getattr(module, _SET, -1))
+    if masks is None:  # not adapted, or its set is not active: a batch of the base model alone
+        return None
+    a_stack, b_stack = getattr(module, _A), getattr(module, _B)
+    flat = x.reshape(-1, x.shape[-1]).to(a_stack.dtype)
+    shrunk = (flat @ a_stack.T) * masks[getattr(module, _KEY)]  # [T, R]: own columns
+    return shrunk, b_stack
+
+
 def _adapted_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An adapted projection's forward: the one it wraps, plus the expand of each token's own adapter's
     shrink. One function for every projection, its differences read from the module (factors as buffers,
@@ -188,9 +210,7 @@ def _adapted_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for their weights."""
     inner = getattr(module, _INNER)
     base: torch.Tensor = inner(x) if inner is not None else type(module).forward(module, x)
-    a_stack, b_stack = getattr(module, _A), getattr(module, _B)
-    flat = x.reshape(-1, x.shape[-1]).to(a_stack.dtype)
-    shrunk = (flat @ a_stack.T) * _MASKS[getattr(module, _SET)][getattr(module, _KEY)]  # [T, R]: own columns
+    shrunk, b_stack = cast(tuple[torch.Tensor, torch.Tensor], lora_operands(module, x))
     out = base.reshape(-1, base.shape[-1])
     # In place, the expand's product added in its epilogue: the [T, out] result is read and written once
     # more, where a separate delta would be written, read and added.
@@ -220,10 +240,16 @@ class AdapterSet:
         for name in sorted({m for adapter in adapters for m in adapter.factors}):
             present = [(i, a.factors[name]) for i, a in enumerate(adapters) if name in a.factors]
             module = model.get_submodule(name)
-            # A stacked [R, in], B stacked [out, R]
-            module.register_buffer(_A, torch.cat([a for _, (a, _) in present]).to(device, dtype), False)
-            module.register_buffer(_B, torch.cat([b for _, (_, b) in present], 1).to(device, dtype), False)
-            columns = tuple(i for i, (a, _) in present for _ in range(a.shape[0]))
+            # A stacked [R, in], B stacked [out, R], R padded with zero factors to whole RANK_STEPs
+            a_stack = torch.cat([a for _, (a, _) in present])
+            pad = -a_stack.shape[0] % RANK_STEP
+            a_stack = torch.cat([a_stack, a_stack.new_zeros(pad, a_stack.shape[1])])
+            outputs = present[0][1][1].shape[0]
+            b_stack = torch.cat([*(b for _, (_, b) in present), a_stack.new_zeros(outputs, pad)], 1)
+            module.register_buffer(_A, a_stack.to(device, dtype), False)
+            module.register_buffer(_B, b_stack.to(device, dtype), False)
+            # Each column's adapter; the padding's, -2, is no token's (the base model's tokens are -1).
+            columns = tuple(i for i, (a, _) in present for _ in range(a.shape[0])) + (-2,) * pad
             if columns not in layouts:  # one mask per column layout and batch, shared by its modules
                 layouts[columns] = len(self._owners)
                 self._owners.append(torch.tensor(columns, device=device))

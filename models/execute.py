@@ -89,10 +89,6 @@ class Executor:
                 log.warning("deterministic: every item runs alone (adapters: %s)", why)
                 self.row_tiles = None
         self.pooled_layer = self._last_layer_at_pooled_rows()
-        # Adapter batches keep the fused MLPs unless an adapter changes a projection the kernel reads.
-        self._fused_with_adapters = self.fused_mlps is not None and not (
-            self.adapters is not None and self.fused_mlps.holds_any(self.adapters.modules)
-        )
         if self.adapters is not None and self.pooled_layer is not None:
             self.adapters.restrict_within(self.pooled_layer.modules)
         self.prefix_cache = self._prefix_cache()
@@ -396,7 +392,6 @@ class Executor:
                     keys=keys,
                     cross=packed.cross,
                     pooled_rows=pooled_rows,
-                    fused=packed.adapter_rows is None or self._fused_with_adapters,
                     prefix_cache=cache,
                 )
             if cache is not None and use is not None and use.captures and self.prefix_cache is not None:
@@ -407,13 +402,13 @@ class Executor:
             return pool_each(hidden, packed), at
         return pool(hidden, packed), at  # [N, H], float32 for MEAN pooling; [M, H]
 
-    def _fast_packed_forward(self, *args: Any, fused: bool = True, **kwargs: Any) -> torch.Tensor:
-        """`packed_forward` with the compiled layers and (where `fused`) the fused MLPs in place, where they
-        are set, for the call: HF's own modules stay as they are for everything else (the self-check's
-        reference, the padded path). Swapping them costs host time, which a replayed graph does not spend.
-        Adapter batches come with their adapted projections swapped in: the compiled layers trace them as
-        a variant of their own."""
-        mlps = self.fused_mlps if fused else None
+    def _fast_packed_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """`packed_forward` with the compiled layers and the fused MLPs in place, where they are set, for
+        the call: HF's own modules stay as they are for everything else (the self-check's reference, the
+        padded path). Swapping them costs host time, which a replayed graph does not spend. Adapter batches
+        come with their adapted projections swapped in: the compiled layers trace them as a variant of
+        their own, and the fused MLPs take the gate and up deltas in their kernel."""
+        mlps = self.fused_mlps
         # Batches that read or fill the prefix cache run the layers eager: the cache's traffic is Python
         # inside attention, which the compiled layers' graphs do not hold.
         compiled = self.compiled_layers if kwargs.get("prefix_cache") is None else None

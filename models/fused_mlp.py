@@ -18,6 +18,10 @@ path) and widths whose rows are 16-byte aligned, as the kernel's tensor-memory d
 swap (FusedMlps) holds only while the engine runs its packed forward, as the compiled layers do, so HF's own
 forward (the self-check's reference, the plain padded path) keeps HF's MLP.
 
+In a batch that mixes LoRA adapters, the gate and up products take their deltas in the same kernel: each a
+masked shrink [T, R] by a stacked B [I, R] (models/adapters.py), summed into the product's float32
+accumulator after its hidden-size steps, 16 columns a step; the adapted projections write nothing.
+
 The kernel runs in Triton's interpreter on CPU tensors too (float32: the interpreter does not compute
 bfloat16 faithfully), so the CPU tests check its tiling, edges and epilogue; its speed is the GPU's.
 """
@@ -25,12 +29,14 @@ bfloat16 faithfully), so the CPU tests check its tiling, edges and epilogue; its
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple, TypeGuard, cast
 
 import torch
 from torch import nn
 from transformers import activations
+
+from models.adapters import lora_operands
 
 try:
     import triton
@@ -79,12 +85,18 @@ def available() -> bool:
 
 def _gate_up_silu_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its annotations are Triton's
     x_desc, gate_desc, up_desc, out_desc, tokens, width, hidden, programs,
+    gate_s_desc, gate_b_desc, gate_rank, up_s_desc, up_b_desc, up_rank,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    LORA: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """`programs` persistent programs, each looping over output tiles: out[rows, cols] = silu(x[rows] @
     gate[cols]^T) * (x[rows] @ up[cols]^T), BLOCK_M x BLOCK_N at a time. Tiles are taken column band by
     column band, GROUP_M row tiles to a band, so that a band's weight tiles are read from L2 by the row tiles
-    that follow. Descriptors fill reads past an edge with zeros and drop writes past it."""
+    that follow. Descriptors fill reads past an edge with zeros and drop writes past it.
+
+    With LORA, each product also takes its LoRA delta into the same float32 accumulator before the
+    activation: gate += gate_s[rows] @ gate_b[cols]^T over `gate_rank` columns (the masked shrink [T, R]
+    and the stacked B [I, R], models.adapters.lora_operands), BLOCK_R at a time; up likewise."""
     row_tiles = tl.cdiv(tokens, BLOCK_M)
     in_group = GROUP_M * tl.cdiv(width, BLOCK_N)
     steps = tl.cdiv(hidden, BLOCK_K)
@@ -100,6 +112,15 @@ def _gate_up_silu_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: it
             x = x_desc.load([row, depth])
             gate = tl.dot(x, gate_desc.load([col, depth]).T, gate)
             up = tl.dot(x, up_desc.load([col, depth]).T, up)
+        if LORA:
+            for step in tl.range(0, tl.cdiv(gate_rank, BLOCK_R)):
+                gate = tl.dot(
+                    gate_s_desc.load([row, step * BLOCK_R]), gate_b_desc.load([col, step * BLOCK_R]).T, gate
+                )
+            for step in tl.range(0, tl.cdiv(up_rank, BLOCK_R)):
+                up = tl.dot(
+                    up_s_desc.load([row, step * BLOCK_R]), up_b_desc.load([col, step * BLOCK_R]).T, up
+                )
         out = gate * tl.sigmoid(gate) * up
         out_desc.store([row, col], out.to(out_desc.dtype))
 
@@ -141,33 +162,89 @@ class KernelConfig(NamedTuple):
     group_m: int = GROUP_M
 
 
-def launch(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, config: KernelConfig) -> torch.Tensor:
+class LoraOperands(NamedTuple):
+    """The LoRA deltas of the gate and up products (models.adapters.lora_operands): each a masked shrink
+    [T, R] and its stacked B [I, R], the delta their product; None where no adapter changes that product."""
+
+    gate: tuple[torch.Tensor, torch.Tensor] | None
+    up: tuple[torch.Tensor, torch.Tensor] | None
+
+
+# The LoRA steps' depth: tl.dot's shortest inner dimension for 16-bit operands (models.adapters.RANK_STEP
+# pads the stacked ranks to it).
+BLOCK_R = 16
+
+
+def launch(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    config: KernelConfig,
+    lora: LoraOperands | None = None,
+) -> torch.Tensor:
     """The kernel on aligned operands (gate_up_silu checks them) with `config`: [T, I]. Benchmarks launch
     other configurations through it."""
-    if not (_aligned(x) and _aligned(gate) and _aligned(up)):
+    parts = [] if lora is None else [p for pair in lora if pair is not None for p in pair]
+    if not all(_aligned(t) for t in (x, gate, up, *parts)):
         raise ValueError("the fused MLP kernel needs unit-stride, 16-byte aligned rows")
     tokens, hidden = x.shape
     width = gate.shape[0]
     out = x.new_empty(tokens, width)
     tiles = triton.cdiv(tokens, config.block_m) * triton.cdiv(width, config.block_n)
     programs = min(tiles, _processors(x.device))
+
+    def deltas(
+        pair: tuple[torch.Tensor, torch.Tensor] | None, other: tuple[torch.Tensor, torch.Tensor]
+    ) -> list[Any]:
+        """One product's delta descriptors and rank; a product without one reads none (rank 0) and is
+        handed the other's descriptors, never loaded."""
+        s, b = pair if pair is not None else other
+        rank = 0 if pair is None else s.shape[1]
+        return [
+            TensorDescriptor.from_tensor(s, [config.block_m, BLOCK_R]),
+            TensorDescriptor.from_tensor(b, [config.block_n, BLOCK_R]),
+            rank,
+        ]
+
+    x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
+    gate_desc = TensorDescriptor.from_tensor(gate, [config.block_n, config.block_k])
+    if lora is None or (lora.gate is None and lora.up is None):
+        # Never read: the kernel is compiled without the LoRA steps.
+        extra = [x_desc, gate_desc, 0, x_desc, gate_desc, 0]
+    else:
+        present = cast(tuple[torch.Tensor, torch.Tensor], lora.gate or lora.up)
+        extra = deltas(lora.gate, present) + deltas(lora.up, present)
     _kernel()[(programs,)](
-        TensorDescriptor.from_tensor(x, [config.block_m, config.block_k]),
-        TensorDescriptor.from_tensor(gate, [config.block_n, config.block_k]),
+        x_desc,
+        gate_desc,
         TensorDescriptor.from_tensor(up, [config.block_n, config.block_k]),
         TensorDescriptor.from_tensor(out, [config.block_m, config.block_n]),
-        tokens, width, hidden, programs,
+        tokens, width, hidden, programs, *extra,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.warps, num_stages=config.stages,
+        LORA=bool(extra[2] or extra[5]), BLOCK_R=BLOCK_R, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     return out
 
 
-def _gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return launch(x, gate, up, KernelConfig())
+def _gate_up_silu(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_s: torch.Tensor | None,
+    gate_b: torch.Tensor | None,
+    up_s: torch.Tensor | None,
+    up_b: torch.Tensor | None,
+) -> torch.Tensor:
+    lora = LoraOperands(
+        None if gate_s is None or gate_b is None else (gate_s, gate_b),
+        None if up_s is None or up_b is None else (up_s, up_b),
+    )
+    return launch(x, gate, up, KernelConfig(), lora)
 
 
-def _gate_up_silu_shape(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _gate_up_silu_shape(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *_: torch.Tensor | None
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], gate.shape[0])
 
 
@@ -177,8 +254,12 @@ if triton is not None:
     torch.library.custom_op(OP_NAME, _gate_up_silu, mutates_args=()).register_fake(_gate_up_silu_shape)
 
 
-def gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(x @ gate^T) * (x @ up^T) for x [T, H] and weights [I, H]: [T, I] in x's dtype."""
+def gate_up_silu(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, lora: LoraOperands | None = None
+) -> torch.Tensor:
+    """silu(x @ gate^T + delta_gate) * (x @ up^T + delta_up) for x [T, H] and weights [I, H]: [T, I] in x's
+    dtype; each delta (`lora`) the product of a shrink [T, R] and a B [I, R] in x's dtype, R a multiple of
+    BLOCK_R, or none."""
     if x.dim() != 2 or gate.dim() != 2 or gate.shape != up.shape or x.shape[1] != gate.shape[1]:
         shapes = ", ".join(str(tuple(t.shape)) for t in (x, gate, up))
         raise ValueError(f"x [T, H] and gate, up [I, H] needed, got {shapes}")
@@ -186,14 +267,29 @@ def gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch
         raise ValueError(f"one dtype needed, got {x.dtype}, {gate.dtype}, {up.dtype}")
     if (x.shape[1] * x.element_size()) % 16 or (gate.shape[0] * x.element_size()) % 16:
         raise ValueError("the fused MLP kernel needs rows of whole 16-byte units (hidden and MLP widths)")
-    out: torch.Tensor = torch.ops.score_worker.gate_up_silu(x.contiguous(), gate, up)
+    pairs = (None, None) if lora is None else tuple(lora)
+    for pair in pairs:
+        if pair is None:
+            continue
+        s, b = pair
+        if s.dim() != 2 or b.dim() != 2 or s.shape[0] != x.shape[0] or b.shape != (gate.shape[0], s.shape[1]):
+            raise ValueError(
+                f"a delta's shrink [T, R] and B [I, R] needed, got {tuple(s.shape)}, {tuple(b.shape)}"
+            )
+        if s.shape[1] % BLOCK_R or s.dtype != x.dtype or b.dtype != x.dtype:
+            raise ValueError(f"a delta's rank must be a multiple of {BLOCK_R}, its dtype x's ({x.dtype})")
+    flat = [t for pair in pairs for t in (pair if pair is not None else (None, None))]
+    flat = [t if t is None else t.contiguous() for t in flat]
+    out: torch.Tensor = torch.ops.score_worker.gate_up_silu(x.contiguous(), gate, up, *flat)
     return out
 
 
 class GatedSilu(NamedTuple):
-    """Where a SiLU-gated MLP keeps its weights: `weights(mlp)` -> (gate [I, H], up [I, H])."""
+    """Where a SiLU-gated MLP keeps its weights: `weights(mlp)` -> (gate [I, H], up [I, H]); and its LoRA
+    deltas on rows x inside an adapter batch: `lora(mlp, x)`."""
 
     weights: Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor]]
+    lora: Callable[[nn.Module, torch.Tensor], LoraOperands]
 
 
 def _plain_unbiased(linear: object) -> TypeGuard[nn.Linear]:
@@ -211,6 +307,21 @@ def _halves_of_fused(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return fused.weight[:half], fused.weight[half:]
 
 
+def _separate_lora(mlp: nn.Module, x: torch.Tensor) -> LoraOperands:
+    gate, up = cast(nn.Module, mlp.gate_proj), cast(nn.Module, mlp.up_proj)
+    return LoraOperands(lora_operands(gate, x), lora_operands(up, x))
+
+
+def _lora_of_fused(mlp: nn.Module, x: torch.Tensor) -> LoraOperands:
+    """One shrink for both halves; B's first half of rows is the gate's, its second the up's."""
+    delta = lora_operands(cast(nn.Module, mlp.gate_up_proj), x)
+    if delta is None:
+        return LoraOperands(None, None)
+    shrunk, b = delta
+    half = b.shape[0] // 2
+    return LoraOperands((shrunk, b[:half]), (shrunk, b[half:]))
+
+
 def gated_silu(mlp: nn.Module) -> GatedSilu | None:
     """How to read `mlp`'s gate and up weights when the kernel can compute its activation input, else None:
     a class of GATED_SILU_MLPS with a SiLU activation, plain unbiased gate/up projections and weights whose
@@ -224,12 +335,12 @@ def gated_silu(mlp: nn.Module) -> GatedSilu | None:
         gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
         if not (_plain_unbiased(gate) and _plain_unbiased(up)) or gate.weight.shape != up.weight.shape:
             return None
-        parts = GatedSilu(_separate_weights)
+        parts = GatedSilu(_separate_weights, _separate_lora)
     else:
         fused = getattr(mlp, "gate_up_proj", None)
         if not _plain_unbiased(fused) or fused.out_features % 2:
             return None
-        parts = GatedSilu(_halves_of_fused)
+        parts = GatedSilu(_halves_of_fused, _lora_of_fused)
     gate_w, up_w = parts.weights(mlp)
     if gate_w.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
@@ -251,7 +362,8 @@ def _fused_forward(mlp: nn.Module, parts: GatedSilu) -> Callable[[torch.Tensor],
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         gate, up = parts.weights(mlp)
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
-        product = gate_up_silu(rows, gate, up)
+        # Inside an adapter batch, the adapted gate and up products take their deltas in the kernel.
+        product = gate_up_silu(rows, gate, up, parts.lora(mlp, rows))
         down: torch.Tensor = cast(nn.Module, mlp.down_proj)(product.reshape(*hidden_states.shape[:-1], -1))
         return down
 
@@ -281,11 +393,6 @@ class FusedMlps:
 
     def __len__(self) -> int:
         return len(self._mlps)
-
-    def holds_any(self, modules: Sequence[nn.Module]) -> bool:
-        """Whether one of `modules` sits inside a fused MLP (whose gate and up the kernel reads directly)."""
-        wanted = {id(module) for module in modules}
-        return any(id(inner) in wanted for mlp, _ in self._mlps for inner in mlp.modules())
 
     def __enter__(self) -> FusedMlps:
         for mlp, forward in self._mlps:

@@ -646,9 +646,10 @@ def test_adapter_batches_on_the_fast_path_score_as_the_eager_path(
 ) -> None:
     """A batch mixing three LoRA adapters (all projections, attention only, MLP only; two with their own
     head) and the base model, through the GPU's default path (compiled layers with the adapted projections,
-    the last layer at the pooled rows, Triton attention; CUDA graphs on, not replayed for adapter batches),
-    against the same adapters on eager layers computing the whole last layer, both judged by PEFT's merge
-    of each adapter in float32 (the CPU suite checks the eager adapted model against that merge in float32).
+    the fused MLP kernel taking the gate and up deltas, the last layer at the pooled rows, Triton attention;
+    CUDA graphs on, not replayed for adapter batches), against the same adapters on eager layers with HF's
+    MLP computing the whole last layer, both judged by PEFT's merge of each adapter in float32 (the CPU
+    suite checks the eager adapted model against that merge in float32).
 
     The bound (two bf16 forwards, _bf16_bound) assumes every sum's terms stay at the scale of the scores. An
     item can break that: on Phi-3 the rank-8 rsLoRA attention adapter (scale 16 / sqrt(8)) puts one item's
@@ -662,13 +663,14 @@ def test_adapter_batches_on_the_fast_path_score_as_the_eager_path(
     model_dir = architecture_models[architecture]
     adapters = _adapters(model_dir, str(tmp_path))
     setting = _setting(adapters)
-    fast = Scorer(model_dir, ScorerConfig(device="cuda", dtype="bfloat16", adapters=setting))
-    assert fast.executor.compiled and fast.executor.pooled_layer is not None
+    # The tiny models' hidden size is below the kernel's "auto" threshold: "on" takes it.
+    fast = Scorer(model_dir, ScorerConfig(device="cuda", dtype="bfloat16", adapters=setting, fused_mlp="on"))
+    assert fast.executor.compiled and fast.executor.pooled_layer is not None and fast.info.fused_mlp
     eager = Scorer(
         model_dir,
         ScorerConfig(
             device="cuda", dtype="bfloat16", adapters=setting, compile="off", cuda_graphs="off",
-            last_layer_pooled_rows=False,
+            last_layer_pooled_rows=False, fused_mlp="off",
         ),
     )  # fmt: skip
     chosen, requests = _mixed_requests()

@@ -171,6 +171,41 @@ def test_adapters_on_the_fast_path_with_the_last_layer_at_the_pooled_rows(
     _assert_equal_to_merged(base_dir, adapters, scorer.score(requests), chosen, requests)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "phi3"])
+def test_adapter_batches_take_their_gate_and_up_deltas_in_the_fused_mlp_kernel(
+    model_dirs: dict[str, Path], adapter_root: str, architecture: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adapter batches keep the fused MLP kernel (Triton's interpreter on the CPU): the adapted gate and up
+    products' deltas go into it (Llama's two projections, Phi-3's halves of one), and every request scores
+    as its adapter merged into the model does."""
+    pytest.importorskip("triton")
+    from scoring_testkit import CpuVarlenKernelGqa
+
+    from models import fused_mlp, triton_attention
+
+    if torch.cuda.is_available() or not triton_attention.interpreting():
+        pytest.skip("drives the kernel in Triton's interpreter; on a GPU, tests/gpu runs it compiled")
+    taken: list[bool] = []
+    kernel = fused_mlp.gate_up_silu
+
+    def recorded(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, lora: Any = None) -> torch.Tensor:
+        taken.append(lora is not None and (lora.gate is not None or lora.up is not None))
+        return kernel(x, gate, up, lora)
+
+    monkeypatch.setattr(fused_mlp, "gate_up_silu", recorded)
+    base_dir = model_dirs[architecture]
+    adapters = _adapters(base_dir, adapter_root)
+    config = ScorerConfig(
+        device="cpu", attention="varlen", varlen_kernel=CpuVarlenKernelGqa(), fused_mlp="on",
+        adapters=_setting(adapters),
+    )  # fmt: skip
+    scorer = Scorer(base_dir, config)
+    assert scorer.info.fused_mlp
+    chosen, requests = _mixed_requests()
+    _assert_equal_to_merged(base_dir, adapters, scorer.score(requests), chosen, requests)
+    assert any(taken)  # every layer's MLP, with the full and mlp adapters' deltas
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pooled_rows", [False, True])
 def test_adapters_under_compiled_layers_compile_once_for_every_batch(
@@ -284,10 +319,11 @@ def test_token_outputs_and_the_deterministic_setting_under_adapters(
         return_token_hidden_states=True,
     )  # fmt: skip
     # The deltas' products are in the device check: ranks stacked per projection (attention: full 4 +
-    # attn 8; MLP: full 4 + mlp 2), each product both ways (x A^T, then B^T).
+    # attn 8; MLP: full 4 + mlp 2), padded to whole steps of 16 columns, each product both ways (x A^T,
+    # then B^T).
     assert scorer.executor.adapters is not None
     widths = scorer.executor.adapters.product_widths()
-    assert {min(pair) for pair in widths} == {12, 6} and {(r, k) for k, r in widths} & set(widths)
+    assert {min(pair) for pair in widths} == {16} and {(r, k) for k, r in widths} & set(widths)
     alone = scorer.score([request])[0]
     beside = scorer.score([ScoreRequest("other", items=_ids(9, 4, 30), adapter="full"), request])[1]
     # bit-identical whatever shares its batch (the batch's timings aside)

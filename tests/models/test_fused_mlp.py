@@ -70,6 +70,32 @@ def test_kernel_reads_halves_of_one_weight_and_strided_rows() -> None:
     assert_within(got, _expected(x, fused[:96], fused[96:]), gated_silu_bound(x, fused[:96], fused[96:]))
 
 
+@pytest.mark.parametrize(("gate_rank", "up_rank"), [(16, 32), (16, 0), (0, 32)])
+def test_kernel_adds_each_products_lora_delta_before_the_activation(gate_rank: int, up_rank: int) -> None:
+    """An adapter batch's gate and up deltas (a masked shrink [T, R] by a stacked B [I, R] each, or none)
+    taken into the products' float32 accumulators: the arithmetic of one product over [x | s_gate | s_up]
+    by [gate | b_gate | 0] and [up | 0 | b_up], within that product's bound, per element."""
+    generator = torch.Generator().manual_seed(gate_rank + 3 * up_rank)
+    tokens, hidden, width = 300, 64, 136  # partial row and column tiles
+    x = torch.randn(tokens, hidden, generator=generator)
+    gate, up = (torch.randn(width, hidden, generator=generator) / 8 for _ in "gu")
+
+    def delta(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(tokens, rank, generator=generator), torch.randn(
+            width, rank, generator=generator
+        ) / 4
+
+    (gate_s, gate_b), (up_s, up_b) = delta(gate_rank), delta(up_rank)
+    lora = fused_mlp.LoraOperands((gate_s, gate_b) if gate_rank else None, (up_s, up_b) if up_rank else None)
+    got = fused_mlp.gate_up_silu(x, gate, up, lora)
+    wide = torch.cat([x, gate_s, up_s], 1)
+    wide_gate = torch.cat([gate, gate_b, torch.zeros(width, up_rank)], 1)
+    wide_up = torch.cat([up, torch.zeros(width, gate_rank), up_b], 1)
+    assert_within(got, _expected(wide, wide_gate, wide_up), gated_silu_bound(wide, wide_gate, wide_up))
+    # The deltas moved the product: equal to the plain one, the check above would prove nothing.
+    assert not torch.allclose(got, fused_mlp.gate_up_silu(x, gate, up), atol=1e-3)
+
+
 def test_kernel_refuses_what_it_cannot_compute() -> None:
     x, weight = torch.randn(4, 64), torch.randn(32, 64)
     with pytest.raises(ValueError, match=r"\[T, H\]"):
@@ -78,6 +104,14 @@ def test_kernel_refuses_what_it_cannot_compute() -> None:
         fused_mlp.gate_up_silu(x, weight, weight.double())
     with pytest.raises(ValueError, match="16-byte"):
         fused_mlp.gate_up_silu(torch.randn(4, 6), torch.randn(32, 6), torch.randn(32, 6))
+    with pytest.raises(ValueError, match="multiple of 16"):  # a rank the kernel's steps do not cover
+        fused_mlp.gate_up_silu(
+            x, weight, weight, fused_mlp.LoraOperands((torch.randn(4, 8), torch.randn(32, 8)), None)
+        )
+    with pytest.raises(ValueError, match=r"\[T, R\] and B \[I, R\]"):
+        fused_mlp.gate_up_silu(
+            x, weight, weight, fused_mlp.LoraOperands(None, (torch.randn(4, 16), torch.randn(8, 16)))
+        )
 
 
 def _layers(model_dir: Path) -> nn.ModuleList:
