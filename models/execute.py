@@ -78,16 +78,11 @@ class Executor:
         self.sliding_window = sliding_window(text_config)
         if config.quantization == "fp8":
             self._quantize_fp8()
+        self.adapters = self._load_adapters()
         # The deterministic setting on packed batches: every product in tiles of this many rows (None: off,
-        # or every item alone). Decided first: it keeps the fused, compiled and graphed forms out.
+        # or every item alone). Decided before the fused, compiled and graphed forms, which it keeps out.
         self.row_tiles = self._row_tiles()
         self.fused_mlps = None if self.row_tiles is not None else self._fuse_mlps()
-        self.adapters = self._load_adapters()
-        if self.row_tiles is not None and self.adapters is not None:
-            why = rows_invariant(self.row_tiles, self.adapters.product_widths(), self.device, self.dtype)
-            if why is not None:  # the fused MLPs stay out: the setting asks for exact bits, not speed
-                log.warning("deterministic: every item runs alone (adapters: %s)", why)
-                self.row_tiles = None
         self.pooled_layer = self._last_layer_at_pooled_rows()
         if self.adapters is not None and self.pooled_layer is not None:
             self.adapters.restrict_within(self.pooled_layer.modules)
@@ -223,14 +218,14 @@ class Executor:
         elif self.attention == "varlen" and config.varlen_kernel_name(self.attention, self.device) != "flash":
             why = "only torch's flash kernel is known to tile each sequence from its own first row"
         else:
-            widths = sorted(
-                {
-                    (m.in_features, m.out_features)
-                    for m in loaded.model.modules()
-                    if isinstance(m, torch.nn.Linear)
-                }
-            )
-            why = rows_invariant(rows, widths, self.device, self.dtype)
+            # The model's projections and heads, and the LoRA deltas' two products where adapters are served.
+            widths = {
+                (m.in_features, m.out_features)
+                for m in loaded.model.modules()
+                if isinstance(m, torch.nn.Linear)
+            }
+            widths |= set(self.adapters.product_widths() if self.adapters is not None else ())
+            why = rows_invariant(rows, sorted(widths), self.device, self.dtype)
         if why is not None:
             log.warning("deterministic: every item runs alone (%s)", why)
             return None

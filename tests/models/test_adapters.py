@@ -307,6 +307,27 @@ def test_the_prefix_cache_serves_a_prefix_only_under_the_adapter_that_computed_i
     assert (stats.hits, stats.tokens_saved) == (3, 3 * 24)
 
 
+def test_the_deterministic_device_check_covers_the_adapters_products(
+    tiny_qwen3_dir: Path, adapter_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start-up check of the deterministic tiles runs on the model's widths and the LoRA deltas' in one
+    call; a delta product the device rounds by its place sends every item to run alone."""
+    import models.execute
+
+    checked: list[list[tuple[int, int]]] = []
+
+    def refusing_deltas(rows: int, widths: list[tuple[int, int]], *args: Any) -> str | None:
+        checked.append(widths)
+        return "a delta's product moved" if (16, 64) in widths else None
+
+    monkeypatch.setattr(models.execute, "rows_invariant", refusing_deltas)
+    setting = _setting(_adapters(tiny_qwen3_dir, adapter_root))
+    scorer = Scorer(tiny_qwen3_dir, ScorerConfig(device="cpu", adapters=setting, deterministic=True))
+    assert scorer.executor.adapters is not None and scorer.executor.row_tiles is None
+    (widths,) = checked
+    assert set(scorer.executor.adapters.product_widths()) <= set(widths) and (64, 64) in widths
+
+
 def test_token_outputs_and_the_deterministic_setting_under_adapters(
     tiny_qwen3_dir: Path, adapter_root: str
 ) -> None:
