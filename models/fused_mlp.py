@@ -208,11 +208,11 @@ def launch(
 
     x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
     gate_desc = TensorDescriptor.from_tensor(gate, [config.block_n, config.block_k])
-    if lora is None or (lora.gate is None and lora.up is None):
+    present = None if lora is None else lora.gate or lora.up
+    if lora is None or present is None:
         # Never read: the kernel is compiled without the LoRA steps.
         extra = [x_desc, gate_desc, 0, x_desc, gate_desc, 0]
     else:
-        present = cast(tuple[torch.Tensor, torch.Tensor], lora.gate or lora.up)
         extra = deltas(lora.gate, present) + deltas(lora.up, present)
     _kernel()[(programs,)](
         x_desc,
@@ -221,7 +221,7 @@ def launch(
         TensorDescriptor.from_tensor(out, [config.block_m, config.block_n]),
         tokens, width, hidden, programs, *extra,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        LORA=bool(extra[2] or extra[5]), BLOCK_R=BLOCK_R, num_warps=config.warps, num_stages=config.stages,
+        LORA=present is not None, BLOCK_R=BLOCK_R, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     return out
 
