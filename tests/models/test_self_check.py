@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,8 @@ from schemas import ScoreRequest
 
 
 @pytest.fixture(scope="module")
-def tiny_dirs() -> dict[str, Path]:
-    root = Path(tempfile.mkdtemp(prefix="self-check-"))
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("self-check")  # pytest's temporary root: removed with old runs
     return {arch: write_tiny_model(root / arch, arch, seed=11, num_labels=2) for arch in ARCHITECTURES}
 
 
