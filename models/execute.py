@@ -179,10 +179,11 @@ class Executor:
         )
 
     @contextlib.contextmanager
-    def prefix_cache_paused(self) -> Iterator[None]:
-        """Batches inside neither read nor fill the prefix cache: the start-up warm-up (which scores each
-        kind of batch twice, the second time for its CUDA graph) and the self-check."""
-        cache, self.prefix_cache = self.prefix_cache, None
+    def prefix_cache_paused(self, scratch: PrefixCache | None = None) -> Iterator[None]:
+        """Batches inside neither read nor fill the prefix cache (they use `scratch` instead, where given):
+        the start-up warm-up (which scores each kind of batch twice, the second time for its CUDA graph,
+        then compiles the cache's kinds on a scratch cache) and the self-check."""
+        cache, self.prefix_cache = self.prefix_cache, scratch
         try:
             yield
         finally:
@@ -356,7 +357,9 @@ class Executor:
         self.row_tokens = int(packed.input_ids.shape[1])
         # A replayed graph runs no Python forward: the layers are swapped in only where one runs (in the
         # graphs' own forward when they record, and below). Graphs hold the pooled rows' count of their
-        # shape: a batch that also reads positions, or uses the prefix cache, runs the ordinary forward.
+        # shape: a batch that also reads positions runs the ordinary forward, as one that uses the prefix
+        # cache does (its cached rows and the rows it keeps vary with every batch; no buffer of a graph
+        # holds them).
         plain = positions is not None or packed.adapter_rows is not None or use is not None
         hidden = None if self.graphs is None or plain else self.graphs.run(packed)
         if hidden is None:
@@ -402,11 +405,11 @@ class Executor:
         the call: HF's own modules stay as they are for everything else (the self-check's reference, the
         padded path). Swapping them costs host time, which a replayed graph does not spend. Adapter batches
         come with their adapted projections swapped in: the compiled layers trace them as a variant of
-        their own, and the fused MLPs take the gate and up deltas in their kernel."""
+        their own, and the fused MLPs take the gate and up deltas in their kernel. Batches that read or fill
+        the prefix cache run the compiled layers too, its traffic eager between their graphs
+        (`CacheIO.extend`)."""
         mlps = self.fused_mlps
-        # Batches that read or fill the prefix cache run the layers eager: the cache's traffic is Python
-        # inside attention, which the compiled layers' graphs do not hold.
-        compiled = self.compiled_layers if kwargs.get("prefix_cache") is None else None
+        compiled = self.compiled_layers
         tiles = RowTiles(self.row_tiles) if self.row_tiles is not None else None
         nothing = contextlib.nullcontext()
         with compiled or nothing, mlps or nothing, tiles or nothing:

@@ -23,8 +23,9 @@ class CompiledLayers:
 
     # The layers share their class's forward, so torch.compile keeps all their graphs under one code object
     # and counts them against one recompile limit (8 by default). The last layer at the pooled rows, shared
-    # prefixes, gathered keys, a one-token batch and rows read at token positions each add graphs, and LoRA
-    # adapters (their adapted projections) double them; past the limit the layers would run eager for the
+    # prefixes, gathered keys, a one-token batch and rows read at token positions each add graphs, LoRA
+    # adapters (their adapted projections) double them, and so do the prefix cache's batches (a graph
+    # break around its traffic: models/prefix_cache.py); past the limit the layers would run eager for the
     # rest of the process. This leaves room for every combination.
     RECOMPILE_LIMIT = 64
 

@@ -11,8 +11,9 @@ a prefix always starts at position 0) and values for its tokens, in the model's 
 
 By default a block is kept the second time it is seen (in an earlier batch, or by another prompt of the same
 batch), not the first: a workload that never repeats a prefix (W1) then never fills the cache, and its
-batches keep the compiled layers and CUDA graphs, which batches that read or fill the cache do without
-(`admit_first_sight` keeps every block at once, for streams known to repeat). What was seen is
+batches keep the CUDA graphs, which batches that read or fill the cache do without (they run the compiled
+layers, the cache's traffic eager between their graphs: `CacheIO.extend`); `admit_first_sight` keeps every
+block at once, for streams known to repeat. What was seen is
 remembered by a hash of the prefix, in a bounded list (`SEEN_PREFIXES`, least recently seen forgotten
 first); a collision there only admits a block early, it never serves one.
 
@@ -321,6 +322,10 @@ class CacheIO:
         self._captured_keys: list[torch.Tensor | None] = [None] * layers
         self._captured_values: list[torch.Tensor | None] = [None] * layers
 
+    # Compiled layers (models/layers.py) break their graph at this call and run it eager: traced, the layer's
+    # index would give every layer a graph of its own, and the rows kept are a side effect no graph holds. The
+    # graphs before and after it serve batches with and without the cache alike.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def extend(
         self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

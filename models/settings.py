@@ -95,9 +95,9 @@ class EngineSettings(BaseModel):
     prefix_cache_admit: Literal["second", "first"] = Field(
         "second",
         description="when the prefix cache keeps a block: the second time its prefix is seen (a stream that "
-        "repeats nothing never fills it, and its batches keep the compiled layers and CUDA graphs), or the "
-        "first (every batch fills it and runs the ordinary layers; a prompt's answers over several calls "
-        "are served from the second call on)",
+        "repeats nothing never fills it, and its batches keep their CUDA graphs), or the first (every batch "
+        "fills it and runs without a CUDA graph; a prompt's answers over several calls are served from the "
+        "second call on)",
     )
     prefix_cache_block_tokens: int = Field(
         16,

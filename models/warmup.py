@@ -9,7 +9,9 @@ shapes on an H200) during which the model thread scores nothing:
 - a batch of one token, or of one-token sequences (torch.compile specializes a size or a length of 1);
 - shared prefixes (the cross pass and its own lengths), and gathered keys where a sliding window is shorter
   than the prompts;
-- LoRA adapters (their adapted projections, models/adapters.py): each variant above again with an adapter.
+- LoRA adapters (their adapted projections, models/adapters.py): each variant above again with an adapter;
+- the prefix cache (models/prefix_cache.py): a batch that fills it or reads from it breaks the layers' graphs
+  around the cache's traffic, and the pieces are graphs of their own.
 A worker that met them in traffic stalled on them: one such batch in the middle of a run at half of its
 capacity queued the requests behind it for seconds (docs/benchmarks.md). So before it is ready the worker
 scores one small synthetic batch of each variant its settings allow, each twice where CUDA graphs are on
@@ -19,6 +21,10 @@ Where CUDA graphs are on, it then records the graph of every small batch one req
 (models.graphs.small_batch_keys: about two per token bucket up to 2,048 tokens, 56 in all), so that a worker
 at low load replays a graph from its first request rather than running the host-bound ordinary forward
 until each shape has come twice.
+
+Where a prefix cache is set, every variant is then scored twice more through a scratch cache that keeps each
+block at its first sight (filling it, then reading from it), and once beside a request that shares a prefix
+with neither: the worker's own cache starts empty, and knows nothing of the synthetic prompts.
 
 On a CUDA device it then scores one batch at the full token budget: the allocator reserves that memory now,
 and a budget the GPU cannot hold fails here rather than on the first large batch.
@@ -38,6 +44,7 @@ from typing import TYPE_CHECKING
 from models.errors import ModelLoadError
 from models.graphs import length_switch
 from models.layers import traced_graphs
+from models.prefix_cache import PrefixCache
 from models.prepare import PreparedRequest
 from models.selfcheck import judge_labels
 from schemas import ScoreRequest
@@ -52,6 +59,11 @@ SHORT = 16  # tokens of a short item: flash's side of the length switch for ever
 # The long side: twice the switch of the Triton kernel (models.triton_attention.MIN_LENGTH), read when the
 # warm-up runs. Lengths past the switch all take the same graph, so one is enough.
 LONG_OVER_SWITCH = 2
+# The scratch prefix cache's blocks: small, so that short prompts read from it too (the layers' graphs do not
+# depend on the block size). OTHER: the offset of a request's ids that begins none of its prompts alike with
+# those of offset 0 (queries from the 0th and 3rd ids, items from the 7th, 14th, ... and 10th, 17th, ...).
+SCRATCH_BLOCK = 4
+OTHER = 3
 FULL_BUDGET_ITEM = 512  # ids of each item of the full-budget batch: W2's and W1's items are of this order
 
 
@@ -72,13 +84,14 @@ class WarmUpReport:
 
 def warm_up(scorer: Scorer) -> WarmUpReport:
     """Score the synthetic batches (see the module's docstring); ModelLoadError when one of them fails: a
-    model that cannot score them would fail the same requests in traffic. The prefix cache is left out:
-    a batch that used it would run the ordinary layers, and its kind would go uncompiled."""
+    model that cannot score them would fail the same requests in traffic. The worker's prefix cache is left
+    out: the second sight of a kind would fill it, and that kind's CUDA graph would go unrecorded."""
+    cache = scorer.executor.prefix_cache
     with scorer.executor.prefix_cache_paused():
-        return _warm_up(scorer)
+        return _warm_up(scorer, cache)
 
 
-def _warm_up(scorer: Scorer) -> WarmUpReport:
+def _warm_up(scorer: Scorer, cache: PrefixCache | None) -> WarmUpReport:
     started = time.perf_counter()
     graphs_before = traced_graphs()
     recorded_before = scorer.executor.graphs.recorded if scorer.executor.graphs is not None else 0
@@ -88,12 +101,29 @@ def _warm_up(scorer: Scorer) -> WarmUpReport:
         repeats = 2 if scorer.executor.graphs is not None else 1
         # One adapter stands for all: they share the variant (their factors are its inputs).
         adapters = (None, *scorer.prompt_builder.adapters[:1])
-        for (name, lengths, query), adapter in itertools.product(_variants(scorer, extra), adapters):
-            named = name if adapter is None else f"{name}, adapter {adapter}"
-            request = _request(scorer, named, lengths, query, adapter)
+        kinds = [
+            (name if adapter is None else f"{name}, adapter {adapter}", lengths, query, adapter)
+            for (name, lengths, query), adapter in itertools.product(_variants(scorer, extra), adapters)
+        ]
+        for name, lengths, query, adapter in kinds:
+            request = _request(scorer, name, lengths, query, adapter)
             for _ in range(repeats):
-                tokens += _score(scorer, named, [scorer.prepare(request)])
+                tokens += _score(scorer, name, [scorer.prepare(request)])
                 batches += 1
+        if cache is not None and scorer.executor.compiled:
+            scratch = PrefixCache(SCRATCH_BLOCK, cache.max_bytes, admit_first_sight=True)
+            with scorer.executor.prefix_cache_paused(scratch):
+                for name, lengths, query, adapter in kinds:
+                    scratch.clear()  # the variants' prompts begin alike: each fills an empty cache first
+                    request = _request(scorer, name, lengths, query, adapter)
+                    named = f"{name}, through the prefix cache"
+                    for prepared in ([scorer.prepare(request)], [scorer.prepare(request)]):
+                        tokens += _score(scorer, named, prepared)  # filling the cache, then reading it
+                    # Beside a request of its own prefix: a prompt with cached rows joins no group, the
+                    # other's prompts still share theirs (or run alone), in one batch.
+                    other = _request(scorer, f"{name}, unseen", lengths, query, adapter, offset=OTHER)
+                    tokens += _score(scorer, named, [scorer.prepare(request), scorer.prepare(other)])
+                    batches += 3
     ahead = scorer.executor.record_small_batch_graphs(scorer.config.max_batch_tokens)
     if scorer.device.type == "cuda":
         tokens += _score(scorer, "full token budget", _full_budget(scorer, extra))
@@ -181,12 +211,19 @@ def _ids(scorer: Scorer, count: int, offset: int) -> tuple[int, ...]:
 
 
 def _request(
-    scorer: Scorer, name: str, lengths: Sequence[int], query: int, adapter: str | None = None
+    scorer: Scorer,
+    name: str,
+    lengths: Sequence[int],
+    query: int,
+    adapter: str | None = None,
+    offset: int = 0,
 ) -> ScoreRequest:
+    """A request of `lengths` items behind a query of `query` ids (none for 0); requests of another `offset`
+    begin with other ids."""
     return ScoreRequest(
         request_id=f"warm-up {name}",
-        query=_ids(scorer, query, 0) if query else None,
-        items=tuple(_ids(scorer, length, 7 * (n + 1)) for n, length in enumerate(lengths)),
+        query=_ids(scorer, query, offset) if query else None,
+        items=tuple(_ids(scorer, length, offset + 7 * (n + 1)) for n, length in enumerate(lengths)),
         return_pooled_hidden_states=True,
         label_token_ids=judge_labels(scorer),
         adapter=adapter,

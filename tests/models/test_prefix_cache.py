@@ -24,6 +24,7 @@ from scoring_testkit import (
 
 from models import Scorer, ScorerConfig, execute
 from models.errors import ModelLoadError
+from models.layers import CompiledLayers
 from models.prefix_cache import CacheIO, PrefixCache
 from models.tiny import DECODERS, write_tiny_model
 from schemas import ScoreRequest
@@ -104,7 +105,8 @@ def test_the_compiled_and_graphed_path_uses_the_cache_and_scores_the_same(
     tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With compiled layers and CUDA graphs (CPU stand-ins), batches that read or fill the cache run the
-    ordinary layers and equal the engine without the cache."""
+    compiled layers (broken around the cache's traffic), no CUDA graph, and equal the engine without the
+    cache."""
     rerun = lambda run: run  # noqa: E731 - a recorder whose replay runs the function again
     common: dict[str, Any] = {
         "device": "cpu",
@@ -127,14 +129,22 @@ def test_the_compiled_and_graphed_path_uses_the_cache_and_scores_the_same(
     for request in fresh:
         cached.score([request])
     assert made == [] and len(cached.executor.prefix_cache) == 0  # type: ignore[arg-type]
+    entered: list[object] = []  # the compiled layers swapped in, once per forward of the cached scorer
+    enter = CompiledLayers.__enter__
+    monkeypatch.setattr(CompiledLayers, "__enter__", lambda self: entered.append(self) or enter(self))
+    recorded = cached.executor.graphs.recorded  # type: ignore[union-attr]
     for call in range(3):
         requests = _requests(range(2 * call, 2 * call + 2))
-        got, expected = cached.score(requests), plain.score(requests)
+        got = cached.score(requests)
+        # This batch used the cache, on the compiled layers.
+        assert len(made) == entered.count(cached.executor.compiled_layers) == call + 1
+        expected = plain.score(requests)
         longest = len(PROMPT) + max(len(a) for a in ANSWERS)
         for a, b in zip(got, expected, strict=True):
             assert_forward_close(scores_of(a), scores_of(b), tiny_qwen3_dir, longest=longest)
             assert_forward_close(hidden_of(a), hidden_of(b), tiny_qwen3_dir, longest=longest)
     assert cached.executor.prefix_cache.stats.hits == 4  # type: ignore[union-attr]
+    assert cached.executor.graphs.recorded == recorded  # type: ignore[union-attr]
 
 
 def test_positions_read_are_never_taken_from_the_cache(tiny_llama_dir: Path) -> None:

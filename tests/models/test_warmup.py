@@ -146,6 +146,33 @@ def test_after_the_warm_up_no_adapter_batch_compiles(
         assert _graphs_traced() == traced, f"compiled for {batch} with adapters after the warm-up"
 
 
+def test_after_the_warm_up_no_prefix_cache_batch_compiles(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches that fill or read the prefix cache run the compiled layers, broken around the cache's
+    traffic: the warm-up compiles those pieces too (on a scratch cache, leaving the worker's empty), and
+    traffic that fills the cache, then reads it beside prompts it has never seen, compiles nothing."""
+    monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
+    torch._dynamo.reset()
+    cache_settings = {"prefix_cache_mib": 8, "prefix_cache_block_tokens": 8, "prefix_cache_admit": "first"}
+    scorer = _scorer(tiny_llama_dir, compile="on", **cache_settings)
+    report = warm_up(scorer)
+    cache = scorer.executor.prefix_cache
+    assert cache is not None and cache.stats.lookups == 0 and len(cache) == 0, describe(report)
+    traced = _graphs_traced()
+    reference = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", attention="reference"))
+    for salt, batch in enumerate(TRAFFIC):
+        seen = _traffic_requests(batch, salt)
+        assert all(result.ok for result in scorer.score(seen))  # fills the cache
+        hits = cache.stats.hits
+        requests = seen + _traffic_requests(batch, salt + 50)
+        for result, expected in zip(scorer.score(requests), reference.score(requests), strict=True):
+            assert_scored_alike(result, expected, reference, requests)  # as in the test above
+        assert _graphs_traced() == traced, f"compiled for {batch} with the prefix cache after the warm-up"
+        if max(q + max(items) for q, items in batch) > 8:  # a whole block before some pooled token
+            assert cache.stats.hits > hits, batch
+
+
 def test_the_traffic_compiles_without_it(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The check above means something only if the traffic meets graphs the first batch does not make.
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
