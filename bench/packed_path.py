@@ -84,6 +84,7 @@ def make_scorer(
     fused_mlp: str = "auto",
     last_layer_pooled_rows: bool = True,
     deterministic_tile_rows: int | None = None,
+    prefix_cache_mib: int = 0,
 ) -> Any:
     from models import Scorer, ScorerConfig
 
@@ -99,6 +100,7 @@ def make_scorer(
         attention_kernel=attention_kernel,  # type: ignore[arg-type]
         fused_mlp=fused_mlp,  # type: ignore[arg-type]
         last_layer_pooled_rows=last_layer_pooled_rows,
+        prefix_cache_mib=prefix_cache_mib,
         # None: the setting's own default
         **({} if deterministic_tile_rows is None else {"deterministic_tile_rows": deterministic_tile_rows}),
     )

@@ -12,7 +12,7 @@ import gc
 import sys
 import tempfile
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,23 +99,54 @@ def time_scorer(
     repeats: int,
     hidden_size: int,
     warm_batches: int = 1,
+    before_pass: Callable[[], object] = lambda: None,
 ) -> dict[str, Any]:
     """`repeats` timed passes of `scorer` over the requests in the batches `cut` (after a warm-up on the
-    first `warm_batches`); the last pass's results as arrays (hidden states where every request asked),
-    with the Scorer's own stage timings. The conversion to arrays is outside the timed region: it is the
-    benchmark's, not the engine's."""
-    run = measure(
-        name,
-        lambda: packed_path.run_scorer(scorer, requests, cut),
-        lambda: packed_path.run_scorer(scorer, requests, cut[:warm_batches]),
-        repeats,
-    )
+    first `warm_batches`), each pass (the warm-up's too) after `before_pass`; the last pass's results as
+    arrays (hidden states where every request asked), with the Scorer's own stage timings. The conversion
+    to arrays is outside the timed region: it is the benchmark's, not the engine's."""
+
+    def one_pass(batches: Sequence[Sequence[int]]) -> list[Any]:
+        before_pass()
+        return packed_path.run_scorer(scorer, requests, batches)
+
+    run = measure(name, lambda: one_pass(cut), lambda: one_pass(cut[:warm_batches]), repeats)
     results = run["output"]
     asked = all(r.return_pooled_hidden_states for r in requests)
     run["stage_timings"] = packed_path.stage_timings(results)
     run["output"] = packed_path.results_to_arrays(results, hidden_size, asked=asked)
     run["batches"] = len(cut)
     return run
+
+
+def _with_prefix_cache(
+    name: str,
+    model_dir: Path,
+    max_batch_tokens: int,
+    cache_mib: int,
+    requests: Sequence[Any],
+    chunks: Sequence[Sequence[int]],
+    repeats: int,
+    hidden_size: int,
+) -> dict[str, dict[str, Any]]:
+    """W1 through a Scorer with a prefix cache of `cache_mib` MiB (kept at the second sight, the default):
+    what the cache costs a stream it cannot serve. W1 repeats no prefix within a pass; the cache is emptied
+    before each pass (the warm-up's too), so that no pass is a second sight of the one before. The run
+    says what the cache did (`prefix_cache`): a lookup per prompt, nothing kept, nothing read."""
+    scorer = packed_path.make_scorer(model_dir, max_batch_tokens, prefix_cache_mib=cache_mib)
+    cache = scorer.executor.prefix_cache
+    run = time_scorer(
+        f"{name}_cache{cache_mib}", scorer, requests, chunks, repeats, hidden_size, before_pass=cache.clear
+    )
+    stats = cache.stats
+    run.update(
+        max_batch_tokens=max_batch_tokens,
+        prefix_cache={"lookups": stats.lookups, "hits": stats.hits, "stored": stats.stored},
+    )
+    del scorer, cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {run["name"]: run}
 
 
 def same_bits_in_other_company(
@@ -143,6 +174,7 @@ def packed_run(
     eager: bool = False,
     budgets: Sequence[int] = (),
     share_min: int = 0,
+    cache_mib: int = 0,
     profile_top: int = 12,
     other_kernels: Sequence[str] = (),
     other_fused_mlp: Sequence[str] = (),
@@ -159,6 +191,7 @@ def packed_run(
     With `eager`, the same path with the layers left eager: what compiling them gains, in the same run.
     `budgets`: other token budgets to time one pass each with the same Scorer (result["sweep_runs"]).
     `share_min`: also time a Scorer looking for shared prefixes of that many tokens (W1 has none).
+    `cache_mib`: also time a Scorer with a prefix cache of that many MiB (W1 repeats no prefix).
     `other_kernels`: also time Scorers with these attention kernels ("flash", "triton") on the same batches.
     `other_fused_mlp`: likewise with these fused_mlp settings ("on", "off"), where they differ from the
     default's.
@@ -218,6 +251,11 @@ def packed_run(
         looked["max_batch_tokens"] = max_batch_tokens
         result["sweep_runs"][looked["name"]] = looked
         del sharing
+    if cache_mib:
+        cached = _with_prefix_cache(
+            name, model_dir, largest, cache_mib, requests, chunks, repeats, hidden_size
+        )
+        result["sweep_runs"].update(cached)
     variants = [(kernel, {"attention_kernel": kernel}) for kernel in other_kernels]
     variants += [(f"mlp_{choice}", {"fused_mlp": choice}) for choice in other_fused_mlp]
     variants += [("whole_last_layer", {"last_layer_pooled_rows": False})] if whole_last_layer else []
@@ -289,6 +327,11 @@ def correctness(runs: dict[str, dict[str, Any]], picks: list[int], ref: PathOutp
         report["vs_fp32"][name] = compare(run["output"].rows(picks), ref)
     if "packed_varlen" in runs and HF8 in runs:
         report["packed_vs_hf8_bf16"] = compare(runs["packed_varlen"]["output"], runs[HF8]["output"])
+    report["prefix_cache_untouched"] = {
+        name: run["prefix_cache"]["hits"] == run["prefix_cache"]["stored"] == 0
+        for name, run in runs.items()
+        if "prefix_cache" in run
+    }
     report["deterministic_same_bits"] = {
         name: run["same_bits"] for name, run in runs.items() if "same_bits" in run
     }
@@ -304,7 +347,9 @@ def correctness(runs: dict[str, dict[str, Any]], picks: list[int], ref: PathOutp
 def verdict(checks: dict[str, Any]) -> list[str]:
     """Failures of the timed results against float32: an error beyond twice HF's own bf16 error (plus 5% of
     the score scale; 10% of it when the HF baselines were skipped), or a non-finite value; and a
-    deterministic run whose bits changed with the batch. A figure whose results are wrong is no figure."""
+    deterministic run whose bits changed with the batch; a run with a prefix cache that kept or read any
+    block (W1 repeats nothing: its figure is the cost of a cache that cannot serve, or it is no such figure).
+    A figure whose results are wrong is no figure."""
     errors = checks["vs_fp32"]
     hf = [v["max_abs_score_diff"] for k, v in errors.items() if k.startswith("hf_")]
     scale = checks["fp32_score_scale"]
@@ -315,7 +360,10 @@ def verdict(checks: dict[str, Any]) -> list[str]:
         if not v["all_finite"] or (not name.startswith("hf_") and v["max_abs_score_diff"] > bound)
     ]
     bits = checks.get("deterministic_same_bits", {})
-    return failures + [f"{name}: other bits in other company" for name, v in bits.items() if not v["ok"]]
+    failures += [f"{name}: other bits in other company" for name, v in bits.items() if not v["ok"]]
+    untouched = checks.get("prefix_cache_untouched", {})
+    failures += [f"{name}: the prefix cache kept or served a block" for name, v in untouched.items() if not v]
+    return failures
 
 
 def table(runs: dict[str, dict[str, Any]], tokens: int, roofline_tps: float) -> list[dict[str, Any]]:
@@ -368,6 +416,9 @@ def print_summary(rows: list[dict[str, Any]], roofline: dict[str, Any], checks: 
             ratio = by_path["packed_varlen"]["tokens_per_s"] / row["tokens_per_s"]
             cost = 100 * (ratio - 1)
             print(f"looking for shared prefixes ({path}) costs {cost:.2f}% on W1 (nothing shared)")
+        if path.startswith("packed_varlen_cache") and "packed_varlen" in by_path:
+            cost = 100 * (by_path["packed_varlen"]["tokens_per_s"] / row["tokens_per_s"] - 1)
+            print(f"a prefix cache ({path}) costs {cost:.2f}% on W1 (no prefix repeats)")
     print(
         f"\ncorrectness (float32 HF reference on {len(checks.get('fp32_subset', []))} requests, "
         f"score scale {checks.get('fp32_score_scale', float('nan')):.3f}):"
@@ -423,6 +474,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also time the default path looking for shared prefixes this long (0: not)",
     )
     parser.add_argument(
+        "--prefix-cache-mib",
+        type=int,
+        default=4096,
+        help="also time the default path with a prefix cache this large (MiB; 0: not); W1 repeats nothing",
+    )
+    parser.add_argument(
         "--other-kernels",
         type=lambda text: [part for part in text.split(",") if part],
         default=["flash", "triton"],
@@ -462,6 +519,7 @@ def run_paths(args: argparse.Namespace, model: torch.nn.Module, work: Workload) 
                 Path(workdir),
                 budgets=args.budgets,
                 share_min=args.share_prefix_min_tokens,
+                cache_mib=args.prefix_cache_mib,
                 profile_top=args.profile_top,
                 other_kernels=args.other_kernels,
                 other_fused_mlp=args.other_fused_mlp,

@@ -79,6 +79,41 @@ def test_w1_checks_the_deterministic_bits_on_the_scorer_it_timed(tmp_path: Path)
     assert check == {"ok": True, "requests": 3, "of_batch": 6}
 
 
+def test_w1_times_a_prefix_cache_that_cannot_serve_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W1's cost of a prefix cache: every pass (the warm-up's too) starts from an empty cache, so that no
+    pass is a second sight of the last and the cache never keeps or serves a block; the run reports what
+    the cache did, and a run where it kept or served one fails the verdict."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from bench import packed_path, w1
+    from models import Scorer, ScorerConfig, write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "llama", "llama", seed=3)
+
+    def cpu_scorer(directory: Path, max_batch_tokens: int, **settings: object) -> Scorer:
+        return Scorer(directory, ScorerConfig(device="cpu", max_batch_tokens=max_batch_tokens, **settings))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(packed_path, "make_scorer", cpu_scorer)
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(4, 500, (n,), generator=generator) for n in (40, 33, 57, 21)]
+    requests = packed_path.make_requests(ids)
+    chunks = [[0, 1], [2, 3]]
+    runs = w1._with_prefix_cache("packed_varlen", model_dir, 256, 4, requests, chunks, 2, hidden_size=64)
+    (run,) = runs.values()
+    # The warm-up's batch (2 prompts) and two passes of 4, each looked up once; none kept, none served.
+    assert run["prefix_cache"] == {"lookups": 2 + 2 * 4, "hits": 0, "stored": 0}
+    fine = {"fp32_score_scale": 2.0, "vs_fp32": {}}
+    checks = {**fine, "prefix_cache_untouched": {"packed_varlen_cache4": True}}
+    assert w1.verdict(checks) == []
+    failed = w1.verdict({**fine, "prefix_cache_untouched": {"packed_varlen_cache4": False}})
+    assert [f.split(":")[0] for f in failed] == ["packed_varlen_cache4"]
+
+
 def test_w1_checks_a_run_without_hidden_states_on_its_scores() -> None:
     """The pass that asks for no hidden states (what asking costs) is still checked, on its scores."""
     import math
