@@ -10,6 +10,7 @@ real shapes; here it is only bounded loosely, so that a broken scale cannot pass
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,7 @@ from models.selfcheck import (
     run_self_check,
 )
 from models.tiny import DECODERS, ENCODERS, write_tiny_model
+from schemas import ScoreRequest, ScoreResult
 
 # The prompts of several requests packed together, single- and multi-item, longer than the tiny sliding
 # windows (16 tokens).
@@ -196,9 +198,14 @@ def test_only_the_decoder_layers_projections_are_replaced(tiny_llama_dir: Path) 
 
 
 def _agrees_with_hf_fp8(
-    scorer: Scorer, model_dir: Path, selection: Fp8Selection = ALL_PROJECTIONS
+    scorer: Scorer,
+    model_dir: Path,
+    selection: Fp8Selection = ALL_PROJECTIONS,
+    requests: list[ScoreRequest] | None = None,
+    score: Callable[[list[ScoreRequest]], list[ScoreResult]] | None = None,
 ) -> tuple[float, float, float]:
-    """Score LENGTHS with `scorer` and with HF's own eager forward with the same FP8 projections (float32).
+    """Score LENGTHS (or `requests`: one item each) with `scorer` (or `score`, which may split them over
+    several calls) and with HF's own eager forward with the same FP8 projections (float32).
 
     Items agree to float32 rounding where no rounding to e4m3 differs between the paths; but their last-bit
     differences can carry a value across a rounding boundary in some layer (a step of 6-12% of that one
@@ -214,7 +221,7 @@ def _agrees_with_hf_fp8(
     layers = transformer_layers(reference_model.base_model)
     assert layers is not None
     quantize_layers(layers, selection)
-    requests = token_requests(LENGTHS, seed=5)
+    requests = token_requests(LENGTHS, seed=5) if requests is None else requests
     prompts = [list(item) for request in requests for item in request.items]
     reference = hf_reference(model_dir, prompts, model=reference_model)
     flipped_scores, flipped_angle = 0.0, 0.0
@@ -225,7 +232,7 @@ def _agrees_with_hf_fp8(
         flipped_angle = max(
             flipped_angle, float(np.arccos(np.clip(_cosines(moved.hidden, reference.hidden), -1, 1)).max())
         )
-    results = scorer.score(requests)
+    results = (scorer.score if score is None else score)(requests)
     scores = np.concatenate([scores_of(r) for r in results])
     hidden = np.concatenate([hidden_of(r) for r in results])
     scale = max(1.0, float(np.abs(reference.logits).max()))
@@ -362,6 +369,39 @@ def test_the_gpu_path_with_fp8_projections_scores_like_hf(tiny_qwen3_dir: Path) 
     for _ in range(3):  # ordinary, recorded, replayed
         median, largest, allowed = _agrees_with_hf_fp8(scorer, tiny_qwen3_dir)
         assert median <= allowed and largest <= allowed, (median, largest, allowed)
+
+
+def test_the_prefix_cache_serves_the_fp8_path_as_hf_with_the_same_projections(tiny_qwen3_dir: Path) -> None:
+    """FP8 projections with the prefix cache: a prompt's answers over three calls, the later two taking the
+    prompt's first 40 tokens from the cache (keys and values the FP8 projections made in an earlier batch),
+    score as HF with the same projections on the whole prompts, within what the FP8 check allows."""
+    config = ScorerConfig(
+        device="cpu",
+        quantization="fp8",
+        prefix_cache_mib=16,
+        prefix_cache_block_tokens=8,
+        prefix_cache_admit="first",
+    )
+    scorer = Scorer(tiny_qwen3_dir, config)
+    prompt = tuple(range(40, 85))  # five whole blocks of 8 before every answer's pooled token
+    requests = [
+        ScoreRequest(
+            f"answer-{i}",
+            items=(prompt + tuple(range(100 + 10 * i, 103 + 11 * i)),),
+            return_pooled_hidden_states=True,
+        )
+        for i in range(6)
+    ]
+
+    def three_calls(batch: list[ScoreRequest]) -> list[ScoreResult]:
+        return [result for call in range(3) for result in scorer.score(batch[2 * call : 2 * call + 2])]
+
+    median, largest, allowed = _agrees_with_hf_fp8(
+        scorer, tiny_qwen3_dir, requests=requests, score=three_calls
+    )
+    assert median <= allowed and largest <= allowed, (median, largest, allowed)
+    stats = scorer.executor.prefix_cache.stats  # type: ignore[union-attr]
+    assert (stats.hits, stats.tokens_saved) == (4, 160)
 
 
 @pytest.mark.slow

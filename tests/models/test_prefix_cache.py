@@ -21,6 +21,7 @@ from scoring_testkit import (
     hidden_of,
     scores_of,
 )
+from tolerances import forward_sums, half_forward_bound
 
 from models import Scorer, ScorerConfig, execute
 from models.errors import ModelLoadError
@@ -99,6 +100,30 @@ def _three_calls_score_as_whole_prompts(
     return _Calls(
         [sum(len(whole[i]) for i in range(2 * call, 2 * call + 2)) for call in range(3)], spy.tokens
     )
+
+
+def test_the_bfloat16_path_with_the_cache_scores_as_without_it(tiny_qwen3_dir: Path) -> None:
+    """In bfloat16 the cached keys and values are the model's own dtype, as the row's would be: three calls
+    of a prompt's answers (the later two reading 40 tokens from the cache) score as the same calls without
+    the cache. Two bfloat16 forwards of another batch shape: each of the model's sums in series within
+    float32's gamma and rounded to bfloat16 once (half_forward_bound), at the compared values' scale (at
+    least 1); a cached row served at the wrong place moves items by their whole scale."""
+    common: dict[str, Any] = {"device": "cpu", "dtype": "bfloat16"}
+    cache: dict[str, Any] = {"prefix_cache_mib": 16, "prefix_cache_block_tokens": BLOCK}
+    cached, plain = (
+        Scorer(tiny_qwen3_dir, ScorerConfig(**common, **cache)),
+        Scorer(tiny_qwen3_dir, ScorerConfig(**common)),
+    )
+    sums = forward_sums(tiny_qwen3_dir, len(PROMPT) + max(len(a) for a in ANSWERS))
+    for call in range(3):
+        requests = _requests(range(2 * call, 2 * call + 2))
+        for got, want in zip(cached.score(requests), plain.score(requests), strict=True):
+            for a, b in ((scores_of(got), scores_of(want)), (hidden_of(got), hidden_of(want))):
+                bound = half_forward_bound(
+                    torch.bfloat16, sums=sums, magnitude=max(1.0, float(np.abs(b).max()))
+                )
+                np.testing.assert_allclose(a, b, atol=bound, rtol=0)
+    assert cached.executor.prefix_cache.stats.hits == 4  # type: ignore[union-attr]
 
 
 def test_the_compiled_and_graphed_path_uses_the_cache_and_scores_the_same(
