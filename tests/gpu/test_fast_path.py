@@ -563,10 +563,14 @@ _TRAFFIC = [
 ]
 
 
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("architecture", ["qwen3", "gemma3_text"])
-def test_after_the_warm_up_no_batch_compiles(architecture: str) -> None:
+def test_after_the_warm_up_no_batch_compiles(architecture: str, cache: bool) -> None:
     """The worker's start-up warm-up on the real kernels (Triton past 256 tokens, flash below and for
-    sliding windows), compiled layers and CUDA graphs: no batch of the traffic above compiles after it."""
+    sliding windows), compiled layers and CUDA graphs: no batch of the traffic above compiles after it.
+    With a prefix cache (every block kept at first sight), each batch's second pass reads its prompts'
+    prefixes from the cache, on the compiled layers broken around the cache's traffic, and scores as its
+    first pass: two bfloat16 forwards of other batch shapes (half_forward_bound, tensor cores)."""
     import torch._dynamo.utils
 
     from models.tiny import write_tiny_model
@@ -578,8 +582,11 @@ def test_after_the_warm_up_no_batch_compiles(architecture: str) -> None:
     torch._dynamo.reset()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / architecture, architecture)
-        config = ScorerConfig(device="cuda", dtype="bfloat16", share_prefix_min_tokens=8)
-        scorer = Scorer(model_dir, config)
+        settings: dict[str, Any] = {"share_prefix_min_tokens": 8}
+        if cache:
+            settings |= {"prefix_cache_mib": 64, "prefix_cache_block_tokens": 16}
+            settings["prefix_cache_admit"] = "first"
+        scorer = Scorer(model_dir, ScorerConfig(device="cuda", dtype="bfloat16", **settings))
         assert (
             scorer.executor.compiled
             and scorer.executor.graphs is not None
@@ -600,10 +607,24 @@ def test_after_the_warm_up_no_batch_compiles(architecture: str) -> None:
                 )
                 for r, (query, items) in enumerate(batch)
             ]
-            for _ in range(2):  # the second time through a CUDA graph of the shape
+            passes = []
+            for _ in range(2):  # the second time through a CUDA graph of the shape, or the cache
                 results = scorer.score(requests)
                 assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+                passes.append(results)
             assert traced() == after, f"compiled for {batch} after the warm-up ({describe(report)})"
+            if cache:
+                longest = max(len(p) for request in requests for p in scorer.prepare(request).prompts)
+                sums = forward_sums(model_dir, longest)
+                for got, want in zip(*passes, strict=True):
+                    for a, b in zip(got.scores, want.scores, strict=True):
+                        scale = max(1.0, max(abs(v) for v in b))
+                        bound = half_forward_bound(
+                            torch.bfloat16, sums=sums, magnitude=scale, accumulation=TENSOR_CORES
+                        )
+                        assert a == pytest.approx(b, abs=bound, rel=0), (batch, got.request_id)
+        if cache:
+            assert scorer.executor.prefix_cache is not None and scorer.executor.prefix_cache.stats.hits > 0
 
 
 def test_rows_of_up_to_4096_reduce_in_one_pass() -> None:
