@@ -173,6 +173,34 @@ def test_after_the_warm_up_no_prefix_cache_batch_compiles(
             assert cache.stats.hits > hits, batch
 
 
+@pytest.mark.parametrize("architecture", ["llama", "gemma3_text"])
+def test_prefix_cache_batches_of_any_sequence_count_compile_nothing_after_the_warm_up(
+    architecture: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a prefix cache (which breaks the layers' graphs around its traffic, so that attention's own
+    inputs reach a graph of their own, sizes and all), batches of 1 to 9 sequences reading a cached query
+    longer than the windows, as one request's items and as requests of their own, compile nothing after
+    the warm-up."""
+    monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
+    torch._dynamo.reset()
+    settings: dict[str, object] = {"compile": "on", "prefix_cache_mib": 8, "prefix_cache_block_tokens": 8}
+    settings["prefix_cache_admit"] = "first"
+    scorer = _scorer(model_dirs[architecture], **settings)
+    warm_up(scorer)
+    traced = _graphs_traced()
+    query = tuple(range(40, 85))
+    for count in range(1, 10):
+        items = tuple(tuple(range(100 + 5 * i, 103 + 5 * i)) for i in range(count))
+        shared = [ScoreRequest(f"shared-{count}", query=query, items=items)]
+        alone = [ScoreRequest(f"alone-{count}-{i}", items=(query + item,)) for i, item in enumerate(items)]
+        for requests in (shared, alone):
+            assert all(result.ok for result in scorer.score(requests))
+            assert _graphs_traced() == traced, f"compiled for {count} sequences ({requests[0].request_id})"
+    # Every prompt but the very first finds the query's five blocks in the cache.
+    cache = scorer.executor.prefix_cache
+    assert cache is not None and cache.stats.hits == 2 * sum(range(1, 10)) - 1
+
+
 def test_the_traffic_compiles_without_it(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The check above means something only if the traffic meets graphs the first batch does not make.
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
