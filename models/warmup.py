@@ -111,6 +111,8 @@ def _warm_up(scorer: Scorer, cache: PrefixCache | None) -> WarmUpReport:
                 tokens += _score(scorer, name, [scorer.prepare(request)])
                 batches += 1
         if cache is not None and scorer.executor.compiled:
+            # The worker's cache's size: its pools are held through the full-budget batch below, as the
+            # worker's own will be once it keeps a block.
             scratch = PrefixCache(SCRATCH_BLOCK, cache.max_bytes, admit_first_sight=True)
             with scorer.executor.prefix_cache_paused(scratch):
                 for name, lengths, query, adapter in kinds:

@@ -305,7 +305,7 @@ def test_the_warm_up_leaves_the_prefix_cache_alone_and_warms_as_without_it(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The warm-up scores each kind of batch twice: with the prefix cache on, the second time would fill
-    it and run the ordinary layers, and no graph would be recorded. It runs without the cache, recording
+    it and run without a CUDA graph, and no graph would be recorded. It runs without the cache, recording
     what it records without one, and leaves the cache untouched."""
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
     plain = warm_up(_scorer(tiny_llama_dir, compile="off"))  # graphs alone: the same variants, quicker
