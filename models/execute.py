@@ -408,11 +408,9 @@ class Executor:
         their own, and the fused MLPs take the gate and up deltas in their kernel. Batches that read or fill
         the prefix cache run the compiled layers too, its traffic eager between their graphs
         (`CacheIO.extend`)."""
-        mlps = self.fused_mlps
-        compiled = self.compiled_layers
         tiles = RowTiles(self.row_tiles) if self.row_tiles is not None else None
         nothing = contextlib.nullcontext()
-        with compiled or nothing, mlps or nothing, tiles or nothing:
+        with self.compiled_layers or nothing, self.fused_mlps or nothing, tiles or nothing:
             return self.packed_forward(*args, **kwargs)
 
     def _adapted(self, adapters: Sequence[int] | None) -> Sequence[int] | None:

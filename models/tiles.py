@@ -51,9 +51,10 @@ def tiled_product(
     rows: int, product: Callable[..., torch.Tensor], left: torch.Tensor, *rest: Any, **kwargs: Any
 ) -> torch.Tensor:
     """`product(left, *rest)` computed `rows` rows of `left` [..., K] at a time, the last tile padded with
-    zeros: every call has the shape [rows, K], whatever the number of rows. F.linear's and torch.mm's whole
-    tiles are written into the result where their rows start on a 16-byte boundary (as a fresh output's
-    do, so the kernel is the one a fresh output gets); the others, and the padded tile, are copied in."""
+    zeros: every call has the shape [rows, K], whatever the number of rows. After the first tile (computed
+    on its own: it gives the result's width, then is copied in), F.linear's and torch.mm's whole tiles are
+    written into the result where their rows start on a 16-byte boundary (as a fresh output's do, so the
+    kernel is the one a fresh output gets); the others, and the padded tile, are copied in."""
     flat = left.reshape(-1, left.shape[-1])
     count = flat.shape[0]
     if count == 0:
