@@ -129,19 +129,30 @@ async def produce_raw(bootstrap: str, tp: TopicPartition, batch: bytes) -> int:
     return base_offset
 
 
+# A partition's leadership settling (a topic just created, a leader just moved): any producer retries these
+# after a metadata refresh, and so does this one; every other answer is returned as the broker gave it.
+_LEADERSHIP_SETTLING = {3, 5, 6}  # UNKNOWN_TOPIC_OR_PARTITION, LEADER_NOT_AVAILABLE, NOT_LEADER_OR_FOLLOWER
+
+
 async def produce_raw_answer(bootstrap: str, tp: TopicPartition, batch: bytes) -> tuple[int, int]:
     """Write one batch as given; the broker's answer: (error code, base offset)."""
     client = AIOKafkaClient(**client_kwargs(bootstrap))
     await client.bootstrap()
     try:
-        cluster = await client.fetch_all_metadata()
-        leader = cluster.leader_for_partition(tp)
-        assert leader is not None and leader >= 0, f"no leader for {tp}"
-        response = await client.send(
-            leader, ProduceRequest(None, -1, 10_000, [(tp.topic, [(tp.partition, batch)])])
-        )
-        ((_, partitions),) = response.topics
-        ((_, error_code, base_offset, *_),) = partitions
+        for _ in range(50):
+            cluster = await client.fetch_all_metadata()
+            leader = cluster.leader_for_partition(tp)
+            if leader is None or leader < 0:
+                error_code, base_offset = 5, -1
+            else:
+                response = await client.send(
+                    leader, ProduceRequest(None, -1, 10_000, [(tp.topic, [(tp.partition, batch)])])
+                )
+                ((_, partitions),) = response.topics
+                ((_, error_code, base_offset, *_),) = partitions
+            if error_code not in _LEADERSHIP_SETTLING:
+                break
+            await asyncio.sleep(0.1)
         return int(error_code), int(base_offset)
     finally:
         await client.close()
