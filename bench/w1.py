@@ -87,10 +87,6 @@ def _path(scorer: Any) -> tuple[str, bool, bool]:
     return (scorer.info.attention_kernel, scorer.info.fused_mlp, scorer.config.last_layer_pooled_rows)
 
 
-# The deterministic setting's tile rows by default (models.settings' deterministic_tile_rows).
-DEFAULT_TILE_ROWS = 1024
-
-
 def time_scorer(
     name: str,
     scorer: Any,
@@ -179,7 +175,7 @@ def packed_run(
     other_kernels: Sequence[str] = (),
     other_fused_mlp: Sequence[str] = (),
     whole_last_layer: bool = False,
-    tile_rows: int = DEFAULT_TILE_ROWS,
+    tile_rows: int | None = None,
 ) -> dict[str, Any]:
     """(d) our Scorer: varlen packing, max_batch_tokens per batch, pooled hidden states for every request,
     its decoder layers compiled (the default on CUDA).
@@ -187,7 +183,7 @@ def packed_run(
     With `deterministic`, the batch-invariant setting (batches packed with every product in tiles of rows,
     or every item alone where the device's check refuses tiles: result["deterministic_form"]): its cost,
     timed as the default path is (the best of `repeats` passes), no profile; `tile_rows`: its tiles' rows
-    (the name says them where they are not the default's).
+    (None: the setting's default; the name says them where they are not the default's).
     With `eager`, the same path with the layers left eager: what compiling them gains, in the same run.
     `budgets`: other token budgets to time one pass each with the same Scorer (result["sweep_runs"]).
     `share_min`: also time a Scorer looking for shared prefixes of that many tokens (W1 has none).
@@ -199,9 +195,12 @@ def packed_run(
     MLP at every row (last_layer_pooled_rows off).
     """
     from models.plan import token_runs  # here: the baselines alone (--no-scorer) need no models/
+    from models.settings import EngineSettings
 
     name = "packed_deterministic" if deterministic else "packed_eager" if eager else "packed_varlen"
-    if deterministic and tile_rows != DEFAULT_TILE_ROWS:
+    default_rows = EngineSettings.model_fields["deterministic_tile_rows"].default
+    tile_rows = default_rows if tile_rows is None else tile_rows
+    if deterministic and tile_rows != default_rows:
         name = f"{name}_tiles{tile_rows}"
     model_dir = workdir / "w1-model"
     if not (model_dir / "config.json").is_file():
@@ -457,8 +456,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--deterministic-tile-rows",
         type=lambda text: [int(part) for part in text.split(",") if part],
-        default=[DEFAULT_TILE_ROWS],
-        help=f"the deterministic setting's tile rows, one Scorer each (default {DEFAULT_TILE_ROWS})",
+        default=[None],
+        help="the deterministic setting's tile rows, one Scorer each (default: the setting's own)",
     )
     parser.add_argument(
         "--budgets",
