@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
+from models import assembly
 from models.attention import register_attention
 from models.config import ScorerConfig
 from models.errors import DeviceLostError, ModelLoadError
 from models.execute import Executor
 from models.heads import HeadScores, NamedHeads, head_scores
 from models.interface import BatchObserver, ModelInfo, PendingScores
-from models.layers import is_causal_decoder
-from models.loading import LoadedModel, load_model, read_config
+from models.loading import LoadedModel, read_config
 from models.packing import saved_tokens
 from models.plan import BatchPlan, order_of_places
 from models.prefix_cache import CacheTraffic
-from models.prepare import PairTemplate, PreparedRequest, PromptBuilder, PromptError
+from models.prepare import PreparedRequest, PromptBuilder, PromptError
 from models.results import (
     Head,
     Scores,
@@ -121,27 +121,9 @@ class Scorer:
         # the other ranks' collectives would wait for a forward it does not run. Such a failure stops the
         # group (DeviceLostError); the supervisor restarts it.
         self.shard = shard
-        self.model: LoadedModel
-        fp8_by_layer = self._fp8_layer_by_layer(Path(model_dir), model_config)
-        if shard is not None or fp8_by_layer:
-            from models.tensor_parallel import Shard, load_sharded
-
-            self.model, _ = load_sharded(
-                Path(model_dir), device=self.device, dtype=self.dtype, attn_implementation=implementation,
-                shard=shard or Shard(0, 1), trust_remote_code=self.config.trust_remote_code,
-                quantize=self.config.fp8_selection
-                if fp8_by_layer or (shard is not None and self._fp8_runs())
-                else None,
-            )  # fmt: skip
-        else:
-            self.model = load_model(
-                Path(model_dir),
-                device=self.device,
-                dtype=self.dtype,
-                attn_implementation=implementation,
-                trust_remote_code=self.config.trust_remote_code,
-                allow_pickle_weights=self.config.allow_pickle_weights,
-            )
+        self.model: LoadedModel = assembly.load(
+            Path(model_dir), model_config, self.config, self.device, self.dtype, implementation, shard
+        )
         if not self.model.packable:
             self.attention = "plain"  # the model's own attention on a padded batch (Executor.padded_pooled)
             self.attention_kernel = "none"
@@ -150,7 +132,7 @@ class Scorer:
         if self.config.head_dirs:
             hidden = int(self.model.model.config.get_text_config().hidden_size)
             self.named_heads = NamedHeads(self.config.head_dirs, hidden, self.device, self.dtype)
-        self._prompts = self._prompt_builder()
+        self._prompts = assembly.prompt_builder(self.model, self.config, self.named_heads)
         self.pooling = self.config.resolve_pooling(self.model.default_pooling)
         self.head = Head(self.model, self.device, self.dtype, self.pooling, per_row=self.config.deterministic)
         self.executor = Executor(
@@ -158,60 +140,7 @@ class Scorer:
         )
         # Under adapters a prompt's states depend on its adapter: prefixes are shared only within one.
         adapter_key = (lambda p: self._prompts.adapter_index(p.request)) if self._prompts.adapters else None
-        self.plan = BatchPlan(self._shared_prefix_tokens(name), adapter_key)
-
-    def _fp8_runs(self) -> bool:
-        """FP8 projections asked for, on a device and dtype where they run (elsewhere the Executor refuses
-        them with its reason)."""
-        from models.fp8 import fp8_supported
-
-        if self.config.quantization != "fp8" or fp8_supported(self.device) is not None:
-            return False
-        return not (self.device.type == "cuda" and self.dtype != torch.bfloat16)
-
-    def _fp8_layer_by_layer(self, model_dir: Path, model_config: dict[str, object]) -> bool:
-        """FP8 on a decoder classifier with safetensors weights: loaded layer by layer, each quantized as it
-        is read, so that the model's dtype never holds more than one layer (a 70B model's FP8 weights fit
-        one GPU; its bfloat16 ones do not). Pickle-only weights keep HF's own loading."""
-        from models.tensor_parallel import splittable
-
-        return (
-            self._fp8_runs()
-            and splittable(model_config, self.config.trust_remote_code)
-            and any(model_dir.glob("*.safetensors"))
-        )
-
-    def _prompt_builder(self) -> PromptBuilder:
-        limit = self.model.max_position_embeddings
-        if self.config.max_item_tokens is not None:
-            limit = min(limit, self.config.max_item_tokens)
-        template = PairTemplate.from_tokenizer(self.model.tokenizer) if self.model.encoder else None
-        return PromptBuilder(
-            self.model.tokenizer,
-            self.model.vocab_size,
-            limit,
-            template,
-            judge=self.model.judge,
-            max_request_items=self.config.max_request_items,
-            max_request_tokens=self.config.max_request_tokens,
-            step_separator=self.model.step_separator,
-            adapters=tuple(self.config.adapter_dirs),
-            heads=tuple(self.named_heads.widths.items()) if self.named_heads is not None else (),
-        )
-
-    def _shared_prefix_tokens(self, name: str) -> int:
-        """The shortest prefix batches compute once: the setting on a packed causal decoder that is not
-        deterministic (where every item runs alone), else 0 (nothing shared)."""
-        tokens = self.config.share_prefix_min_tokens
-        if not (tokens and self.model.packable):
-            return 0
-        if not is_causal_decoder(self.model):
-            log.info("%s is an encoder: its prompts are computed whole", name)
-            return 0
-        if self.config.deterministic:
-            return 0
-        log.info("prefixes of %d tokens or more that prompts of a batch share are computed once", tokens)
-        return tokens
+        self.plan = BatchPlan(assembly.shared_prefix_tokens(self.model, self.config, name), adapter_key)
 
     @property
     def model_name(self) -> str:

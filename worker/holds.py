@@ -115,7 +115,7 @@ class PartitionHolds:
             hold.attempts += 1
             hold.retrying = False
             hold.retry_at = now + retry_delay(hold.attempts)
-            self._metrics.undecodable(tp.topic, tp.partition, hold.cause)
+            self._metrics.partitions.undecodable(tp.topic, tp.partition, hold.cause)
             if now - hold.logged_at >= REPEAT_LOG_S:
                 hold.logged_at = now
                 log.warning(
@@ -130,7 +130,7 @@ class PartitionHolds:
             retry_at=now + retry_delay(1), logged_at=now,
         )  # fmt: skip
         self._holds[tp] = hold
-        self._metrics.undecodable(tp.topic, tp.partition, cause)
+        self._metrics.partitions.undecodable(tp.topic, tp.partition, cause)
         skip = (
             f"skipped to the dead-letter topic after {self._skip_after_s:g} s"
             if self._skip_after_s
@@ -164,7 +164,7 @@ class PartitionHolds:
             hold.batch = await read_raw_batch(self._consumer, hold.tp, hold.offset)
         last = hold.last_offset
         self._skip(hold)
-        self._metrics.skipped(hold.tp.topic, hold.tp.partition, hold.cause, last - hold.offset + 1)
+        self._metrics.partitions.skipped(hold.tp.topic, hold.tp.partition, hold.cause, last - hold.offset + 1)
         log.warning(
             "%s: skipping offsets %d-%d, unreadable for %.0f s (%s); the range goes to the dead-letter topic",
             hold.where(), hold.offset, last, time.monotonic() - hold.since, hold.cause,
@@ -190,7 +190,7 @@ class PartitionHolds:
         self._report()
 
     def _report(self) -> None:
-        self._metrics.held_partitions(len(self._holds))
+        self._metrics.partitions.held_partitions(len(self._holds))
         self._readiness.hold(
             {
                 hold.where(): {"offset": hold.offset, "cause": hold.cause, "message": hold.message}

@@ -125,6 +125,7 @@ class WorkerMetrics:
         self._ready.labels(worker).set(0)
         self._define(self.registry)
         self.registry.register(_DeviceMemoryCollector(self))
+        self.partitions = PartitionMetrics(self)
 
     def _define(self, r: CollectorRegistry) -> None:
         def hist(name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
@@ -360,37 +361,44 @@ class WorkerMetrics:
     def commit_failed(self) -> None:
         self._of(self.commit_failures).inc()
 
-    # -- state, sampled by the fetch loop -----------------------------------------------------------------
+
+class PartitionMetrics:
+    """The state of the partitions a worker fetches from, sampled by the fetch loop and the holds: owned,
+    paused, held and lagging partitions, the records skipped and the fetches that failed. Part of a
+    WorkerMetrics (its `partitions`), whose labels and series it records into."""
+
+    def __init__(self, owner: WorkerMetrics) -> None:
+        self._owner = owner
 
     def assigned_partitions(self, count: int) -> None:
-        self._of(self.rebalances).inc()
-        self._of(self.assigned).set(count)
+        self._owner._of(self._owner.rebalances).inc()
+        self._owner._of(self._owner.assigned).set(count)
 
     def state(self, inflight: int, paused: int) -> None:
-        self._of(self.inflight).set(inflight)
-        self._of(self.paused).set(paused)
+        self._owner._of(self._owner.inflight).set(inflight)
+        self._owner._of(self._owner.paused).set(paused)
 
     def set_lag(self, lags: Mapping[tuple[str, int], int]) -> None:
         for (topic, partition), lag in lags.items():
-            self._of(self.lag, topic, str(partition)).set(max(0, lag))
+            self._owner._of(self._owner.lag, topic, str(partition)).set(max(0, lag))
 
     def undecodable(self, topic: str, partition: int, cause: str) -> None:
-        self._of(self.undecodable_reads, topic, str(partition), cause).inc()
+        self._owner._of(self._owner.undecodable_reads, topic, str(partition), cause).inc()
 
     def held_partitions(self, count: int) -> None:
-        self._of(self.held).set(count)
+        self._owner._of(self._owner.held).set(count)
 
     def skipped(self, topic: str, partition: int, cause: str, offsets: int) -> None:
-        self._of(self.skipped_records, topic, str(partition), cause).inc(offsets)
+        self._owner._of(self._owner.skipped_records, topic, str(partition), cause).inc(offsets)
 
     def fetch_failed(self) -> None:
-        self._of(self.fetch_failures).inc()
+        self._owner._of(self._owner.fetch_failures).inc()
 
     def forget_partitions(self, partitions: Iterable[tuple[str, int]]) -> None:
         """Drop the lag series of partitions this worker no longer owns (another worker reports them)."""
         for topic, partition in partitions:
             with contextlib.suppress(KeyError):
-                self.lag.remove(self._model or "", self.worker, topic, str(partition))
+                self._owner.lag.remove(self._owner._model or "", self._owner.worker, topic, str(partition))
 
 
 class _DeviceMemoryCollector(Collector):

@@ -134,7 +134,7 @@ class Source:
         """Rewind every partition to what was handed out (the library may have moved past records it did
         not return), count, log now and then, wait a little."""
         self._fetch_failures += 1
-        self._metrics.fetch_failed()
+        self._metrics.partitions.fetch_failed()
         self._readiness.update(fetching=False)
         now = time.monotonic()
         if self._fetch_failures == 1 or now - self._fetch_failure_logged >= _FETCH_FAILURE_LOG_S:
@@ -197,7 +197,7 @@ class Source:
     async def sample_state(self, in_flight: int) -> None:
         """In-flight, paused and per-partition lag (high-water mark minus position) into the metrics."""
         consumer = self.consumer
-        self._metrics.state(in_flight, len(consumer.paused() - self._holds.blocked))
+        self._metrics.partitions.state(in_flight, len(consumer.paused() - self._holds.blocked))
         lags: dict[tuple[str, int], int] = {}
         for tp in consumer.assignment():
             highwater = consumer.highwater(tp)
@@ -206,7 +206,7 @@ class Source:
             with contextlib.suppress(KafkaError, TimeoutError):
                 async with asyncio.timeout(0.05):
                     lags[(tp.topic, tp.partition)] = highwater - await consumer.position(tp)
-        self._metrics.set_lag(lags)
+        self._metrics.partitions.set_lag(lags)
 
     async def probe_broker(self) -> None:
         """Readiness: ask the brokers for metadata now and then; no answer in time means not reachable.
@@ -228,7 +228,7 @@ class Source:
         log.info(
             "assigned partitions: %s", sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned) or "none"
         )
-        self._metrics.assigned_partitions(len(assigned))
+        self._metrics.partitions.assigned_partitions(len(assigned))
         # A member without partitions (more workers than partitions) has joined all the same.
         self._readiness.update(group_joined=True)
 
@@ -269,7 +269,7 @@ class Source:
             self.consumer.resume(tp)
 
     async def revoked(self, revoked: set[TopicPartition]) -> None:
-        self._metrics.forget_partitions((tp.topic, tp.partition) for tp in revoked)
+        self._metrics.partitions.forget_partitions((tp.topic, tp.partition) for tp in revoked)
         self._holds.forget(revoked)
         for tp in revoked:
             self._handed_out.pop(tp, None)
