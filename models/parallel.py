@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,6 +62,9 @@ class GroupSpec:
     port: int
     model_dir: str
     engine: dict[str, Any]  # the engine settings (EngineSettings' fields)
+    # How the followers run, as the leader was started: its log level and torch's CPU threads per rank.
+    log_level: str = "INFO"
+    threads: int = 1
 
     @property
     def timeout_s(self) -> float:
@@ -280,10 +283,11 @@ def start_group(
     spec = GroupSpec(
         config.tensor_parallel, _free_port(), str(model_dir),
         {name: getattr(config, name) for name in type(config).model_fields if name in _ENGINE_FIELDS},
+        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     )  # fmt: skip
-    environment = dict(os.environ)
-    if spec.config(0).device == "cpu" and "OMP_NUM_THREADS" not in environment:
-        environment["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // spec.world))
+    spec = replace(spec, threads=_follower_threads(spec))
+    # OMP_NUM_THREADS too: the libraries a follower loads size their own pools from it.
+    environment = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
 
     def follower(rank: int) -> subprocess.Popen[bytes]:
         command = [
@@ -308,6 +312,15 @@ def start_group(
         raise
 
 
+def _follower_threads(spec: GroupSpec) -> int:
+    """torch's CPU threads for each follower: the leader's own (the worker sets them from its settings);
+    on the CPU at most an equal share of the cores, since the ranks compute at once."""
+    threads = torch.get_num_threads()
+    if spec.config(0).device == "cpu":
+        threads = min(threads, len(os.sched_getaffinity(0)) // spec.world)
+    return max(1, threads)
+
+
 def _hooks(config: ScorerConfig) -> dict[str, Any]:
     """The code-only fields of a ScorerConfig (injected kernels, recorders): rank 0 keeps them."""
     return {name: getattr(config, name) for name in type(config).model_fields if name not in _ENGINE_FIELDS}
@@ -328,13 +341,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--spec", required=True)
     args = parser.parse_args(argv)
+    spec = GroupSpec(**json.loads(args.spec))
     logging.basicConfig(
-        level=os.environ.get("SCORE_WORKER_LOG_LEVEL", "INFO").upper(),
+        level=spec.log_level,
         format=f"%(asctime)s %(levelname)-7s [rank {args.rank}] %(name)s: %(message)s",
     )
-    spec = GroupSpec(**json.loads(args.spec))
     config = spec.config(args.rank)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
+    torch.set_num_threads(spec.threads)
     shard, control = join(spec, args.rank)
     try:
         follow(Scorer(spec.model_dir, config, shard=shard), control)

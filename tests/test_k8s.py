@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from worker.cli import _OTHER_VARIABLES
 from worker.config import ENV_PREFIX, WorkerSettings
+from worker.environment import OTHER_VARIABLES
 from worker.health import HealthServer
 from worker.lag_exporter import LagExporterEnvironment
 from worker.supervisor import STOP_GRACE_S, plan_slots
@@ -34,7 +34,7 @@ COMPONENTS = ("secure", "prometheus-operator")
 KUBERNETES_VERSIONS = ("1.29.0", "1.34.0")
 CUSTOM_KINDS = {"ScaledObject", "TriggerAuthentication", "PodMonitor"}
 SETTINGS_VARIABLES = {f"{ENV_PREFIX}{name.upper()}" for name in WorkerSettings.model_fields} | {
-    f"{ENV_PREFIX}{name}" for name in _OTHER_VARIABLES
+    f"{ENV_PREFIX}{name}" for name in OTHER_VARIABLES
 }
 
 
@@ -157,7 +157,7 @@ def test_the_settings_are_the_workers_own(objects: list[dict[str, Any]]) -> None
     values = {
         k.removeprefix(ENV_PREFIX).lower(): v
         for k, v in data.items()
-        if k.removeprefix(ENV_PREFIX) not in _OTHER_VARIABLES
+        if k.removeprefix(ENV_PREFIX) not in OTHER_VARIABLES
     }
     values.pop("ssl_cafile", None)  # a file inside the pod
     WorkerSettings(**{**values, "model_dir": ROOT})  # every value is one the worker takes

@@ -1,6 +1,7 @@
 """Apache Kafka from its jars, without Docker: one combined-mode KRaft node or a cluster of several.
 
-The test suite, the benchmarks and `./dev.sh kafka` start brokers through this module. The jars come from
+The test suite, the benchmarks and `./dev.sh kafka` (worker/kafka_command.py) start brokers through this
+module. The jars come from
 the Maven project `deploy/kafka/pom.xml`, resolved once per Kafka version into a cache outside the
 repository (`$SCORE_WORKER_KAFKA_CACHE`, default `~/.cache/score-worker/kafka`); a later start resolves
 nothing. A broker is `java -cp <jars> kafka.Kafka server.properties` after `kafka.tools.StorageTool format`,
@@ -12,19 +13,16 @@ version, Maven (`mvn`). Without them `KafkaUnavailable` says what is missing.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import contextlib
 import fcntl
 import hashlib
 import logging
-import os
 import re
 import shutil
 import signal
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -35,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from worker.broker import EmbeddedBroker, free_port, metadata_brokers, until_signalled
+from worker.broker import EmbeddedBroker, free_port, metadata_brokers
+from worker.environment import KafkaEnvironment
 from worker.errors import BrokerError
 
 log = logging.getLogger(__name__)
@@ -48,10 +47,10 @@ class KafkaUnavailable(BrokerError):
     """Apache Kafka cannot be run here: no Java, no Maven for a first resolution, or no pom."""
 
 
-def repository_pom() -> Path:
+def repository_pom(environment: KafkaEnvironment | None = None) -> Path:
     """The Maven project naming the Kafka versions: $SCORE_WORKER_KAFKA_POM or the repository's own."""
-    configured = os.environ.get("SCORE_WORKER_KAFKA_POM")
-    pom = Path(configured) if configured else Path(__file__).resolve().parent.parent / "deploy/kafka/pom.xml"
+    configured = (environment or KafkaEnvironment()).kafka_pom
+    pom = configured or Path(__file__).resolve().parent.parent / "deploy/kafka/pom.xml"
     if not pom.is_file():
         raise KafkaUnavailable(
             f"no Maven project for Apache Kafka at {pom}: run from a clone of the repository or set "
@@ -76,18 +75,10 @@ def pom_versions(pom: Path | None = None) -> dict[str, str]:
     return {"newest": value("kafka.version"), "compose": value("kafka.compose.version")}
 
 
-def cache_root() -> Path:
-    configured = os.environ.get("SCORE_WORKER_KAFKA_CACHE")
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "score-worker" / "kafka"
-
-
-def find_java() -> str:
+def find_java(environment: KafkaEnvironment | None = None) -> str:
     """A Java launcher of at least MIN_JAVA: $JAVA_HOME's, else the one on PATH."""
-    home = os.environ.get("JAVA_HOME")
-    candidates = [str(Path(home) / "bin" / "java")] if home else []
+    home = (environment or KafkaEnvironment()).java_home
+    candidates = [str(home / "bin" / "java")] if home else []
     on_path = shutil.which("java")
     if on_path:
         candidates.append(on_path)
@@ -121,15 +112,16 @@ def _logging_profile(version: str) -> str:
     return "log4j2" if int(version.split(".")[0]) >= 4 else "reload4j"
 
 
-def resolve_jars(version: str, pom: Path | None = None) -> Path:
+def resolve_jars(version: str, pom: Path | None = None, environment: KafkaEnvironment | None = None) -> Path:
     """The directory of the jars of Kafka `version`, resolved with Maven on first use and cached.
 
     The cache entry records the pom's digest: a changed pom resolves again. Concurrent callers (parallel
     test processes) wait on a file lock rather than resolving twice.
     """
-    pom = pom or repository_pom()
+    environment = environment or KafkaEnvironment()
+    pom = pom or repository_pom(environment)
     digest = hashlib.sha256(pom.read_bytes()).hexdigest()[:16]
-    entry = cache_root() / version
+    entry = environment.cache_root / version
     libs, stamp = entry / "libs", entry / "resolved"
     entry.mkdir(parents=True, exist_ok=True)
     with open(entry / ".lock", "w") as lock:
@@ -228,6 +220,7 @@ class ApacheKafka:
     `hosts` gives each node its listen address (default 127.0.0.1 for all), `ports` its client port (default
     a free one), `advertised` the address clients are told (default the listener; a proxy in front of it for
     fault tests) and `wrappers` a command prefix (a network namespace, for tests that cut one node off).
+    `environment`: where the pom, the jars and Java are (read from the environment when not given).
     `config` adds or overrides server properties on every node. The cluster's directory (`work_dir`, a
     temp directory by default) holds one directory per node with its configuration, data and `server.log`;
     stop() removes a temp directory unless asked to keep it.
@@ -245,6 +238,7 @@ class ApacheKafka:
         config: dict[str, str] | None = None,
         start_timeout_s: float = 120.0,
         heap: str = "512m",
+        environment: KafkaEnvironment | None = None,
     ):
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
@@ -253,7 +247,8 @@ class ApacheKafka:
         for name, given in (("ports", ports), ("advertised", advertised), ("wrappers", wrappers)):
             if given is not None and len(given) != nodes:
                 raise ValueError(f"{len(given)} {name} for {nodes} nodes")
-        self.version = version or pom_versions()["newest"]
+        self._environment = environment or KafkaEnvironment()
+        self.version = version or pom_versions(repository_pom(self._environment))["newest"]
         self.size = nodes
         self._hosts = list(hosts or ["127.0.0.1"] * nodes)
         self._ports = list(ports) if ports else None
@@ -308,8 +303,8 @@ class ApacheKafka:
         every node."""
         if self.nodes:
             return self
-        self._java = find_java()
-        self._libs = resolve_jars(self.version)
+        self._java = find_java(self._environment)
+        self._libs = resolve_jars(self.version, environment=self._environment)
         if self._work_dir is None:
             self._made_work_dir = Path(tempfile.mkdtemp(prefix=f"score-worker-kafka-{self.version}-"))
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -559,50 +554,3 @@ def start_local_broker(kind: str) -> EmbeddedBroker | ApacheKafka:
     if kind == "kafka":
         return ApacheKafka(nodes=1).start()
     raise ValueError(f"unknown broker {kind!r}; one of {', '.join(LOCAL_BROKERS)}")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `score-worker kafka`."""
-    parser.add_argument(
-        "--nodes", type=int, default=1, help="combined-mode nodes (default 1; 3 for failures)"
-    )
-    parser.add_argument(
-        "--version", default=None, help="Kafka version (default: the pom's newest; 'compose' for compose's)"
-    )
-    parser.add_argument(
-        "--dir", type=Path, default=None, help="cluster directory, kept (default: a temp dir)"
-    )
-    parser.add_argument(
-        "--resolve-only",
-        action="store_true",
-        help="resolve the jars (of every version the pom names) and exit",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """`score-worker kafka`: Apache Kafka in the foreground until SIGINT/SIGTERM."""
-    try:
-        versions = pom_versions()
-        if args.resolve_only:
-            find_java()
-            for each in dict.fromkeys(versions.values()):
-                print(f"Kafka {each}: {resolve_jars(each)}", flush=True)
-            return 0
-        version: str | None = versions.get(args.version, args.version) if args.version else None
-        cluster = ApacheKafka(nodes=args.nodes, version=version, work_dir=args.dir)
-        with until_signalled() as stop, cluster:
-            print(f"{cluster.describe()} on {cluster.bootstrap_servers}", flush=True)
-            print(f"  files and logs in {cluster.directory}", flush=True)
-            print(
-                f"  score-worker run --model DIR --bootstrap-servers {cluster.bootstrap_servers}", flush=True
-            )
-            print("stop with Ctrl-C", flush=True)
-            while not stop.wait(0.5):
-                dead = [node for node in cluster.nodes.values() if not node.running()]
-                if dead:
-                    print(f"score-worker kafka: {dead[0].log_tail()}", file=sys.stderr)
-                    return 1
-    except BrokerError as error:
-        print(f"score-worker kafka: {error}", file=sys.stderr)
-        return 1
-    return 0

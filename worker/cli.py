@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -22,7 +22,9 @@ from worker.config import (
     describe_validation_error,
     flag_for,
     is_secret,
+    read_environment,
 )
+from worker.environment import ProcessEnvironment, unknown_variables
 from worker.logs import PAUSING, RESUMING, RepeatFilter
 
 if TYPE_CHECKING:
@@ -42,7 +44,10 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
         "consumer-group lag for Prometheus, read from the brokers",
     ),
     "broker": ("worker.broker", "run the embedded Kafka-protocol broker (Tansu) for local trials"),
-    "kafka": ("worker.apache_kafka", "run Apache Kafka from its jars (Java, no Docker): one node or several"),
+    "kafka": (
+        "worker.kafka_command",
+        "run Apache Kafka from its jars (Java, no Docker): one node or several",
+    ),
     "produce-samples": ("worker.sample_producer", "send a steady trickle of mixed sample requests"),
 }
 
@@ -72,11 +77,10 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-def configure_logging(level: str, fmt: str = "text") -> None:
-    """Concise logs once per process; the Kafka client's INFO chatter is held back to warnings."""
+def configure_logging(level: str, fmt: str = "text", process: str = "") -> None:
+    """Concise logs once per process; the Kafka client's INFO chatter is held back to warnings. `process`:
+    which of a host's worker processes logs (its supervisor sets it; see worker/supervisor.py)."""
     handler = logging.StreamHandler(sys.stderr)
-    # Which of a host's worker processes logs (set by the host's supervisor; see worker/supervisor.py).
-    process = os.environ.get(f"{ENV_PREFIX}LOG_TAG", "")
     if fmt == "json":
         formatter: logging.Formatter = JsonLogFormatter(process)
     else:
@@ -137,7 +141,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker.errors import WorkerError
     from worker.service import WorkerService
 
-    unknown = unknown_variables(os.environ)
+    unknown = unknown_variables()
     if unknown:  # a misspelt setting would otherwise be ignored without a word
         log.warning("ignoring unknown variables %s: no setting has these names", ", ".join(unknown))
     if settings.gpus:
@@ -148,7 +152,7 @@ def run_worker(args: argparse.Namespace) -> int:
         settings.worker_id, settings.group_id, settings.requests_topic, settings.results_topic,
         settings.bootstrap_servers, settings.model_dir, settings.metrics_port or "off",
     )  # fmt: skip
-    service = WorkerService(settings, lambda: _load_scorer(settings))
+    service = WorkerService(settings, lambda: _load_scorer(settings, args.environment))
     try:
         code = _serve(service)
     except (ModelLoadError, ValueError) as error:
@@ -209,7 +213,7 @@ def _serve(service: WorkerService) -> int:
     return EXIT_OK
 
 
-def _load_scorer(settings: WorkerSettings) -> ScoringEngine:
+def _load_scorer(settings: WorkerSettings, environment: ProcessEnvironment) -> ScoringEngine:
     """Load the model (on one device, or split across a tensor-parallel group whose other ranks this
     process starts) and, unless turned off, check it against HF's own forward before any request (on every
     rank of a group, in step)."""
@@ -219,7 +223,7 @@ def _load_scorer(settings: WorkerSettings) -> ScoringEngine:
     from models.selfcheck import run_self_check
     from models.warmup import describe, warm_up
 
-    threads = torch_threads(settings)
+    threads = torch_threads(settings, environment)
     torch.set_num_threads(threads)
     log.info("torch uses %d CPU threads (torch_threads)", threads)
     config = ScorerConfig.of(settings.engine)
@@ -249,26 +253,15 @@ def _load_scorer(settings: WorkerSettings) -> ScoringEngine:
 
 
 # SCORE_WORKER_* variables that are not settings fields but are read elsewhere (logging, dev.sh, the tests).
-_OTHER_VARIABLES = frozenset({"LOG_LEVEL", "LOG_FORMAT", "LOG_TAG", "VENV", "TEST_BOOTSTRAP"})
-
-
-def unknown_variables(environ: Mapping[str, str]) -> list[str]:
-    """SCORE_WORKER_* variables that name no setting."""
-    known = {name.upper() for name in WorkerSettings.model_fields} | _OTHER_VARIABLES
-    return sorted(
-        name for name in environ if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX) :] not in known
-    )
-
-
-def torch_threads(settings: WorkerSettings) -> int:
+def torch_threads(settings: WorkerSettings, environment: ProcessEnvironment | None = None) -> int:
     """The setting, else OMP_NUM_THREADS where the environment sets it (as torch itself reads it), else
     every CPU this process may run on (its affinity, which container CPU sets and `taskset` narrow), or 2
     when a GPU does the model work and the CPU only tokenizes and encodes."""
     if settings.torch_threads:
         return settings.torch_threads
-    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if omp.isdigit() and int(omp) > 0:
-        return int(omp)
+    omp = (environment or ProcessEnvironment()).omp_threads
+    if omp is not None:
+        return omp
     if settings.device.startswith("cuda"):
         return 2
     try:
@@ -288,17 +281,21 @@ def _chosen_command(argv: Sequence[str]) -> str | None:
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The command line, its defaults read from the environment once (ProcessEnvironment, WorkerSettings);
+    every handler is given that environment as `args.environment`."""
+    environment = read_environment(ProcessEnvironment, _chosen_command(argv) or "")
     parser = argparse.ArgumentParser(prog="score-worker", description=__doc__)
+    parser.set_defaults(environment=environment)
     parser.add_argument(
         "--log-level",
-        default=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "INFO"),
+        default=environment.log_level,
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         type=str.upper,
         help=f"log verbosity (env {ENV_PREFIX}LOG_LEVEL, default INFO)",
     )
     parser.add_argument(
         "--log-format",
-        default=os.environ.get(f"{ENV_PREFIX}LOG_FORMAT", "text"),
+        default=environment.log_format,
         choices=["text", "json"],
         type=str.lower,
         help=f"text lines or one JSON object per line (env {ENV_PREFIX}LOG_FORMAT, default text)",
@@ -326,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"score-worker: this command is not available: {_missing_install(error)}", file=sys.stderr)
         return EXIT_FAILURE
     args = parser.parse_args(args_list)
-    configure_logging(args.log_level, args.log_format)
+    configure_logging(args.log_level, args.log_format, args.environment.log_tag)
     try:
         return int(args.handler(args))
     except ModuleNotFoundError as error:

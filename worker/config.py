@@ -563,7 +563,8 @@ def read_environment(settings: type[SettingsT], command: str) -> SettingsT:
     except ValidationError as error:
         prefix = str(settings.model_config.get("env_prefix", ""))
         lines = describe_validation_error(error, flags=False, prefix=prefix)
-        raise SystemExit(f"score-worker {command}: invalid environment\n{lines}") from None
+        who = " ".join(filter(None, ("score-worker", command)))
+        raise SystemExit(f"{who}: invalid environment\n{lines}") from None
 
 
 def environment_variables(settings: type[BaseSettings]) -> tuple[str, ...]:

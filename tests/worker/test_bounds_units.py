@@ -185,7 +185,7 @@ def test_the_brokers_record_limit_lowers_the_workers_own(
 
 
 def test_misspelt_variables_are_named() -> None:
-    from worker.cli import unknown_variables
+    from worker.environment import unknown_variables
 
     environ = {
         "SCORE_WORKER_MAX_BATCH_TOKEN": "1",  # misspelt

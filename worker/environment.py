@@ -1,0 +1,87 @@
+"""What a score-worker process takes from its environment besides WorkerSettings: how it logs, how many
+threads torch's CPU kernels get, where Apache Kafka's pom, jars and Java are. Read once, with the same
+library and rules as the settings (worker/config.py); the code below the command line is handed the
+values."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from worker.config import ENV_PREFIX, WorkerSettings
+
+
+class ProcessEnvironment(BaseSettings):
+    """Every command's logging, and the thread count the worker's model takes unless its settings say."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="log verbosity, the --log-level flag's default"
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text lines or one JSON object per line, the --log-format flag's default"
+    )
+    log_tag: str = Field("", description="which of a host's worker processes logs (set by the supervisor)")
+    # As torch reads it: a positive count, else torch's own choice (OpenMP also takes lists like "4,2").
+    omp_num_threads: str = Field("", validation_alias="OMP_NUM_THREADS")
+
+    @field_validator("log_level", "log_format", mode="before")
+    @classmethod
+    def _any_case(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        return value.upper() if value.lower() in ("debug", "info", "warning", "error") else value.lower()
+
+    @property
+    def omp_threads(self) -> int | None:
+        """OMP_NUM_THREADS where it sets one positive count, else None."""
+        text = self.omp_num_threads.strip()
+        return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+class KafkaEnvironment(BaseSettings):
+    """Where Apache Kafka's Maven project and its resolved jars are, and which Java runs it
+    (worker/apache_kafka)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
+
+    kafka_pom: Path | None = Field(None, description="the Maven project naming the Kafka versions")
+    kafka_cache: Path | None = Field(
+        None, description="where resolved jars are kept (default ~/.cache/score-worker/kafka)"
+    )
+    xdg_cache_home: Path | None = Field(None, validation_alias="XDG_CACHE_HOME")
+    java_home: Path | None = Field(None, validation_alias="JAVA_HOME")
+
+    @field_validator("kafka_pom", "kafka_cache", "xdg_cache_home", "java_home", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @property
+    def cache_root(self) -> Path:
+        if self.kafka_cache is not None:
+            return self.kafka_cache
+        return (self.xdg_cache_home or Path.home() / ".cache") / "score-worker" / "kafka"
+
+
+# SCORE_WORKER_* names that are no WorkerSettings field: the ones above, the dev script's and the tests'.
+OTHER_VARIABLES = frozenset(
+    {name.upper() for name in ProcessEnvironment.model_fields if name != "omp_num_threads"}
+    | {name.upper() for name in KafkaEnvironment.model_fields if name.startswith("kafka_")}
+    | {"VENV", "TEST_BOOTSTRAP", "TEST_BROKER", "TEST_PROCESSES", "TEST_KAFKA_VERSION"}
+)
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """SCORE_WORKER_* variables (of `environ`, default this process's) that name no setting."""
+    known = {name.upper() for name in WorkerSettings.model_fields} | OTHER_VARIABLES
+    given = os.environ if environ is None else environ
+    return sorted(
+        name for name in given if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX) :] not in known
+    )
