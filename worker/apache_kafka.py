@@ -36,6 +36,7 @@ from types import TracebackType
 from worker.broker import EmbeddedBroker, free_port, metadata_brokers
 from worker.environment import KafkaEnvironment
 from worker.errors import BrokerError
+from worker.lifetime import release, watch
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class KafkaNode:
     advertised: tuple[str, int]  # what clients are told to use: the listener, or a proxy in front of it
     wrapper: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", "ns1"]
     process: subprocess.Popen[bytes] | None = None
-    finalizer: weakref.finalize[[subprocess.Popen[bytes]], KafkaNode] | None = None
+    finalizer: weakref.finalize[..., KafkaNode] | None = None
 
     @property
     def address(self) -> str:
@@ -204,10 +205,11 @@ class KafkaNode:
         return f"node {self.node_id} log {self.log_path}:\n" + "\n".join(text)
 
 
-def _kill(process: subprocess.Popen[bytes]) -> None:
+def _kill(process: subprocess.Popen[bytes], watchdog: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         process.kill()
         process.wait(timeout=30)
+    release(watchdog)
 
 
 class ApacheKafka:
@@ -405,12 +407,16 @@ class ApacheKafka:
             raise BrokerError(f"formatting node {node.node_id}'s storage failed: {done.stdout}{done.stderr}")
 
     def _launch(self, node: KafkaNode) -> None:
+        if node.finalizer is not None:
+            node.finalizer()  # the previous run's process, ended, and its watchdog
         command = self._java_command(node, "kafka.Kafka", str(node.config_path))
         with open(node.log_path, "ab") as log_file:
             node.process = subprocess.Popen(
                 command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
             )
-        node.finalizer = weakref.finalize(node, _kill, node.process)
+        # Killed on stop(), when the node is collected, and, by its watchdog, when this process dies
+        # without a word (SIGKILL, a CI timeout): a node in its own session outlives it otherwise.
+        node.finalizer = weakref.finalize(node, _kill, node.process, watch(node.process))
 
     def wait_ready(self, timeout_s: float | None = None, nodes: Sequence[int] | None = None) -> None:
         """Return once each running node (or those named) answers metadata listing every running node."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 
 from worker.errors import BrokerBinaryNotFound, BrokerError
+from worker.lifetime import release, watch
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _terminate(process: subprocess.Popen[bytes]) -> None:
+def _terminate(process: subprocess.Popen[bytes], watchdog: subprocess.Popen[bytes] | None = None) -> None:
     if process.poll() is None:
         process.terminate()
         try:
@@ -99,6 +100,7 @@ def _terminate(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=5)
+    release(watchdog)
 
 
 class EmbeddedBroker:
@@ -126,7 +128,7 @@ class EmbeddedBroker:
         self._made_log_dir: Path | None = None  # the temp directory start() made, removed by a clean stop
         self._start_timeout_s = start_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
-        self._finalizer: weakref.finalize[[subprocess.Popen[bytes]], EmbeddedBroker] | None = None
+        self._finalizer: weakref.finalize[..., EmbeddedBroker] | None = None
         self.log_path: Path | None = None
 
     @property
@@ -178,8 +180,9 @@ class EmbeddedBroker:
         command += ["--storage-engine", "memory://tansu/"]
         with open(self.log_path, "wb") as log_file:
             self._process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
-        # Kill the broker even if the owner forgets stop() (an interrupted test run).
-        self._finalizer = weakref.finalize(self, _terminate, self._process)
+        # Kill the broker even if the owner forgets stop() (an interrupted test run), and when this process
+        # dies without a word (SIGKILL, a CI timeout): the watchdog.
+        self._finalizer = weakref.finalize(self, _terminate, self._process, watch(self._process))
         self._port = port
         try:
             self._wait_ready(port)
