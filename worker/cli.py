@@ -25,7 +25,7 @@ from worker.config import (
     read_environment,
 )
 from worker.environment import ProcessEnvironment, unknown_variables
-from worker.logs import PAUSING, RESUMING, RepeatFilter
+from worker.logs import PAUSING, RESUMING, CoordinatorFilter, RepeatFilter
 
 if TYPE_CHECKING:
     from models import ScoringEngine
@@ -89,6 +89,8 @@ def configure_logging(level: str, fmt: str = "text", process: str = "") -> None:
     handler.setFormatter(formatter)
     # A broker outage makes the Kafka client repeat the same error on every reconnect attempt.
     # Under sustained load the worker pauses and resumes fetching several times a second.
+    # A fresh cluster's coordinator is missing for its first seconds: that is no error (until it lasts).
+    handler.addFilter(CoordinatorFilter())
     handler.addFilter(RepeatFilter(prefixes=("aiokafka",), templates=frozenset({PAUSING, RESUMING})))
     logging.basicConfig(level=level.upper(), handlers=[handler])
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))

@@ -51,3 +51,63 @@ class RepeatFilter(logging.Filter):
         if len(self._seen) > 1000:  # messages with changing templates must not grow this without bound
             self._seen.clear()
         return True
+
+
+# How long a coordinator may stay unavailable before the Kafka client's complaint is an error: a new
+# cluster creates its offsets and transaction topics on the first group or transactional producer, and
+# elects their leaders, in seconds; a coordinator that stays away longer is a fault.
+COORDINATOR_GRACE_S = 30.0
+# Records further apart than this belong to separate unavailabilities (the client retries every 0.1 s).
+COORDINATOR_STREAK_GAP_S = 10.0
+# What the Kafka client logs, at ERROR, on each failed coordinator lookup: the group's, the producer's.
+COORDINATOR_LOOKUPS = frozenset(
+    {"Group Coordinator Request failed: %s", "FindCoordinator Request failed: %s"}
+)
+STILL_UNAVAILABLE = " (no coordinator for over {:.0f} s)"
+
+
+class CoordinatorFilter(logging.Filter):
+    """The Kafka client logs ERROR on every failed coordinator lookup, the normal state of a fresh cluster
+    for its first seconds (GroupCoordinatorNotAvailableError while the offsets topic is created). Within
+    `grace_s` of the first failure of a run of them, the first is logged at INFO and the rest at DEBUG;
+    past it they are errors again, saying for how long (the repeat filter then keeps them to one a minute).
+    Other records and other errors pass as they are."""
+
+    def __init__(
+        self,
+        grace_s: float = COORDINATOR_GRACE_S,
+        gap_s: float = COORDINATOR_STREAK_GAP_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self._grace_s = grace_s
+        self._gap_s = gap_s
+        self._clock = clock
+        self._streaks: dict[str, tuple[float, float]] = {}  # template -> (first failure, last failure)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg not in COORDINATOR_LOOKUPS or not _coordinator_unavailable(record.args):
+            return True
+        now = self._clock()
+        first, last = self._streaks.get(str(record.msg), (now, now))
+        if now - last > self._gap_s:
+            first = now
+        self._streaks[str(record.msg)] = (first, now)
+        if now - first > self._grace_s:
+            record.msg = str(record.msg) + STILL_UNAVAILABLE.format(self._grace_s)
+            return True
+        level = logging.INFO if now == first else logging.DEBUG
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        return level >= logging.getLogger().getEffectiveLevel()
+
+
+def _coordinator_unavailable(args: object) -> bool:
+    """Whether a lookup's failure is the coordinator not being there yet (rather than refused access)."""
+    from aiokafka import errors
+
+    transient = (
+        errors.CoordinatorNotAvailableError,
+        errors.CoordinatorLoadInProgressError,
+        errors.NotCoordinatorError,
+    )
+    return isinstance(args, tuple) and len(args) == 1 and isinstance(args[0], transient)
