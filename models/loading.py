@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 from transformers.utils.import_utils import is_accelerate_available
 
 from models.errors import ModelLoadError
+from models.load_report import held_load_report, report_unused
 from models.packing import Pooling
 
 # Model types whose packed forward is covered by tests against HF's padded forward. Others may work, but
@@ -401,15 +402,16 @@ def load_model(
     remote_code = bool(config.get("auto_map"))
     # A model's own code may ignore our attention, whatever type it claims: it runs the plain path.
     runs_packed = not remote_code and packable(str(config.get("model_type")))
-    model, info = _from_pretrained(
-        model_dir,
-        config,
-        device=device,
-        dtype=dtype,
-        attn_implementation=attn_implementation if runs_packed else "eager",
-        remote_code=remote_code,
-        safetensors_only=_safetensors_only(model_dir, allow_pickle_weights),
-    )
+    with held_load_report():  # it would call the weights placed below missing or unexpected
+        model, info = _from_pretrained(
+            model_dir,
+            config,
+            device=device,
+            dtype=dtype,
+            attn_implementation=attn_implementation if runs_packed else "eager",
+            remote_code=remote_code,
+            safetensors_only=_safetensors_only(model_dir, allow_pickle_weights),
+        )
     value_head = _value_head(model_dir, model) if judge else None
     if value_head is not None:
         # A reward model after all: its score is the value head at the last token, not label logits.
@@ -417,6 +419,9 @@ def load_model(
         value_head.to(device=device, dtype=dtype)
     elif not judge:
         _adapt_head(model, model_dir, info.get("unexpected_keys") or ())
+    # The head's and a value head's weights are placed above (or the model refused): the rest are left out.
+    placed = ["v_head"] if value_head is not None else [] if judge else [head_name(model)]
+    report_unused(model_dir, info.get("unexpected_keys") or (), placed)
     module: nn.Module = model  # PreTrainedModel.to's decorator hides Module.to's signature from mypy
     module.to(device).eval()
     base, embeddings = _base_and_embeddings(model)

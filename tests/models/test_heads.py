@@ -125,3 +125,34 @@ def test_unknown_heads_and_heads_that_do_not_fit_are_refused(
     save_file({"weight": torch.zeros(1, HIDDEN + 1)}, str(wide / "head.safetensors"))
     with pytest.raises(ModelLoadError, match="hidden size"):
         Scorer(tiny_llama_dir, ScorerConfig(device="cpu", heads=f"w={wide}"))
+
+
+@pytest.mark.slow
+def test_named_heads_run_in_a_tensor_parallel_group(
+    tiny_llama_dir: Path, heads: dict[str, tuple[Path, torch.nn.Module]]
+) -> None:
+    """Every rank holds the whole heads and the whole pooled state (the row-parallel sums are complete on
+    each): the group's head scores are the head on HF float32's pooled state, as on one device."""
+    from models.parallel import start_group
+
+    setting = ",".join(f"{name}={directory}" for name, (directory, _) in heads.items())
+    config = ScorerConfig(device="cpu", dtype="float32", tensor_parallel=2, heads=setting)
+    leader = start_group(tiny_llama_dir, config)
+    try:
+        request = ScoreRequest("both", items=_ids(4, 3, 16), heads=["safety", "helpful"])
+        (result,) = leader.score_prepared([leader.prepare(request)])
+    finally:
+        leader.close()
+    assert result.ok and result.head_scores is not None, result.error
+    hidden = torch.from_numpy(hf_reference(tiny_llama_dir, request.items).hidden)
+    for name in request.heads or ():
+        with torch.inference_mode():
+            expected = heads[name][1](hidden).numpy()
+        # The group sums each projection in shares and adds them: another order of the same float32 sums,
+        # within the forward's bound as on one device (_atol).
+        np.testing.assert_allclose(
+            np.array(result.head_scores[name]),
+            expected,
+            atol=_atol(tiny_llama_dir, 16, float(np.abs(expected).max())),
+            rtol=0,
+        )
