@@ -42,6 +42,7 @@ _FAULT_MODULES = frozenset(
         "test_graceful_shutdown",
         "test_gpu_faults",
         "test_hosts",
+        "test_lifetime",
         "test_supervisor",
     }
 )

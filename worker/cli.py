@@ -215,7 +215,7 @@ def _serve(service: WorkerService) -> int:
     return EXIT_OK
 
 
-def _load_scorer(settings: WorkerSettings, environment: ProcessEnvironment) -> ScoringEngine:
+def _load_scorer(settings: WorkerSettings, environment: ProcessEnvironment | None = None) -> ScoringEngine:
     """Load the model (on one device, or split across a tensor-parallel group whose other ranks this
     process starts) and, unless turned off, check it against HF's own forward before any request (on every
     rank of a group, in step)."""
@@ -254,7 +254,6 @@ def _load_scorer(settings: WorkerSettings, environment: ProcessEnvironment) -> S
     return engine
 
 
-# SCORE_WORKER_* variables that are not settings fields but are read elsewhere (logging, dev.sh, the tests).
 def torch_threads(settings: WorkerSettings, environment: ProcessEnvironment | None = None) -> int:
     """The setting, else OMP_NUM_THREADS where the environment sets it (as torch itself reads it), else
     every CPU this process may run on (its affinity, which container CPU sets and `taskset` narrow), or 2

@@ -27,7 +27,7 @@ from models.parallel import LeaderEngine, start_group
 from models.selfcheck import run_self_check
 from models.tensor_parallel import RowParallelLinear, Shard, head_shares, shares
 from models.tiny import DECODERS, write_tiny_model
-from schemas import HiddenDType, ScoreRequest
+from schemas import HiddenDType, ScoreRequest, ScoreResult
 from worker.broker import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -66,6 +66,14 @@ def _config(world: int, **values: Any) -> ScorerConfig:
     )  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def unsplit(family_dirs: dict[str, Path]) -> dict[str, tuple[Scorer, list[ScoreResult]]]:
+    """Each family's unsplit scorer and its results for _requests(), computed once for every group size."""
+    requests = _requests()
+    scorers = {family: Scorer(model_dir, _config(1)) for family, model_dir in family_dirs.items()}
+    return {family: (scorer, scorer.score(requests)) for family, scorer in scorers.items()}
+
+
 @pytest.fixture
 def group() -> Iterator[list[LeaderEngine]]:
     """The groups a test starts; each closed at its end (its followers told to exit)."""
@@ -77,12 +85,14 @@ def group() -> Iterator[list[LeaderEngine]]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_scores_as_the_unsplit_model_for_every_family(
-    family_dirs: dict[str, Path], world: int, group: list[LeaderEngine]
+    family_dirs: dict[str, Path],
+    unsplit: dict[str, tuple[Scorer, list[ScoreResult]]],
+    world: int,
+    group: list[LeaderEngine],
 ) -> None:
     requests = _requests()
     for family, model_dir in family_dirs.items():
-        reference = Scorer(model_dir, _config(1))
-        want = reference.score(requests)
+        reference, want = unsplit[family]
         leader = start_group(model_dir, _config(world))
         group.append(leader)
         got = leader.score_prepared([leader.prepare(request) for request in requests])

@@ -18,6 +18,8 @@ import pytest
 from worker import kafka_command
 from worker.apache_kafka import KafkaNode
 
+pytestmark = pytest.mark.slow  # seconds of watching, at the command's pace
+
 WAIT_S = 10.0  # the watch looks every POLL_S (0.5 s); a loaded machine's scheduling on top
 
 

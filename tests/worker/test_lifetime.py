@@ -111,6 +111,7 @@ def test_the_embedded_broker_dies_with_its_killed_starter() -> None:
     _kill_starter_and_expect_gone(starter, pid, made)
 
 
+@pytest.mark.slow
 def test_an_apache_kafka_node_dies_with_its_killed_starter() -> None:
     java_or_not_here()
     script = """
