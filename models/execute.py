@@ -162,9 +162,21 @@ class Executor:
         elif self._config.tensor_parallel > 1:
             why = "under tensor parallelism each rank holds a share of the heads; the cache serves one device"
         else:
-            numbers = [getattr(m, "layer_idx", None) for m in self._attention_modules(layers)]
+            modules = self._attention_modules(layers)
+            numbers = [getattr(m, "layer_idx", None) for m in modules]
+            shapes = {
+                (getattr(m, "num_key_value_groups", None), m.head_dim)
+                for m in modules
+                if hasattr(m, "head_dim")
+            }
             if sorted(n for n in numbers if isinstance(n, int)) != list(range(len(layers))):
                 why = f"{name}'s attention modules do not number their layers (layer_idx)"
+            elif len(shapes) > 1:
+                # Gemma 4's global layers: wider heads, fewer of them, than its sliding ones.
+                why = (
+                    f"{name}'s layers hold keys of different shapes (key-value heads and head widths per "
+                    "layer), and the cache keeps every layer's keys in one pool of one shape"
+                )
         if why is not None:
             raise ModelLoadError(f"prefix_cache_mib: {why}")
         self._layer_count = len(layers)  # type: ignore[arg-type]

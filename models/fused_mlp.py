@@ -37,6 +37,7 @@ from torch import nn
 from transformers import activations
 
 from models.adapters import lora_operands
+from models.families import GATED_SILU_MLPS
 
 try:
     import triton
@@ -64,15 +65,9 @@ GROUP_M = 16
 MIN_HIDDEN = 1536
 INTERPRETER_PROGRAMS = 3
 OP_NAME = "score_worker::gate_up_silu"
-# HF MLP classes whose forward is down(silu(gate(x)) * up(x)): "separate" (gate_proj, up_proj, act_fn) or
-# "fused" (gate_up_proj, whose first half of outputs is gate and second up; activation_fn).
-GATED_SILU_MLPS = {
-    "LlamaMLP": "separate",
-    "MistralMLP": "separate",
-    "Qwen2MLP": "separate",
-    "Qwen3MLP": "separate",
-    "Phi3MLP": "fused",
-}
+# HF MLP classes whose forward is down(silu(gate(x)) * up(x)), declared with their families
+# (models/families.py): "separate" (gate_proj, up_proj, act_fn) or "fused" (gate_up_proj, whose first half
+# of outputs is gate and second up; activation_fn).
 _SILU_CLASSES: tuple[type, ...] = tuple(
     cls for cls in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if isinstance(cls, type)
 )

@@ -23,12 +23,14 @@ from transformers.utils import logging as hf_logging
 from transformers.utils.import_utils import is_accelerate_available
 
 from models.errors import ModelLoadError
+from models.families import CLASSIFIER_MODEL_TYPES, UNSERVED, check_config
+from models.families import DECODER_MODEL_TYPES as DECODER_MODEL_TYPES
 from models.load_report import held_load_report, report_unused
 from models.packing import Pooling
 
-# Model types whose packed forward is covered by tests against HF's padded forward. Others may work, but
-# an untested architecture must not silently return wrong scores, so they are refused.
-DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+# DECODER_MODEL_TYPES (models/families.py): model types whose packed forward is covered by tests against
+# HF's padded forward. Others may work, but an untested architecture must not silently return wrong scores,
+# so they are refused.
 # Cross-encoders: bidirectional attention inside each item, the tokenizer's pair template, CLS pooling.
 ENCODER_MODEL_TYPES = ("bert", "xlm-roberta", "roberta", "deberta-v2", "modernbert")
 
@@ -38,9 +40,14 @@ def packable(model_type: str) -> bool:
     (then it runs packed with ours). Models whose attention is their own code (DeBERTa's disentangled
     relative attention) cannot, and take the plain path: HF's own forward on a padded batch."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
 
+    # A family without a classifier (Gemma 4's text model) loads as a judge: its causal LM class says.
     name = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)
+    name = name or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     model_class = getattr(transformers, name, None) if isinstance(name, str) else None
     return bool(getattr(model_class, "_supports_attention_backend", False))
 
@@ -116,9 +123,16 @@ def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, A
             )
         return config
     if model_type not in SUPPORTED_MODEL_TYPES:
+        hint = f" ({UNSERVED[model_type]})" if model_type in UNSERVED else ""
         raise ModelLoadError(
-            f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model type {model_type!r} is not supported{hint}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if not judge and model_type in DECODER_MODEL_TYPES and model_type not in CLASSIFIER_MODEL_TYPES:
+        raise ModelLoadError(
+            f"transformers has no sequence classifier for {model_type!r}; it loads as a judge only "
+            "(*ForCausalLM scored on label_token_ids)"
+        )
+    check_config(config)
     return config
 
 

@@ -31,6 +31,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from models.errors import ModelLoadError
+from models.families import family, tensor_parallel_refusal
 
 if TYPE_CHECKING:
     from models.fp8 import Fp8Selection
@@ -315,14 +316,19 @@ RANDOM_WEIGHTS = "score_worker_random_weights"
 
 
 def _random_value(
-    name: str, owner: nn.Module, shape: tuple[int, ...], seed: int, std: float, device: torch.device
+    name: str,
+    owner: nn.Module,
+    shape: tuple[int, ...],
+    seed: int,
+    std: float,
+    device: torch.device,
+    norm_adds_one: bool = False,
 ) -> torch.Tensor:
     """The whole tensor `name` of a random model, the same on every rank and for every split: HF's
     initialisation (normal(0, std) projections and embeddings, zero biases, unit norms, zero for norms that
     add one themselves, as Gemma's do), from a generator seeded by the seed and the name."""
     if "Norm" in type(owner).__name__:
-        gemma = "Gemma" in type(owner).__name__
-        return (torch.zeros if gemma else torch.ones)(shape, device=device)
+        return (torch.zeros if norm_adds_one else torch.ones)(shape, device=device)
     if name.endswith(".bias"):
         return torch.zeros(shape, device=device)
     generator = torch.Generator(device=device)
@@ -333,10 +339,12 @@ def _random_value(
 def random_values(model: nn.Module, spec: dict[str, Any], device: torch.device) -> ValueOf:
     """Values of a random model (`spec`: RANDOM_WEIGHTS), each whole tensor made on `device`, then cut."""
     seed, std = int(spec.get("seed", 0)), float(spec.get("std", 0.02))
+    declared = family(getattr(getattr(model, "config", None), "model_type", None))
+    adds_one = declared is not None and declared.norm_adds_one
 
     def value(name: str, cut: Cut, param: nn.Parameter) -> torch.Tensor:
         owner = model.get_submodule(name.rpartition(".")[0])
-        whole = _random_value(cut.key, owner, cut.shape or tuple(param.shape), seed, std, device)
+        whole = _random_value(cut.key, owner, cut.shape or tuple(param.shape), seed, std, device, adds_one)
         if cut.ranges is None:
             return whole
         index = (slice(None),) * cut.dim
@@ -383,21 +391,25 @@ def fill(
 
 
 def splittable(config: dict[str, Any], trust_remote_code: bool) -> bool:
-    """Whether this loader takes the model (check_splittable raises nothing)."""
+    """Whether this loader takes the whole model, as a group of one (check_splittable raises nothing)."""
     try:
-        check_splittable(Path("."), config, trust_remote_code)
+        check_splittable(Path("."), config, trust_remote_code, world=1)
     except ModelLoadError:
         return False
     return True
 
 
-def check_splittable(model_dir: Path, config: dict[str, Any], trust_remote_code: bool) -> None:
+def check_splittable(model_dir: Path, config: dict[str, Any], trust_remote_code: bool, world: int) -> None:
+    """ModelLoadError where this loader cannot take the model cut for `world` ranks, saying why."""
     model_type = str(config.get("model_type"))
     if model_type not in DECODER_MODEL_TYPES or not packable(model_type):
         raise ModelLoadError(
             f"tensor parallelism splits decoders of the families {', '.join(DECODER_MODEL_TYPES)}; "
             f"{model_dir.name} is {model_type!r}"
         )
+    refusal = tensor_parallel_refusal(model_type, world)
+    if refusal is not None:
+        raise ModelLoadError(f"tensor parallelism cannot split {model_type!r}: {refusal}")
     if trust_remote_code and config.get("auto_map"):
         raise ModelLoadError("tensor parallelism does not split a model that ships its own code")
     if is_judge(config) or declared_head(config) is not None:
@@ -420,7 +432,7 @@ def load_sharded(
     """This rank's share of a decoder classifier (LoadedModel, as load_model gives the whole one), and the
     bytes of weights it holds; with `quantize`, its projections in FP8, each layer quantized as it is read."""
     config = read_config(model_dir, trust_remote_code)
-    check_splittable(model_dir, config, trust_remote_code)
+    check_splittable(model_dir, config, trust_remote_code, shard.world)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     auto: Any = AutoModelForSequenceClassification
     with quiet_progress_bars(), parameters_on_meta():

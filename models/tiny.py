@@ -19,12 +19,16 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from models.families import CLASSIFIER_MODEL_TYPES, DECODER_MODEL_TYPES
 from models.loading import quiet_progress_bars
 
-DECODERS = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3")
+# Decoders with a classifier; the judge-only families (no *ForSequenceClassification in transformers) are
+# written as judges whatever is asked.
+DECODERS = CLASSIFIER_MODEL_TYPES
+JUDGE_ONLY = tuple(name for name in DECODER_MODEL_TYPES if name not in CLASSIFIER_MODEL_TYPES)
 # Cross-encoders: bidirectional attention, a query/item pair template, a pooler or dense head chain.
 ENCODERS = ("bert", "roberta", "xlm-roberta", "deberta-v2", "modernbert")
-ARCHITECTURES = DECODERS + ENCODERS
+ARCHITECTURES = DECODERS + JUDGE_ONLY + ENCODERS
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")  # ids 0..3 in this order
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
 _VOCAB_SIZE = 512
@@ -115,22 +119,62 @@ def tiny_config(architecture: str, vocab_size: int, num_labels: int) -> Pretrain
         "tie_word_embeddings": False,
         "num_labels": num_labels,
     }
-    if architecture == "qwen3":
-        fields["head_dim"] = 32  # qwen3 decouples head_dim from hidden_size / heads; exercise that
-    if architecture in ("mistral", "phi3", "gemma2", "gemma3_text"):
-        fields["sliding_window"] = 16  # short, so that test prompts are longer than the window
-    if architecture in ("gemma2", "gemma3_text"):
-        fields["head_dim"] = 16
-        fields["query_pre_attn_scalar"] = 24  # not head_dim: a scale taken from head_dim would show
-        # Alternating local and global layers, as the real models have them.
-        fields["layer_types"] = ["sliding_attention", "full_attention"]
-    if architecture == "gemma2":
-        # Small enough that random-weight attention scores are really capped.
-        fields["attn_logit_softcapping"] = 2.0
-        fields["final_logit_softcapping"] = 3.0
+    fields.update(_FAMILY_FIELDS.get(architecture, {}))
+    if architecture == "gemma4_text":
+        fields["vocab_size_per_layer_input"] = vocab_size  # the per-layer inputs' own table, as small
     config = AutoConfig.for_model(architecture, **fields)
-    config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForSequenceClassification"]
+    config.architectures = [_class_name(architecture, judge=architecture in JUDGE_ONLY)]
     return config
+
+
+# Each family's quirks switched on at the tiny size. Sliding windows of 16 are shorter than the test prompts.
+_GEMMA_FIELDS: dict[str, Any] = {
+    "sliding_window": 16,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 24,  # not head_dim: a scale taken from head_dim would show
+    # Alternating local and global layers, as the real models have them.
+    "layer_types": ["sliding_attention", "full_attention"],
+}
+_FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    "qwen3": {"head_dim": 32},  # qwen3 decouples head_dim from hidden_size / heads; exercise that
+    "mistral": {"sliding_window": 16},
+    "phi3": {"sliding_window": 16},
+    # Small enough that random-weight attention scores are really capped.
+    "gemma2": {**_GEMMA_FIELDS, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},
+    "gemma3_text": _GEMMA_FIELDS,
+    # The middle layer without rotary positions (no_rope_layers: 1 keeps it, 0 drops it).
+    "smollm3": {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1]},
+    "olmo3": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+    # Rotary on the first half of each head only, in interleaved pairs; biased q/k/v.
+    "glm4": {"head_dim": 16, "partial_rotary_factor": 0.5, "attention_bias": True},
+    # Four layers: sliding and global alternating, the last two reusing the keys and values of the first two
+    # (num_kv_shared_layers); global layers twice as wide per head with one key-value head whose keys are
+    # the values (attention_k_eq_v); per-layer inputs; capped logits.
+    "gemma4_text": {
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "sliding_window": 16,
+        "num_kv_shared_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "hidden_size_per_layer_input": 8,
+        "final_logit_softcapping": 3.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
+}
+
+
+def _class_name(architecture: str, judge: bool) -> str:
+    """The transformers class a tiny model of `architecture` is saved as: its classifier, or causal LM."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if judge else MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    return str(names[architecture])
 
 
 def _encoder_config(architecture: str, vocab_size: int, num_labels: int) -> PretrainedConfig:
@@ -199,8 +243,10 @@ def write_tiny_model(
     """
     if prm is not None and prm not in PRM_KINDS:
         raise ValueError(f"prm must be one of {', '.join(PRM_KINDS)}, not {prm!r}")
-    judge = judge or prm == "lm"
-    if (judge or prm) and architecture not in DECODERS:
+    judge = judge or prm == "lm" or architecture in JUDGE_ONLY
+    if architecture in JUDGE_ONLY and prm == "head":
+        raise ValueError(f"{architecture} has no classifier in transformers: it is written as a judge only")
+    if (judge or prm) and architecture not in DECODERS + JUDGE_ONLY:
         raise ValueError(f"a judge or PRM is a decoder: pick a decoder architecture, not {architecture!r}")
     target = Path(path)
     target.mkdir(parents=True, exist_ok=True)
@@ -210,9 +256,8 @@ def write_tiny_model(
     elif prm == "lm":
         tokenizer.add_tokens([PRM_SEPARATORS[prm]])
     config = tiny_config(architecture, tokenizer.get_vocab_size(), 2 if prm == "head" else num_labels)
-    prefix = type(config).__name__.removesuffix("Config")
     if judge:
-        config.architectures = [f"{prefix}ForCausalLM"]
+        config.architectures = [_class_name(architecture, judge=True)]
     auto: Any = AutoModelForCausalLM if judge else AutoModelForSequenceClassification
     with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG state
         torch.manual_seed(seed)
@@ -223,6 +268,7 @@ def write_tiny_model(
                 torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2)
             )
     if prm == "head":
+        prefix = _class_name(architecture, judge=False).removesuffix("ForSequenceClassification")
         config.architectures = [f"{prefix}ForProcessRewardModel"]
     architectures = list(
         config.architectures or ()
@@ -290,7 +336,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights and tokenizer are deterministic from it")
     parser.add_argument("--num-labels", type=int, default=1, help="outputs of the head (1 = reward model)")
     parser.add_argument(
-        "--judge", action="store_true", help="a causal LM scored on label tokens instead of a classifier"
+        "--judge",
+        action="store_true",
+        help="a causal LM scored on label tokens instead of a classifier (always, for "
+        f"{', '.join(JUDGE_ONLY)}: transformers has no classifier for it)",
     )
     parser.add_argument(
         "--prm",
@@ -305,13 +354,17 @@ def run(args: argparse.Namespace) -> int:
     if args.num_labels < 1:
         print("--num-labels must be at least 1")
         return 2
-    if (args.judge or args.prm) and args.architecture not in DECODERS:
-        print(f"--judge and --prm need a decoder architecture ({', '.join(DECODERS)})")
+    if (args.judge or args.prm) and args.architecture not in DECODERS + JUDGE_ONLY:
+        print(f"--judge and --prm need a decoder architecture ({', '.join(DECODERS + JUDGE_ONLY)})")
+        return 2
+    if args.prm == "head" and args.architecture in JUDGE_ONLY:
+        print(f"{args.architecture} has no classifier in transformers: --prm head cannot be written")
         return 2
     target = write_tiny_model(
         args.directory, args.architecture, args.seed, args.num_labels, args.judge, args.prm
     )
-    kind = "judge (causal LM)" if args.judge else f"model ({args.num_labels} label(s))"
+    judge = args.judge or args.architecture in JUDGE_ONLY
+    kind = "judge (causal LM)" if judge else f"model ({args.num_labels} label(s))"
     if args.prm:
         kind = f"process reward model ({args.prm}), step separator {PRM_SEPARATORS[args.prm]!r}"
     print(f"wrote a tiny {args.architecture} {kind}, seed {args.seed}, to {target}")

@@ -43,6 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.families import family
+
 UNIT_ROUNDOFF: dict[torch.dtype, float] = {
     torch.float64: 2.0**-53,
     torch.float32: 2.0**-24,
@@ -107,10 +109,6 @@ def half_forward_bound(
     return implementations * per_computation * magnitude
 
 
-# Model types whose layers normalise before each sublayer and again after it (four norms a layer).
-_SANDWICH_NORMS = ("gemma2", "gemma3_text")
-# Model types that normalise the queries and keys per head (a sum of head_dim squares) before the scores.
-_QK_NORMS = ("qwen3", "gemma3_text")
 # Post-norm encoders (LayerNorm after attention and after the MLP); ModernBERT normalises before them.
 _POST_NORM_ENCODERS = ("bert", "roberta", "xlm-roberta", "deberta-v2")
 
@@ -133,6 +131,9 @@ def forward_sums(model_dir: str | Path, longest: int, *, mean_pooled: bool = Fal
     hidden, inner = config["hidden_size"], config["intermediate_size"]
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
+    # Gemma 4's global layers have heads of their own width: the widest bounds every layer.
+    overrides = (config.get("per_layer_config") or {}).values()
+    head_dim = max([head_dim, *(int(layer.get("head_dim") or 0) for layer in overrides)])
     attention = [head_dim, longest, heads * head_dim]  # scores, weighted sum, output projection
     layer_norm = [hidden, hidden]
     if kind in _POST_NORM_ENCODERS:
@@ -145,10 +146,31 @@ def forward_sums(model_dir: str | Path, longest: int, *, mean_pooled: bool = Fal
         ends = [*layer_norm, *layer_norm, hidden, *layer_norm, hidden]
         mean_pooled = mean_pooled or config.get("classifier_pooling") == "mean"
     else:
-        norms = [hidden] * (4 if kind in _SANDWICH_NORMS else 2) + ([head_dim] if kind in _QK_NORMS else [])
-        layer = [*norms, hidden, *attention, hidden, inner]
+        layer = _decoder_layer_sums(config, head_dim, attention)
         ends = [hidden, hidden]  # the final norm and the head
     return config["num_hidden_layers"] * layer + ends + ([longest] if mean_pooled else [])
+
+
+def _decoder_layer_sums(config: dict[str, Any], head_dim: int, attention: list[int]) -> list[int]:
+    """A decoder layer's sums, by its family's declared quirks (models/families.py): two norms, or four
+    where it normalises before and after each sublayer; q/k norms per head (head_dim squares) or over the
+    whole projection (heads * head_dim); Gemma 4's value norm (head_dim) and per-layer input (its gate over
+    hidden_size, its projection over hidden_size_per_layer_input, a norm)."""
+    hidden, inner, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    declared = family(config["model_type"])
+    norms = [hidden] * (4 if declared is not None and declared.norms == "sandwich" else 2)
+    qk_norm = declared.qk_norm if declared is not None else None
+    if qk_norm == "head":
+        norms.append(head_dim)
+    elif qk_norm == "projection":
+        norms.append(heads * head_dim)
+    extra: list[int] = []
+    if config["model_type"] == "gemma4_text":
+        extra.append(head_dim)  # the value norm
+        per_layer = config.get("hidden_size_per_layer_input") or 0
+        if per_layer:
+            extra += [hidden, per_layer, hidden]
+    return [*norms, hidden, *attention, hidden, inner, *extra]
 
 
 def forward_length(model_dir: str | Path, longest: int, *, mean_pooled: bool = False) -> int:

@@ -48,6 +48,20 @@ def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-phi3"), "phi3", seed=7)
 
 
+# The newer families, by architecture: SmolLM3 (a layer without rotary positions), OLMo 2 (norms after the
+# sublayers, q/k norms over whole projections), OLMo 3 (the same with sliding layers), GLM-4 (partial
+# rotary, four norms, one gate_up projection).
+NEWER_FAMILIES = {"smollm3": 21, "olmo2": 22, "olmo3": 23, "glm4": 24}
+
+
+@pytest.fixture(scope="session")
+def newer_family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        name: write_tiny_model(tmp_path_factory.mktemp(f"tiny-{name}"), name, seed=seed)
+        for name, seed in NEWER_FAMILIES.items()
+    }
+
+
 @pytest.fixture(scope="session")
 def three_label_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama-3labels"), "llama", seed=4, num_labels=3)
@@ -62,6 +76,7 @@ def model_dirs(
     tiny_gemma2_dir: Path,
     tiny_gemma3_dir: Path,
     tiny_phi3_dir: Path,
+    newer_family_dirs: dict[str, Path],
 ) -> dict[str, Path]:
     return {
         "llama": tiny_llama_dir,
@@ -71,4 +86,5 @@ def model_dirs(
         "gemma2": tiny_gemma2_dir,
         "gemma3_text": tiny_gemma3_dir,
         "phi3": tiny_phi3_dir,
+        **newer_family_dirs,
     }
