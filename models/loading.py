@@ -27,7 +27,7 @@ from models.packing import Pooling
 
 # Model types whose packed forward is covered by tests against HF's padded forward. Others may work, but
 # an untested architecture must not silently return wrong scores, so they are refused.
-DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen3_moe")
 # Cross-encoders: bidirectional attention inside each item, the tokenizer's pair template, CLS pooling.
 ENCODER_MODEL_TYPES = ("bert", "xlm-roberta", "roberta", "deberta-v2", "modernbert")
 

@@ -21,7 +21,7 @@ from transformers import (
 
 from models.loading import quiet_progress_bars
 
-DECODERS = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3")
+DECODERS = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3", "qwen3_moe")
 # Cross-encoders: bidirectional attention, a query/item pair template, a pooler or dense head chain.
 ENCODERS = ("bert", "roberta", "xlm-roberta", "deberta-v2", "modernbert")
 ARCHITECTURES = DECODERS + ENCODERS
@@ -92,6 +92,21 @@ def train_tokenizer(seed: int, vocab_size: int = _VOCAB_SIZE, architecture: str 
     return tokenizer
 
 
+# A small mixture of experts: 8 experts of width 32, 2 a token, renormalised (Qwen3-MoE's routing); three
+# layers, the middle one dense (mlp_only_layers), so that both kinds of MLP and the last layer's sparse block
+# (at the pooled rows) are exercised.
+_MOE_FIELDS: dict[str, Any] = {
+    "head_dim": 16,
+    "num_hidden_layers": 3,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],
+}
+
+
 def tiny_config(architecture: str, vocab_size: int, num_labels: int) -> PretrainedConfig:
     """A small config of `architecture` (GQA with 4 query and 2 KV heads) for a sequence classifier."""
     if architecture not in ARCHITECTURES:
@@ -117,6 +132,8 @@ def tiny_config(architecture: str, vocab_size: int, num_labels: int) -> Pretrain
     }
     if architecture == "qwen3":
         fields["head_dim"] = 32  # qwen3 decouples head_dim from hidden_size / heads; exercise that
+    if architecture == "qwen3_moe":
+        fields.update(_MOE_FIELDS)
     if architecture in ("mistral", "phi3", "gemma2", "gemma3_text"):
         fields["sliding_window"] = 16  # short, so that test prompts are longer than the window
     if architecture in ("gemma2", "gemma3_text"):

@@ -110,7 +110,7 @@ def half_forward_bound(
 # Model types whose layers normalise before each sublayer and again after it (four norms a layer).
 _SANDWICH_NORMS = ("gemma2", "gemma3_text")
 # Model types that normalise the queries and keys per head (a sum of head_dim squares) before the scores.
-_QK_NORMS = ("qwen3", "gemma3_text")
+_QK_NORMS = ("qwen3", "gemma3_text", "qwen3_moe")
 # Post-norm encoders (LayerNorm after attention and after the MLP); ModernBERT normalises before them.
 _POST_NORM_ENCODERS = ("bert", "roberta", "xlm-roberta", "deberta-v2")
 
@@ -148,7 +148,29 @@ def forward_sums(model_dir: str | Path, longest: int, *, mean_pooled: bool = Fal
         norms = [hidden] * (4 if kind in _SANDWICH_NORMS else 2) + ([head_dim] if kind in _QK_NORMS else [])
         layer = [*norms, hidden, *attention, hidden, inner]
         ends = [hidden, hidden]  # the final norm and the head
+        if "num_experts" in config:
+            return (
+                _sparse_layers(config, [*norms, hidden, *attention])
+                + ends
+                + ([longest] if mean_pooled else [])
+            )
     return config["num_hidden_layers"] * layer + ends + ([longest] if mean_pooled else [])
+
+
+def _sparse_layers(config: dict[str, Any], before_mlp: list[int]) -> list[int]:
+    """A mixture-of-experts decoder's layers (forward_sums): a sparse block's router logits (hidden_size),
+    its softmax's sum (num_experts) and renormalisation (num_experts_per_tok), an expert's gate/up
+    (hidden_size) and down (moe_intermediate_size), the weighted sum over the chosen experts
+    (num_experts_per_tok); a dense layer's MLP (mlp_only_layers) as a dense decoder's."""
+    hidden, top_k = config["hidden_size"], config["num_experts_per_tok"]
+    sparse = [hidden, config["num_experts"], top_k, hidden, config["moe_intermediate_size"], top_k]
+    dense = [hidden, config["intermediate_size"]]
+    step, only = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
+    sums: list[int] = []
+    for index in range(config["num_hidden_layers"]):
+        is_sparse = index not in only and (index + 1) % step == 0
+        sums += [*before_mlp, *(sparse if is_sparse else dense)]
+    return sums
 
 
 def forward_length(model_dir: str | Path, longest: int, *, mean_pooled: bool = False) -> int:

@@ -49,6 +49,12 @@ def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 experts, 2 a token; a dense middle layer among the sparse ones."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), "qwen3_moe", seed=8)
+
+
+@pytest.fixture(scope="session")
 def three_label_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama-3labels"), "llama", seed=4, num_labels=3)
 
@@ -62,6 +68,7 @@ def model_dirs(
     tiny_gemma2_dir: Path,
     tiny_gemma3_dir: Path,
     tiny_phi3_dir: Path,
+    tiny_qwen3_moe_dir: Path,
 ) -> dict[str, Path]:
     return {
         "llama": tiny_llama_dir,
@@ -71,4 +78,5 @@ def model_dirs(
         "gemma2": tiny_gemma2_dir,
         "gemma3_text": tiny_gemma3_dir,
         "phi3": tiny_phi3_dir,
+        "qwen3_moe": tiny_qwen3_moe_dir,
     }
