@@ -201,13 +201,15 @@ class MoeBlocks:
         return tuple(self._blocks)
 
     def graph_safe(self) -> bool:
-        """Whether every block's experts run the grouped product (no run length read on the host), which
-        a CUDA graph can record."""
+        """Whether a CUDA graph can record the blocks: on CUDA, every block's experts run the grouped
+        product (the loop reads the run lengths on the host). Off CUDA a recorder is a test's, which runs
+        the forward again: any path is."""
         probe = torch.empty(0)
         for block in self._blocks:
             stacked = _stacked(block)
             gate_up, down = stacked.gate_up_proj, stacked.down_proj
-            if not grouped_available(probe.to(gate_up.device, gate_up.dtype), gate_up, down):
+            on_cuda = gate_up.device.type == "cuda"
+            if on_cuda and not grouped_available(probe.to(gate_up.device, gate_up.dtype), gate_up, down):
                 return False
         return True
 
