@@ -126,14 +126,24 @@ def routed_experts(
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    grouped: bool | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j], for hidden [T, H]:
-    [T, H] in hidden's dtype. gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
-    grouped = grouped_available(hidden, gate_up, down)
+    [T, H] in hidden's dtype. gate_up [E, 2I, H] (gate rows first), down [E, H, I]. `grouped`: whether
+    torch's grouped product runs it (None: grouped_available decides)."""
+    if grouped is None:
+        grouped = grouped_available(hidden, gate_up, down)
     out: torch.Tensor = torch.ops.score_worker.moe_experts(
         hidden.contiguous(), experts, weights, gate_up, down, grouped
     )
     return out
+
+
+def grouped_on(stacked: Any) -> bool:
+    """Whether the experts of `stacked` (gate_up_proj, down_proj) run torch's grouped product, for inputs
+    in their dtype on their device."""
+    gate_up, down = stacked.gate_up_proj, stacked.down_proj
+    return grouped_available(torch.empty(0, device=gate_up.device, dtype=gate_up.dtype), gate_up, down)
 
 
 def _stacked(block: Any) -> Any:
@@ -148,11 +158,14 @@ def packed_block_forward(block: Any) -> Any:
     packed row [1, T, H], or the pooled rows [R, H] of the last layer)."""
     shared = SPARSE_BLOCKS[type(block).__name__]
     router, stacked, reduce = block.gate, _stacked(block), getattr(block.experts, "all_reduce", None)
+    top_k, normalize = int(router.top_k), bool(router.norm_topk_prob)
+    # Decided once, with the weights in place: a compiled layer then traces no data pointer.
+    grouped = grouped_on(stacked)
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
-        weights, chosen = route(flat, router.weight, int(router.top_k), bool(router.norm_topk_prob))
-        out = routed_experts(flat, chosen, weights, stacked.gate_up_proj, stacked.down_proj)
+        weights, chosen = route(flat, router.weight, top_k, normalize)
+        out = routed_experts(flat, chosen, weights, stacked.gate_up_proj, stacked.down_proj, grouped)
         if reduce is not None:
             out = reduce(out)  # the ranks' shares of every expert's intermediate columns
         if shared:
@@ -204,14 +217,12 @@ class MoeBlocks:
         """Whether a CUDA graph can record the blocks: on CUDA, every block's experts run the grouped
         product (the loop reads the run lengths on the host). Off CUDA a recorder is a test's, which runs
         the forward again: any path is."""
-        probe = torch.empty(0)
-        for block in self._blocks:
-            stacked = _stacked(block)
-            gate_up, down = stacked.gate_up_proj, stacked.down_proj
-            on_cuda = gate_up.device.type == "cuda"
-            if on_cuda and not grouped_available(probe.to(gate_up.device, gate_up.dtype), gate_up, down):
-                return False
-        return True
+        on_cuda = any(_stacked(block).gate_up_proj.device.type == "cuda" for block in self._blocks)
+        return not on_cuda or self.grouped()
+
+    def grouped(self) -> bool:
+        """Whether every block's experts run torch's grouped product (else one matmul per expert)."""
+        return all(grouped_on(_stacked(block)) for block in self._blocks)
 
     def __enter__(self) -> MoeBlocks:
         for block, forward in zip(self._blocks, self._forwards, strict=True):
