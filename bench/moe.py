@@ -118,7 +118,7 @@ def _packed_run(
     results = run.pop("output")
     sample = [sample_entry([work.token_ids[i].tolist()], results[i]) for i in picks]
     run["batches"] = len(chunks)
-    run["experts_path"] = "grouped" if scorer.executor.moe_blocks.grouped() else "per expert"
+    run["experts_path"] = ",".join(sorted(scorer.executor.moe_blocks.kernels()))
     run["cuda_graphs"] = scorer.info.cuda_graphs
     del scorer, results
     gc.collect()

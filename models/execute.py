@@ -102,7 +102,7 @@ class Executor:
         if config.resolve_graphs(device, attention) and self.row_tiles is None and not graph_safe:
             log.info(
                 "%s: no CUDA graphs, its experts multiply per expert with run lengths read on the host "
-                "(torch's grouped product takes bfloat16 with widths a multiple of 8 on CUDA only)",
+                "(the grouped kernels need torch's bfloat16 product on sm90/sm100, or Triton)",
                 loaded.name,
             )
         elif config.resolve_graphs(device, attention) and self.row_tiles is None:

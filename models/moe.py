@@ -15,10 +15,12 @@ run). The products' rows go back to their pairs, are weighted by the router and 
 then cast to the model's dtype. Nothing depends on a count read on the host, so the block is recorded by
 CUDA graphs as it is, and a compiled layer sees one opaque operator.
 
-The grouped product: `torch._grouped_mm` on CUDA in bfloat16 (sm80 and later in torch 2.9+, Hopper's CUTLASS
-kernel on sm90), whose operands need 16-byte aligned rows: hidden and expert widths multiples of 8. Elsewhere
-(the CPU, other dtypes, unaligned widths) a loop over the experts with one matmul each: exact, but it reads
-the run lengths on the host, so CUDA graphs are refused for such a model (`MoeBlocks.graph_safe`).
+The grouped product (`kernel_for`): `torch._grouped_mm` on CUDA in bfloat16 on sm90/sm100 (its CUTLASS
+kernel; elsewhere torch falls back to a loop that copies the offsets to the host), whose operands need
+16-byte aligned rows: hidden and expert widths multiples of 8. Other CUDA cases (float16, float32, unaligned
+widths, other GPUs) take a Triton grouped kernel that reads the offsets on the device (models/moe_kernel.py).
+The CPU loops over the experts with one matmul each (the run lengths read on the host, where there is no
+graph to break); so does CUDA without Triton, for which CUDA graphs are refused (`MoeBlocks.graph_safe`).
 
 Why not HF's own `experts_implementation="grouped_mm"`: it is the same idea, but transformers 5.17 and 5.25
 differ in its checks and sentinel handling, its fallback reads the offsets on the host inside every call, and
@@ -55,13 +57,18 @@ def route(
     return top.to(logits.dtype), experts
 
 
+# How the experts' grouped products run: torch's CUTLASS kernel, the Triton kernel, one matmul per expert.
+KERNELS = ("grouped_mm", "triton", "loop")
+
+
 def grouped_available(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether torch's grouped product takes these operands: CUDA, bfloat16, aligned widths."""
+    """Whether torch's grouped product runs these operands on its own kernel (no host copy of the offsets):
+    CUDA, bfloat16, sm90 or sm100, aligned widths."""
     if x.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
         return False
     if not (x.dtype == gate_up.dtype == down.dtype == torch.bfloat16):
         return False
-    if torch.cuda.get_device_capability(x.device) < (8, 0):
+    if torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
         return False
     step = _ALIGN_BYTES // x.element_size()
     widths_aligned = gate_up.shape[-1] % step == 0 and down.shape[-1] % step == 0
@@ -71,6 +78,12 @@ def grouped_available(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [S, in] sorted by expert, weight [E, out, in]: each run of rows times its expert's weight^T."""
     return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+
+
+def _triton(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    from models.moe_kernel import grouped_mm  # imports Triton: only where the kernel runs
+
+    return grouped_mm(x, weight, offsets)
 
 
 def _looped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -90,7 +103,7 @@ def _experts(
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    grouped: bool,
+    kernel: str,
 ) -> torch.Tensor:
     tokens, k = experts.shape
     count = gate_up.shape[0]
@@ -100,7 +113,7 @@ def _experts(
     # Where each expert's run ends: searchsorted on the sorted ids, no count on the host, no atomics.
     ends = torch.arange(1, count + 1, device=flat.device, dtype=expert_of.dtype)
     offsets = torch.searchsorted(expert_of, ends).to(torch.int32)  # [E]
-    product = _grouped if grouped else _looped
+    product = {"grouped_mm": _grouped, "triton": _triton}.get(kernel, _looped)
     gate, up = product(rows, gate_up, offsets).chunk(2, dim=-1)  # [S, I] each
     out = product(F.silu(gate) * up, down, offsets)  # [S, H]
     # Back to (token, k) order, weighted, summed over k in float32.
@@ -126,24 +139,26 @@ def routed_experts(
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    grouped: bool | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j], for hidden [T, H]:
-    [T, H] in hidden's dtype. gate_up [E, 2I, H] (gate rows first), down [E, H, I]. `grouped`: whether
-    torch's grouped product runs it (None: grouped_available decides)."""
-    if grouped is None:
-        grouped = grouped_available(hidden, gate_up, down)
+    [T, H] in hidden's dtype. gate_up [E, 2I, H] (gate rows first), down [E, H, I]. `kernel`: one of
+    KERNELS (None: kernel_for decides)."""
+    if kernel is None:
+        kernel = kernel_for(gate_up, down)
     out: torch.Tensor = torch.ops.score_worker.moe_experts(
-        hidden.contiguous(), experts, weights, gate_up, down, grouped
+        hidden.contiguous(), experts, weights, gate_up, down, kernel
     )
     return out
 
 
-def grouped_on(stacked: Any) -> bool:
-    """Whether the experts of `stacked` (gate_up_proj, down_proj) run torch's grouped product, for inputs
-    in their dtype on their device."""
-    gate_up, down = stacked.gate_up_proj, stacked.down_proj
-    return grouped_available(torch.empty(0, device=gate_up.device, dtype=gate_up.dtype), gate_up, down)
+def kernel_for(gate_up: torch.Tensor, down: torch.Tensor) -> str:
+    """Which of KERNELS multiplies these experts, for inputs in their dtype on their device."""
+    from models import moe_kernel
+
+    if grouped_available(torch.empty(0, device=gate_up.device, dtype=gate_up.dtype), gate_up, down):
+        return "grouped_mm"
+    return "triton" if gate_up.device.type == "cuda" and moe_kernel.available() else "loop"
 
 
 def _stacked(block: Any) -> Any:
@@ -160,12 +175,12 @@ def packed_block_forward(block: Any) -> Any:
     router, stacked, reduce = block.gate, _stacked(block), getattr(block.experts, "all_reduce", None)
     top_k, normalize = int(router.top_k), bool(router.norm_topk_prob)
     # Decided once, with the weights in place: a compiled layer then traces no data pointer.
-    grouped = grouped_on(stacked)
+    kernel = kernel_for(stacked.gate_up_proj, stacked.down_proj)
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
         weights, chosen = route(flat, router.weight, top_k, normalize)
-        out = routed_experts(flat, chosen, weights, stacked.gate_up_proj, stacked.down_proj, grouped)
+        out = routed_experts(flat, chosen, weights, stacked.gate_up_proj, stacked.down_proj, kernel)
         if reduce is not None:
             out = reduce(out)  # the ranks' shares of every expert's intermediate columns
         if shared:
@@ -214,15 +229,17 @@ class MoeBlocks:
         return tuple(self._blocks)
 
     def graph_safe(self) -> bool:
-        """Whether a CUDA graph can record the blocks: on CUDA, every block's experts run the grouped
-        product (the loop reads the run lengths on the host). Off CUDA a recorder is a test's, which runs
-        the forward again: any path is."""
-        on_cuda = any(_stacked(block).gate_up_proj.device.type == "cuda" for block in self._blocks)
-        return not on_cuda or self.grouped()
+        """Whether a CUDA graph can record the blocks: on CUDA, no block loops over its experts (the loop
+        reads the run lengths on the host). Off CUDA a recorder is a test's, which runs the forward again:
+        any path is."""
+        stacks = [_stacked(block) for block in self._blocks]
+        on_cuda = any(s.gate_up_proj.device.type == "cuda" for s in stacks)
+        return not on_cuda or "loop" not in self.kernels()
 
-    def grouped(self) -> bool:
-        """Whether every block's experts run torch's grouped product (else one matmul per expert)."""
-        return all(grouped_on(_stacked(block)) for block in self._blocks)
+    def kernels(self) -> set[str]:
+        """The KERNELS the blocks' experts run on."""
+        stacks = [_stacked(block) for block in self._blocks]
+        return {kernel_for(s.gate_up_proj, s.down_proj) for s in stacks}
 
     def __enter__(self) -> MoeBlocks:
         for block, forward in zip(self._blocks, self._forwards, strict=True):

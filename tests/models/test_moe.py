@@ -113,21 +113,33 @@ def test_every_token_to_one_expert_and_experts_without_tokens() -> None:
     torch.testing.assert_close(actual, expected, atol=_atol(expected), rtol=0)
 
 
-@pytest.mark.skipif(
-    not hasattr(torch, "_grouped_mm") or torch.__version__ < "2.13", reason="torch's CPU grouped product"
-)
-def test_the_grouped_product_agrees_with_the_loop_over_experts() -> None:
-    """torch._grouped_mm with the offsets and the transposed stacked weights the CUDA path hands it, run by
-    torch's CPU kernel: the same as one matmul per expert, empty experts included."""
-    block = _block("qwen3_moe", seed=7)
-    tokens = _tokens(19, seed=8)[0]
+def _grouped_cases(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(tokens, experts, weights): the router's own choices; expert 3 in every token's first slot (most
+    experts take none, one takes every token); a single token."""
+    block = _block("qwen3_moe", seed=seed)
+    tokens = _tokens(70, seed=seed + 1)[0]
     weights, experts = route(tokens, block.gate.weight, TOP_K, True)
-    experts[:, 0] = 3  # expert 3 takes every token, most experts take none
-    stacked = block.experts
-    with torch.no_grad():
-        looped = _experts(tokens, experts, weights, stacked.gate_up_proj, stacked.down_proj, False)
-        grouped = _experts(tokens, experts, weights, stacked.gate_up_proj, stacked.down_proj, True)
-    torch.testing.assert_close(grouped, looped, atol=_atol(looped), rtol=0)
+    crowded = experts.clone()
+    crowded[:, 0] = 3
+    crowded[:, 1] = torch.where(crowded[:, 1] == 3, 4, crowded[:, 1])
+    return [(tokens, experts, weights), (tokens, crowded, weights), (tokens[:1], experts[:1], weights[:1])]
+
+
+@pytest.mark.parametrize("kernel", ["grouped_mm", "triton"])
+def test_the_grouped_kernels_agree_with_the_loop_over_experts(kernel: str) -> None:
+    """torch._grouped_mm with the offsets and transposed stacked weights the CUDA path hands it (torch's CPU
+    kernel), and the Triton kernel (its interpreter, float32): the same as one matmul per expert, empty
+    experts and one crowded expert included."""
+    if kernel == "grouped_mm" and torch.__version__ < "2.13":
+        pytest.skip("torch's grouped product has a CPU kernel from 2.13 (the GPU suite runs it on CUDA)")
+    if kernel == "triton":
+        pytest.importorskip("triton")
+    stacked = _block("qwen3_moe", seed=7).experts
+    for tokens, experts, weights in _grouped_cases(7):
+        with torch.no_grad():
+            looped = _experts(tokens, experts, weights, stacked.gate_up_proj, stacked.down_proj, "loop")
+            grouped = _experts(tokens, experts, weights, stacked.gate_up_proj, stacked.down_proj, kernel)
+        torch.testing.assert_close(grouped, looped, atol=_atol(looped), rtol=0)
 
 
 def test_blocks_swap_in_only_while_entered() -> None:
