@@ -81,12 +81,15 @@ W1_QUICK_SHAPES: dict[str, Any] = {
 
 def classifier(kind: str, shapes: dict[str, Any], **settings: Any) -> tuple[Any, Any]:
     """The config and class of a workload's one-label classifier: "llama" (W1's settings: rope theta
-    500,000, norm epsilon 1e-5) or "qwen3" (its defaults, or `settings`), padding id hf_paths.PAD_ID."""
+    500,000, norm epsilon 1e-5), "qwen3" or "qwen3_moe" (their defaults, or `settings`; the shapes of a
+    mixture of experts carry its routing), padding id hf_paths.PAD_ID."""
     from transformers import (
         LlamaConfig,
         LlamaForSequenceClassification,
         Qwen3Config,
         Qwen3ForSequenceClassification,
+        Qwen3MoeConfig,
+        Qwen3MoeForSequenceClassification,
     )
 
     common = {"num_labels": 1, "pad_token_id": hf_paths.PAD_ID, "initializer_range": 0.02}
@@ -96,6 +99,8 @@ def classifier(kind: str, shapes: dict[str, Any], **settings: Any) -> tuple[Any,
         return LlamaConfig(**shapes, **common, **llama), LlamaForSequenceClassification
     if kind == "qwen3":
         return Qwen3Config(**shapes, **common, **settings), Qwen3ForSequenceClassification
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(**shapes, **common, **settings), Qwen3MoeForSequenceClassification
     raise ValueError(f"no benchmark model of kind {kind!r}")
 
 
@@ -434,10 +439,13 @@ def sample_entry(prompts: Sequence[Sequence[int]], result: Any) -> dict[str, Any
     }
 
 
-def check_sample(model_dir: Path, device: str, sample: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def check_sample(
+    model_dir: Path, device: str, sample: Sequence[dict[str, Any]], **load: Any
+) -> dict[str, Any]:
     """Results (sample_entry) against HF float32, item by item. The bound is twice HF's own bf16 error on
     the same items plus 5% of the score scale (2% for the hidden states' relative error); a non-finite
-    value or a missing sample fails too."""
+    value or a missing sample fails too. `load`: from_pretrained's options for both HF models (e.g. the
+    experts implementation of a mixture of experts)."""
     from transformers import AutoModelForSequenceClassification
 
     rows = [torch.tensor(item) for entry in sample for item in entry["items"]]
@@ -449,7 +457,8 @@ def check_sample(model_dir: Path, device: str, sample: Sequence[dict[str, Any]])
     half = torch.bfloat16 if device == "cuda" else torch.float32
     outputs = {}
     for dtype in (torch.float32, half):
-        model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype, **load)
+        model = model.to(device).eval()
         outputs[dtype] = hf_paths.run_reference(model, rows)
         del model
     reference, hf_half = outputs[torch.float32], outputs[half]

@@ -77,6 +77,13 @@ def read_adapter(
         raise ModelLoadError(
             f"adapter {name!r} is a {config.get('peft_type')!r} adapter; only LoRA is served"
         )
+    if config.get("target_parameters"):
+        raise ModelLoadError(
+            f"adapter {name!r} adapts parameters ({', '.join(map(str, config['target_parameters']))[:200]}), "
+            "such as a mixture-of-experts block's stacked experts; score-worker serves LoRA on the layers' "
+            "linear projections only (the experts run as one grouped product with no per-token adapter): "
+            "merge it into the weights with PEFT and serve the merged model"
+        )
     for key, plain in _PLAIN.items():
         if config.get(key, plain) != plain:
             raise ModelLoadError(
@@ -118,6 +125,12 @@ def read_adapter(
 def _check_factors(
     name: str, model: nn.Module, module: str, a: torch.Tensor, b: torch.Tensor, inside: set[int] | None
 ) -> None:
+    if ".experts." in f".{module}.":
+        raise ModelLoadError(
+            f"adapter {name!r} adapts {module!r}, inside a mixture-of-experts block's experts, which run as "
+            "one grouped product with no per-token adapter; merge it into the weights with PEFT and serve "
+            "the merged model, or adapt the attention projections only"
+        )
     try:
         target = model.get_submodule(module)
     except AttributeError:

@@ -1,6 +1,6 @@
 """Running the model on a batch: the packed padding-free forward with its speed-ups (FP8 projections, fused
-MLPs, compiled layers, CUDA graphs, the last layer at the pooled rows), the padded forward for models that
-cannot be packed, and each item's pooled hidden state."""
+MLPs, compiled layers, CUDA graphs, the last layer at the pooled rows) and its mixture-of-experts blocks, the
+padded forward for models that cannot be packed, and each item's pooled hidden state."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from models.layers import (
     transformer_layers,
 )
 from models.loading import LoadedModel, head_name
+from models.moe import MoeBlocks, unsupported
 from models.packing import (
     KeyLayout,
     PackedBatch,
@@ -76,6 +77,7 @@ class Executor:
         # Read once: the worker's prepare thread asks while the model thread runs, and a transformers
         # config's attribute lookup costs tens of microseconds.
         self.sliding_window = sliding_window(text_config)
+        self.moe_blocks = self._moe_blocks()
         if config.quantization == "fp8":
             self._quantize_fp8()
         self.adapters = self._load_adapters()
@@ -96,7 +98,14 @@ class Executor:
             if self.compiled_layers is None:
                 log.info("%s has no decoder layer list to compile: it runs eager", loaded.name)
         self.graphs: GraphedForward | None = None
-        if config.resolve_graphs(device, attention) and self.row_tiles is None:
+        graph_safe = self.moe_blocks is None or self.moe_blocks.graph_safe()
+        if config.resolve_graphs(device, attention) and self.row_tiles is None and not graph_safe:
+            log.info(
+                "%s: no CUDA graphs, its experts multiply per expert with run lengths read on the host "
+                "(the grouped kernels need torch's bfloat16 product on sm90/sm100, or Triton)",
+                loaded.name,
+            )
+        elif config.resolve_graphs(device, attention) and self.row_tiles is None:
             self.graphs = GraphedForward(
                 self._fast_packed_forward,
                 device,
@@ -109,6 +118,22 @@ class Executor:
             )
         elif config.cuda_graphs == "on":
             log.info("%s takes the %s path, which CUDA graphs cannot record", loaded.name, attention)
+
+    def _moe_blocks(self) -> MoeBlocks | None:
+        """The model's sparse mixture-of-experts blocks with the packed forward (models/moe.py), or None
+        where it has none (or runs padded, HF's own forward); ModelLoadError where a block cannot take it."""
+        if not self._loaded.packable:
+            return None
+        blocks = MoeBlocks.of(decoder_layers(self._loaded.base))
+        if blocks is None:
+            return None
+        why = unsupported(blocks.blocks)
+        if why is not None:
+            raise ModelLoadError(f"{self._loaded.name}: {why}")
+        log.info(
+            "%s: %d mixture-of-experts blocks run as grouped expert products", self._loaded.name, len(blocks)
+        )
+        return blocks
 
     def _quantize_fp8(self) -> None:
         """Swap the layers' projections for FP8 ones, or refuse to load (ModelLoadError)."""
@@ -228,6 +253,8 @@ class Executor:
             why = "FP8 products run torch._scaled_mm, whose kernel follows the batch's rows"
         elif config.tensor_parallel > 1:
             why = "the ranks' partial sums are reduced in chunks that follow the batch's size"
+        elif self.moe_blocks is not None:
+            why = "an expert's product takes the rows routed to it, whose count follows the batch"
         elif self.attention == "varlen" and config.varlen_kernel_name(self.attention, self.device) != "flash":
             why = "only torch's flash kernel is known to tile each sequence from its own first row"
         else:
@@ -413,16 +440,17 @@ class Executor:
         return pool(hidden, packed), at  # [N, H], float32 for MEAN pooling; [M, H]
 
     def _fast_packed_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """`packed_forward` with the compiled layers and the fused MLPs in place, where they are set, for
-        the call: HF's own modules stay as they are for everything else (the self-check's reference, the
-        padded path). Swapping them costs host time, which a replayed graph does not spend. Adapter batches
-        come with their adapted projections swapped in: the compiled layers trace them as a variant of
-        their own, and the fused MLPs take the gate and up deltas in their kernel. Batches that read or fill
-        the prefix cache run the compiled layers too, its traffic eager between their graphs
-        (`CacheIO.extend`)."""
+        """`packed_forward` with the mixture-of-experts blocks, the compiled layers and the fused MLPs in
+        place, where they are set, for the call: HF's own modules stay as they are for everything else (the
+        self-check's reference, the padded path). Swapping them costs host time, which a replayed graph does
+        not spend. Adapter batches come with their adapted projections swapped in: the compiled layers trace
+        them as a variant of their own, and the fused MLPs take the gate and up deltas in their kernel.
+        Batches that read or fill the prefix cache run the compiled layers too, its traffic eager between
+        their graphs (`CacheIO.extend`)."""
         tiles = RowTiles(self.row_tiles) if self.row_tiles is not None else None
         nothing = contextlib.nullcontext()
-        with self.compiled_layers or nothing, self.fused_mlps or nothing, tiles or nothing:
+        moe = self.moe_blocks or nothing
+        with moe, self.compiled_layers or nothing, self.fused_mlps or nothing, tiles or nothing:
             return self.packed_forward(*args, **kwargs)
 
     def _adapted(self, adapters: Sequence[int] | None) -> Sequence[int] | None:

@@ -75,6 +75,9 @@ FAMILIES: dict[str, Family] = {
         Family("gemma2", norms="sandwich", norm_adds_one=True),
         Family("gemma3_text", norms="sandwich", qk_norm="head", norm_adds_one=True),
         Family("phi3", mlp=("Phi3MLP", "fused")),
+        # Sparse blocks of routed experts (models/moe.py) among dense layers; the fused MLP kernel is for
+        # dense gated MLPs, so none is declared.
+        Family("qwen3_moe", qk_norm="head"),
         # Some layers without rotary positions (no_rope_layers); HF's attention skips it there.
         Family("smollm3", mlp=("SmolLM3MLP", "separate")),
         Family(

@@ -5,7 +5,9 @@ key-value heads they read; a key-value head is copied to several ranks where the
 ranks) and of the MLP's intermediate columns. The query, key, value, gate and up projections are cut by
 their output rows (column parallel: each rank computes its heads' and columns' outputs alone), the output
 and down projections by their input columns (row parallel: each rank's partial product is summed across the
-group, then the bias, once); the token embedding by vocabulary rows (each rank looks up the tokens it holds,
+group, then the bias, once); a mixture-of-experts block's experts the same way, each expert's intermediate
+columns cut (its gate and up rows, its down columns) and the block's routed sum summed across the group, its
+router whole on every rank; the token embedding by vocabulary rows (each rank looks up the tokens it holds,
 the rows are summed across the group). Norms, rotary tables and the classification head are whole on every
 rank, so every rank ends with the whole hidden state: the scores and the pooled hidden states are those of
 the unsplit model, up to the order of the sums.
@@ -52,6 +54,7 @@ from models.loading import (
     read_config,
     step_separator,
 )
+from models.moe import sparse_blocks
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +79,38 @@ class Cut:
     dim: int = 0
     ranges: Ranges | None = None
     shape: tuple[int, ...] | None = None  # the whole tensor's (None: the parameter's own)
+    # A parameter stacked from several checkpoint tensors (a mixture of experts' [E, 2I, H] from each expert's
+    # gate and up projections): per entry of its first dimension, the cuts joined along their first.
+    stacked: tuple[tuple[Cut, ...], ...] | None = None
+
+
+def assemble(cut: Cut, read: Callable[[Cut], torch.Tensor]) -> torch.Tensor:
+    """The values of `cut`: `read` of a plain cut, or the stack of its joined parts."""
+    if cut.stacked is None:
+        return read(cut)
+    return torch.stack([torch.cat([read(part) for part in parts]) for parts in cut.stacked])
 
 
 def _all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     dist.all_reduce(tensor, group=group)
     return tensor
+
+
+class RowParallelExperts(nn.Module):
+    """A mixture-of-experts block's experts holding the rank's intermediate columns of each expert: their
+    routed sum is a partial sum, completed across the group (`all_reduce`, which the packed block calls
+    too: models/moe.py)."""
+
+    def __init__(self, inner: nn.Module, group: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(partial, self.group)
+
+    def forward(self, hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(self.inner(hidden, experts, weights))
 
 
 class RowParallelLinear(nn.Module):
@@ -227,6 +257,39 @@ class _Surgery:
             self.column(mlp, prefix, "up_proj", (columns,))
         self.row(mlp, prefix, "down_proj", (columns,))
 
+    def experts(self, block: nn.Module, prefix: str) -> None:
+        """A sparse block's stacked experts [E, 2I, H] and [E, H, I], read from each expert's gate, up and
+        down projections (the checkpoints' layout), cut to the rank's columns of every expert."""
+        experts: Any = block.experts
+        count, width = int(cast(int, experts.num_experts)), int(cast(int, experts.intermediate_dim))
+        start, end = shares(width, self.shard.world, self.shard.rank)
+        gate_up = cast(nn.Parameter, experts.gate_up_proj)
+        hidden, dtype = int(gate_up.shape[-1]), gate_up.dtype
+        experts.gate_up_proj = nn.Parameter(
+            torch.empty(count, 2 * (end - start), hidden, device="meta", dtype=dtype), requires_grad=False
+        )
+        experts.down_proj = nn.Parameter(
+            torch.empty(count, hidden, end - start, device="meta", dtype=dtype), requires_grad=False
+        )
+        experts.intermediate_dim = end - start
+        own = f"{prefix}experts."
+        if self.shard.world > 1:
+            block.experts = RowParallelExperts(experts, self.shard.group)
+            own = f"{prefix}experts.inner."
+
+        def part(expert: int, name: str, dim: int) -> Cut:
+            key = f"{prefix}experts.{expert}.{name}.weight"
+            shape = (width, hidden) if dim == 0 else (hidden, width)
+            return Cut(key, dim, ((start, end),), shape)
+
+        self.cuts[f"{own}gate_up_proj"] = Cut(
+            f"{prefix}experts.gate_up_proj",
+            stacked=tuple((part(e, "gate_proj", 0), part(e, "up_proj", 0)) for e in range(count)),
+        )
+        self.cuts[f"{own}down_proj"] = Cut(
+            f"{prefix}experts.down_proj", stacked=tuple((part(e, "down_proj", 1),) for e in range(count))
+        )
+
     def embedding(self, embedding: nn.Embedding, name: str) -> None:
         start, end = shares(embedding.num_embeddings, self.shard.world, self.shard.rank)
         embedding.weight = nn.Parameter(
@@ -251,7 +314,10 @@ def shard_model(model: PreTrainedModel, shard: Shard) -> dict[str, Cut]:
     for layer in layers:
         prefix = names[layer] + "."
         surgery.attention(cast(nn.Module, layer.self_attn), prefix + "self_attn.", config)
-        surgery.mlp(cast(nn.Module, layer.mlp), prefix + "mlp.", int(config.intermediate_size))
+        if sparse_blocks([layer]):
+            surgery.experts(cast(nn.Module, layer.mlp), prefix + "mlp.")
+        else:
+            surgery.mlp(cast(nn.Module, layer.mlp), prefix + "mlp.", int(config.intermediate_size))
     surgery.embedding(embedding, names[embedding])
     return surgery.cuts
 
@@ -278,6 +344,8 @@ def _read(files: dict[str, Path], cut: Cut) -> torch.Tensor:
     pages read leave this process's resident memory with it."""
     from safetensors import safe_open
 
+    if cut.stacked is not None:
+        return assemble(cut, lambda part: _read(files, part))
     path = files.get(cut.key)
     if path is None:
         raise ModelLoadError(f"{cut.key} is not in the checkpoint")
@@ -344,11 +412,17 @@ def random_values(model: nn.Module, spec: dict[str, Any], device: torch.device) 
 
     def value(name: str, cut: Cut, param: nn.Parameter) -> torch.Tensor:
         owner = model.get_submodule(name.rpartition(".")[0])
-        whole = _random_value(cut.key, owner, cut.shape or tuple(param.shape), seed, std, device, adds_one)
-        if cut.ranges is None:
-            return whole
-        index = (slice(None),) * cut.dim
-        return torch.cat([whole[(*index, slice(a, b))] for a, b in cut.ranges], dim=cut.dim)
+
+        def one(part: Cut) -> torch.Tensor:
+            whole = _random_value(
+                part.key, owner, part.shape or tuple(param.shape), seed, std, device, adds_one
+            )
+            if part.ranges is None:
+                return whole
+            index = (slice(None),) * part.dim
+            return torch.cat([whole[(*index, slice(a, b))] for a, b in part.ranges], dim=part.dim)
+
+        return assemble(cut, one)
 
     return value
 

@@ -96,6 +96,21 @@ def train_tokenizer(seed: int, vocab_size: int = _VOCAB_SIZE, architecture: str 
     return tokenizer
 
 
+# A small mixture of experts: 8 experts of width 32, 2 a token, renormalised (Qwen3-MoE's routing); three
+# layers, the middle one dense (mlp_only_layers), so that both kinds of MLP and the last layer's sparse block
+# (at the pooled rows) are exercised.
+_MOE_FIELDS: dict[str, Any] = {
+    "head_dim": 16,
+    "num_hidden_layers": 3,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],
+}
+
+
 def tiny_config(architecture: str, vocab_size: int, num_labels: int) -> PretrainedConfig:
     """A small config of `architecture` (GQA with 4 query and 2 KV heads) for a sequence classifier."""
     if architecture not in ARCHITECTURES:
@@ -144,6 +159,7 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "gemma3_text": _GEMMA_FIELDS,
     # The middle layer without rotary positions (no_rope_layers: 1 keeps it, 0 drops it).
     "smollm3": {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1]},
+    "qwen3_moe": _MOE_FIELDS,
     "olmo3": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
     # Rotary on the first half of each head only, in interleaved pairs; biased q/k/v.
     "glm4": {"head_dim": 16, "partial_rotary_factor": 0.5, "attention_bias": True},

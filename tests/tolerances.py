@@ -148,6 +148,12 @@ def forward_sums(model_dir: str | Path, longest: int, *, mean_pooled: bool = Fal
     else:
         layer = _decoder_layer_sums(config, head_dim, attention)
         ends = [hidden, hidden]  # the final norm and the head
+        if "num_experts" in config:
+            return (
+                _sparse_layers(config, layer[:-2])  # the layer's sums before its MLP
+                + ends
+                + ([longest] if mean_pooled else [])
+            )
     return config["num_hidden_layers"] * layer + ends + ([longest] if mean_pooled else [])
 
 
@@ -171,6 +177,22 @@ def _decoder_layer_sums(config: dict[str, Any], head_dim: int, attention: list[i
         if per_layer:
             extra += [hidden, per_layer, hidden]
     return [*norms, hidden, *attention, hidden, inner, *extra]
+
+
+def _sparse_layers(config: dict[str, Any], before_mlp: list[int]) -> list[int]:
+    """A mixture-of-experts decoder's layers (forward_sums): a sparse block's router logits (hidden_size),
+    its softmax's sum (num_experts) and renormalisation (num_experts_per_tok), an expert's gate/up
+    (hidden_size) and down (moe_intermediate_size), the weighted sum over the chosen experts
+    (num_experts_per_tok); a dense layer's MLP (mlp_only_layers) as a dense decoder's."""
+    hidden, top_k = config["hidden_size"], config["num_experts_per_tok"]
+    sparse = [hidden, config["num_experts"], top_k, hidden, config["moe_intermediate_size"], top_k]
+    dense = [hidden, config["intermediate_size"]]
+    step, only = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
+    sums: list[int] = []
+    for index in range(config["num_hidden_layers"]):
+        is_sparse = index not in only and (index + 1) % step == 0
+        sums += [*before_mlp, *(sparse if is_sparse else dense)]
+    return sums
 
 
 def forward_length(model_dir: str | Path, longest: int, *, mean_pooled: bool = False) -> int:

@@ -401,3 +401,24 @@ def test_capabilities_benchmark_quick_run_checks_steps_and_adapters_against_floa
     for count in (4, 16):
         check = report[f"adapters_{count}"]["check"]
         assert check["ok"] and check["adapter_effect"] > check["bound"]
+
+
+def test_moe_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) -> None:
+    """bench/moe.py on a tiny mixture of experts on the CPU: the packed Scorer and HF's padded forward timed
+    over the same stream, the packed results checked against HF float32 (its loop over experts), the
+    active parameters counted (a token multiplies 2 of the 8 experts of each sparse block)."""
+    proc = _run_script(["bench/moe.py", "--quick", "--repeats", "1"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "moe-quick.json").read_text())
+    assert report["verdict"] == "ok" and report["vs_fp32"]["ok"] and report["vs_fp32"]["items"] == 8
+    assert set(report["runs"]) == {"packed", "hf_sdpa_padded32_sorted"}
+    shapes = report["shapes"]
+    hidden, width, layers = (
+        shapes["hidden_size"],
+        shapes["moe_intermediate_size"],
+        shapes["num_hidden_layers"],
+    )
+    idle = layers * (shapes["num_experts"] - shapes["num_experts_per_tok"]) * 3 * hidden * width
+    assert report["flops_per_token"]["dense"] == 2 * report["active_parameters"]
+    assert report["active_parameters"] > 0 and report["runs"]["packed"]["experts_path"] == "loop"
+    assert idle > report["active_parameters"]  # most of the tiny model's weights sit in idle experts

@@ -63,6 +63,12 @@ def newer_family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 experts, 2 a token; a dense middle layer among the sparse ones."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), "qwen3_moe", seed=8)
+
+
+@pytest.fixture(scope="session")
 def three_label_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama-3labels"), "llama", seed=4, num_labels=3)
 
@@ -77,6 +83,7 @@ def model_dirs(
     tiny_gemma3_dir: Path,
     tiny_phi3_dir: Path,
     newer_family_dirs: dict[str, Path],
+    tiny_qwen3_moe_dir: Path,
 ) -> dict[str, Path]:
     return {
         "llama": tiny_llama_dir,
@@ -87,4 +94,5 @@ def model_dirs(
         "gemma3_text": tiny_gemma3_dir,
         "phi3": tiny_phi3_dir,
         **newer_family_dirs,
+        "qwen3_moe": tiny_qwen3_moe_dir,
     }

@@ -44,6 +44,11 @@ def _targets(model: Any, which: str) -> list[str]:
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and ".layers." in name
     }
+    if getattr(model.config, "num_experts", 0):
+        # A mixture of experts: PEFT turns MLP targets into its experts' stacked parameters, on which LoRA
+        # is refused (tests/models/test_moe.py); its "mlp" adapter adapts the output projection instead.
+        names &= set(_ATTENTION)
+        return ["o_proj"] if which == "mlp" else sorted(names)
     if which == "attention":
         names &= set(_ATTENTION)
     elif which == "mlp":

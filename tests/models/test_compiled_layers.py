@@ -25,10 +25,13 @@ def _requests() -> list[ScoreRequest]:
 
 
 @pytest.mark.slow
-def test_compiled_layers_score_like_eager(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("architecture", ["llama", "qwen3_moe"])
+def test_compiled_layers_score_like_eager(architecture: str, model_dirs: dict[str, Path]) -> None:
+    """A mixture of experts' sparse blocks run inside the compiled layers as one opaque operator each."""
     import torch
     from scoring_testkit import CpuVarlenKernelGqa, assert_scored_alike
 
+    tiny_llama_dir = model_dirs[architecture]
     eager = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
     # The varlen path, as on the GPU. Its CPU kernel's host-side checks stay out of dynamo, as the GPU
     # kernel's custom op does.

@@ -114,7 +114,7 @@ def test_the_small_batch_keys_are_every_key_of_a_request_of_a_few_items() -> Non
     assert small_batch_keys(100) == [key for key in keys if key.tokens <= 100]
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe"])
 def test_graphed_batches_score_like_the_exact_path(architecture: str, model_dirs: dict[str, Path]) -> None:
     recorder = CountingRecorder()
     graphed, plain = _scorers(model_dirs[architecture], recorder)

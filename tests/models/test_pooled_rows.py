@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from models import Scorer, ScorerConfig
 from models.graphs import Recorder, next_power_of_two, pooled_row_slots
 from models.layers import decoder_layers
+from models.moe import sparse_blocks
 from models.pooled_rows import LastLayerAtPooledRows, last_layer_row_wise, padded_rows
 from schemas import ScoreRequest
 
@@ -115,6 +116,24 @@ def test_the_last_layer_computes_only_the_pooled_rows(name: str, model_dirs: dic
         expected = whole.score(requests)
     assert all(seen_whole[path] == [[tokens] * len(seen_whole[path][0])] for path in restricted)
     _assert_same_results(results, expected, whole, requests)
+
+
+def test_the_last_sparse_block_routes_only_the_pooled_rows(tiny_qwen3_moe_dir: Path) -> None:
+    """A mixture of experts' last block is row-wise as a dense MLP is: its router (and its experts) see one
+    row per item, every earlier sparse block every row; the results are the whole layer's."""
+    whole = _scorer(tiny_qwen3_moe_dir, last_layer_pooled_rows=False)
+    pooled = _scorer(tiny_qwen3_moe_dir)
+    assert pooled.executor.pooled_layer is not None and "mlp" in pooled.executor.pooled_layer.names
+    layers = decoder_layers(pooled.model.base)
+    routers = [layer.mlp.gate.weight for layer in layers or () if sparse_blocks([layer])]
+    assert len(routers) == 2 and routers[-1] is layers[-1].mlp.gate.weight  # type: ignore[index]
+    requests = _requests()
+    with _LinearRows() as mode:
+        results = pooled.score(requests)
+    items = sum(len(r.items) for r in requests)
+    (first,), (last,) = mode.rows[id(routers[0])], mode.rows[id(routers[-1])]
+    assert last == pooled_row_slots(items) < first
+    _assert_same_results(results, whole.score(requests), whole, requests)
 
 
 def test_shared_prefixes_pool_their_suffixes_rows(tiny_llama_dir: Path) -> None:

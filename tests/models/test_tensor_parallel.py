@@ -23,9 +23,10 @@ from tolerances import assert_scored_alike
 
 from models import Scorer, ScorerConfig
 from models.errors import DeviceLostError, ModelLoadError
+from models.moe import sparse_blocks
 from models.parallel import LeaderEngine, start_group
 from models.selfcheck import run_self_check
-from models.tensor_parallel import RowParallelLinear, Shard, head_shares, shares
+from models.tensor_parallel import RowParallelExperts, RowParallelLinear, Shard, head_shares, shares
 from models.tiny import DECODERS, write_tiny_model
 from schemas import HiddenDType, ScoreRequest, ScoreResult
 from worker.broker import free_port
@@ -115,10 +116,17 @@ def _check_split(scorer: Scorer, family: str, world: int) -> None:
     layer = scorer.hf_model.base_model.layers[0]
     attention = layer.self_attn
     o_proj = attention.o_proj
-    assert isinstance(o_proj, RowParallelLinear) and isinstance(layer.mlp.down_proj, RowParallelLinear)
+    assert isinstance(o_proj, RowParallelLinear)
     head_dim = attention.head_dim
     assert o_proj.linear.in_features == config.num_attention_heads // world * head_dim, family
-    assert layer.mlp.down_proj.linear.in_features == -(-config.intermediate_size // world), family
+    if sparse_blocks([layer]):  # each expert's columns cut, the routed sum completed across the ranks
+        experts = layer.mlp.experts
+        assert isinstance(experts, RowParallelExperts)
+        assert experts.inner.down_proj.shape[-1] == -(-config.moe_intermediate_size // world), family
+        assert experts.inner.gate_up_proj.shape[1] == 2 * experts.inner.down_proj.shape[-1], family
+    else:
+        assert isinstance(layer.mlp.down_proj, RowParallelLinear)
+        assert layer.mlp.down_proj.linear.in_features == -(-config.intermediate_size // world), family
     embedding = scorer.hf_model.get_input_embeddings()
     assert embedding.weight.shape[0] == -(-config.vocab_size // world)
 
