@@ -23,11 +23,16 @@ from transformers.utils import logging as hf_logging
 from transformers.utils.import_utils import is_accelerate_available
 
 from models.errors import ModelLoadError
+from models.linear_attention import HYBRID_MODEL_TYPES
 from models.packing import Pooling
 
 # Model types whose packed forward is covered by tests against HF's padded forward. Others may work, but
 # an untested architecture must not silently return wrong scores, so they are refused.
-DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+DECODER_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
+    # Hybrids: Gated DeltaNet layers (models/linear_attention.py) between full-attention ones.
+    "qwen3_5_text", "qwen3_next",
+)  # fmt: skip
 # Cross-encoders: bidirectional attention inside each item, the tokenizer's pair template, CLS pooling.
 ENCODER_MODEL_TYPES = ("bert", "xlm-roberta", "roberta", "deberta-v2", "modernbert")
 
@@ -39,6 +44,10 @@ def packable(model_type: str) -> bool:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
+    if model_type in HYBRID_MODEL_TYPES:
+        # Their full-attention layers call the interface; the Gated DeltaNet layers run ours
+        # (models/linear_attention.py) on the packed row. HF leaves the class flag off for the latter.
+        return True
     name = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)
     model_class = getattr(transformers, name, None) if isinstance(name, str) else None
     return bool(getattr(model_class, "_supports_attention_backend", False))

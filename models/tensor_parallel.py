@@ -31,6 +31,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from models.errors import ModelLoadError
+from models.linear_attention import HYBRID_MODEL_TYPES
 
 if TYPE_CHECKING:
     from models.fp8 import Fp8Selection
@@ -397,6 +398,11 @@ def check_splittable(model_dir: Path, config: dict[str, Any], trust_remote_code:
         raise ModelLoadError(
             f"tensor parallelism splits decoders of the families {', '.join(DECODER_MODEL_TYPES)}; "
             f"{model_dir.name} is {model_type!r}"
+        )
+    if model_type in HYBRID_MODEL_TYPES:
+        raise ModelLoadError(
+            f"tensor parallelism does not split {model_type!r}: its Gated DeltaNet layers have no "
+            "sharded form"
         )
     if trust_remote_code and config.get("auto_map"):
         raise ModelLoadError("tensor parallelism does not split a model that ships its own code")

@@ -22,9 +22,12 @@ from transformers import (
 from models.loading import quiet_progress_bars
 
 DECODERS = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3")
+# Hybrid decoders: Gated DeltaNet layers (models/linear_attention.py) with full attention every fourth layer.
+HYBRIDS = ("qwen3_5_text", "qwen3_next")
+CAUSAL = DECODERS + HYBRIDS
 # Cross-encoders: bidirectional attention, a query/item pair template, a pooler or dense head chain.
 ENCODERS = ("bert", "roberta", "xlm-roberta", "deberta-v2", "modernbert")
-ARCHITECTURES = DECODERS + ENCODERS
+ARCHITECTURES = CAUSAL + ENCODERS
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")  # ids 0..3 in this order
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
 _VOCAB_SIZE = 512
@@ -128,9 +131,35 @@ def tiny_config(architecture: str, vocab_size: int, num_labels: int) -> Pretrain
         # Small enough that random-weight attention scores are really capped.
         fields["attn_logit_softcapping"] = 2.0
         fields["final_logit_softcapping"] = 3.0
+    if architecture in HYBRIDS:
+        fields.update(_hybrid_fields(architecture))
     config = AutoConfig.for_model(architecture, **fields)
     config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForSequenceClassification"]
     return config
+
+
+def _hybrid_fields(architecture: str) -> dict[str, Any]:
+    """Gated DeltaNet layers with full attention every fourth layer, as the real models have them: more
+    value heads than key heads (each key head serving two), a partial rotary, gated attention output."""
+    fields: dict[str, Any] = {
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    }
+    if architecture == "qwen3_next":
+        # Sparse MoE blocks on every layer: 8 experts, 2 per token, and the gated shared expert.
+        fields.update(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
+            norm_topk_prob=True,
+        )  # fmt: skip
+    return fields
 
 
 def _encoder_config(architecture: str, vocab_size: int, num_labels: int) -> PretrainedConfig:
@@ -200,7 +229,7 @@ def write_tiny_model(
     if prm is not None and prm not in PRM_KINDS:
         raise ValueError(f"prm must be one of {', '.join(PRM_KINDS)}, not {prm!r}")
     judge = judge or prm == "lm"
-    if (judge or prm) and architecture not in DECODERS:
+    if (judge or prm) and architecture not in CAUSAL:
         raise ValueError(f"a judge or PRM is a decoder: pick a decoder architecture, not {architecture!r}")
     target = Path(path)
     target.mkdir(parents=True, exist_ok=True)
@@ -212,7 +241,8 @@ def write_tiny_model(
     config = tiny_config(architecture, tokenizer.get_vocab_size(), 2 if prm == "head" else num_labels)
     prefix = type(config).__name__.removesuffix("Config")
     if judge:
-        config.architectures = [f"{prefix}ForCausalLM"]
+        # Qwen3.5's causal LM serves its text config too (there is no Qwen3_5TextForCausalLM).
+        config.architectures = [f"{prefix.removesuffix('Text')}ForCausalLM"]
     auto: Any = AutoModelForCausalLM if judge else AutoModelForSequenceClassification
     with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG state
         torch.manual_seed(seed)
@@ -305,8 +335,8 @@ def run(args: argparse.Namespace) -> int:
     if args.num_labels < 1:
         print("--num-labels must be at least 1")
         return 2
-    if (args.judge or args.prm) and args.architecture not in DECODERS:
-        print(f"--judge and --prm need a decoder architecture ({', '.join(DECODERS)})")
+    if (args.judge or args.prm) and args.architecture not in CAUSAL:
+        print(f"--judge and --prm need a decoder architecture ({', '.join(CAUSAL)})")
         return 2
     target = write_tiny_model(
         args.directory, args.architecture, args.seed, args.num_labels, args.judge, args.prm

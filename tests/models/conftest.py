@@ -49,6 +49,18 @@ def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Hybrid: three Gated DeltaNet layers, then full attention with a gated output and partial rotary."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3_5"), "qwen3_5_text", seed=9)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Hybrid like Qwen3.5, with sparse MoE blocks (HF's) in place of the dense MLPs."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3_next"), "qwen3_next", seed=10)
+
+
+@pytest.fixture(scope="session")
 def three_label_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama-3labels"), "llama", seed=4, num_labels=3)
 
@@ -62,6 +74,8 @@ def model_dirs(
     tiny_gemma2_dir: Path,
     tiny_gemma3_dir: Path,
     tiny_phi3_dir: Path,
+    tiny_qwen3_5_dir: Path,
+    tiny_qwen3_next_dir: Path,
 ) -> dict[str, Path]:
     return {
         "llama": tiny_llama_dir,
@@ -71,4 +85,6 @@ def model_dirs(
         "gemma2": tiny_gemma2_dir,
         "gemma3_text": tiny_gemma3_dir,
         "phi3": tiny_phi3_dir,
+        "qwen3_5_text": tiny_qwen3_5_dir,
+        "qwen3_next": tiny_qwen3_next_dir,
     }
