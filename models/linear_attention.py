@@ -17,10 +17,13 @@ Two implementations of the recurrence and the convolution:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import importlib.util
+import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -60,6 +63,42 @@ def resolve_kernel(device: torch.device, dtype: torch.dtype) -> str:
     float32 model takes the torch path: Triton's float32 products may round their inputs to TF32."""
     half = dtype in (torch.bfloat16, torch.float16)
     return "fla" if half and device.type == "cuda" and fla_available() else "torch"
+
+
+# HF's own Gated DeltaNet functions, which its kernel decorators replace with flash-linear-attention's
+# wherever that package imports (transformers 5.17 even for CPU tensors, where Triton cannot run; and for
+# float32, whose Triton products may round to TF32).
+_HF_MODULES = ("qwen3_5", "qwen3_next")
+_HF_FUNCTIONS = (
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
+
+
+@contextlib.contextmanager
+def hf_torch_functions() -> Iterator[None]:
+    """HF's forward of the hybrids runs HF's own torch functions inside (each the `__wrapped__` of what its
+    kernel decorators put in its place): the self-check's reference, and the tests', on any device, dtype
+    and transformers version, whether or not flash-linear-attention is installed."""
+    swapped = []
+    for name in _HF_MODULES:
+        try:
+            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:
+            continue
+        for function in _HF_FUNCTIONS:
+            current = getattr(module, function, None)
+            own = None if current is None else inspect.unwrap(current)
+            if own is not None and own is not current:
+                swapped.append((module, function, current))
+                setattr(module, function, own)
+    try:
+        yield
+    finally:
+        for module, function, current in swapped:
+            setattr(module, function, current)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import tempfile
 from collections.abc import Iterator
@@ -83,34 +82,13 @@ def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
     return sorted(items, key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
-# HF's Gated DeltaNet functions (Qwen3.5, Qwen3-Next) that it swaps for flash-linear-attention's kernels
-# wherever that package imports; transformers 5.17 does so for CPU tensors too, where Triton cannot run.
-_HF_LINEAR_FUNCTIONS = (
-    "torch_chunk_gated_delta_rule",
-    "torch_recurrent_gated_delta_rule",
-    "causal_conv1d_fn",
-    "causal_conv1d_update",
-)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def hf_linear_attention_in_torch() -> Iterator[None]:
-    """HF's own forward of the hybrid models, the tests' reference, runs HF's torch functions (each kept as
-    the `__wrapped__` of what HF's kernel decorators put in its place): float32 arithmetic on any device
-    and transformers version, whether or not flash-linear-attention is installed."""
-    import importlib
+    """HF's own forward of the hybrid models, the tests' reference, runs HF's torch functions (float32
+    arithmetic on any device and transformers version, whether or not flash-linear-attention is installed)."""
+    from models.linear_attention import hf_torch_functions
 
-    with pytest.MonkeyPatch.context() as patch:
-        for name in ("qwen3_5", "qwen3_next"):
-            try:
-                module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-            except ImportError:
-                continue
-            for function in _HF_LINEAR_FUNCTIONS:
-                current = getattr(module, function, None)
-                own = inspect.unwrap(current) if current is not None else None
-                if own is not None and own is not current:
-                    patch.setattr(module, function, own)
+    with hf_torch_functions():
         yield
 
 

@@ -3,6 +3,7 @@ every prompt alone: no state or convolution window carried from one item to the 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from models.linear_attention import (
     causal_conv_torch,
     conv_history,
     gated_delta_rule_torch,
+    hf_torch_functions,
     is_hybrid,
     resolve_kernel,
 )
@@ -222,3 +224,16 @@ def test_a_prefix_history_holds_its_last_inputs() -> None:
     x = torch.arange(1.0, 8.0).unsqueeze(1)  # rows 1..7, one channel
     history = conv_history(x, _sequences((5, 1, 1)), width=4)
     assert history[..., 0].tolist() == [[3.0, 4.0, 5.0], [0.0, 0.0, 6.0], [0.0, 0.0, 7.0]]
+
+
+def test_hf_runs_its_own_torch_functions_inside_and_its_kernels_after() -> None:
+    """hf_torch_functions: inside, HF's module names hold its own torch functions; after, what was there."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    with hf_torch_functions():  # the suite's session fixture holds them already: nest and leave
+        inside = hf.torch_chunk_gated_delta_rule
+        assert inspect.unwrap(inside) is inside
+    before = hf.torch_chunk_gated_delta_rule
+    with hf_torch_functions():
+        pass
+    assert hf.torch_chunk_gated_delta_rule is before
