@@ -4,6 +4,7 @@ every prompt alone: no state or convolution window carried from one item to the 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -237,3 +238,30 @@ def test_hf_runs_its_own_torch_functions_inside_and_its_kernels_after() -> None:
     with hf_torch_functions():
         pass
     assert hf.torch_chunk_gated_delta_rule is before
+
+
+def test_tensor_parallelism_is_refused(hybrid_dir: Path) -> None:
+    from models.loading import read_config
+    from models.tensor_parallel import check_splittable
+
+    with pytest.raises(ModelLoadError, match="Gated DeltaNet layers have no sharded form"):
+        check_splittable(hybrid_dir, read_config(hybrid_dir), trust_remote_code=False)
+
+
+def test_compiled_layers_stay_off_with_a_reason(hybrid_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="models.execute"):
+        scorer = Scorer(hybrid_dir, ScorerConfig(device="cpu", compile="on"))
+    assert not scorer.executor.compiled and scorer.executor.graphs is None
+    assert "compiled layers" in caplog.text and "stay off" in caplog.text
+
+
+def test_deterministic_runs_every_item_alone_bit_for_bit(hybrid_dir: Path) -> None:
+    """The deterministic setting: every item alone (the kernels' shapes follow the batch), so an item's
+    bits are the same in any company."""
+    scorer = Scorer(hybrid_dir, ScorerConfig(device="cpu", deterministic=True))
+    assert scorer.executor.row_tiles is None
+    items = _ids((70, 5, 130), seed=9)
+    together = scorer.score([ScoreRequest("all", items=tuple(items), return_pooled_hidden_states=True)])[0]
+    alone = scorer.score([ScoreRequest("one", items=(items[1],), return_pooled_hidden_states=True)])[0]
+    np.testing.assert_array_equal(scores_of(together)[1], scores_of(alone)[0])
+    np.testing.assert_array_equal(hidden_of(together)[1], hidden_of(alone)[0])
