@@ -26,6 +26,7 @@ from models.layers import (
     traced_graphs,
     transformer_layers,
 )
+from models.linear_attention import PackedLinearAttention
 from models.loading import LoadedModel, head_name
 from models.moe import MoeBlocks, unsupported
 from models.packing import (
@@ -78,6 +79,8 @@ class Executor:
         # config's attribute lookup costs tens of microseconds.
         self.sliding_window = sliding_window(text_config)
         self.moe_blocks = self._moe_blocks()
+        # Gated DeltaNet layers on the packed path (models/linear_attention.py); None: the model has none.
+        self.linear_layers = self._linear_layers()
         if config.quantization == "fp8":
             self._quantize_fp8()
         self.adapters = self._load_adapters()
@@ -93,7 +96,8 @@ class Executor:
         # None after a padded or item-by-item batch.
         self.row_tokens: int | None = None
         self.compiled_layers: CompiledLayers | None = None
-        if config.resolve_compile(attention, device) and self.row_tiles is None:
+        hybrid = self.linear_layers is not None
+        if config.resolve_compile(attention, device) and self.row_tiles is None and not hybrid:
             self.compiled_layers = compile_layers(loaded.base)
             if self.compiled_layers is None:
                 log.info("%s has no decoder layer list to compile: it runs eager", loaded.name)
@@ -105,7 +109,7 @@ class Executor:
                 "(the grouped kernels need torch's bfloat16 product on sm90/sm100, or Triton)",
                 loaded.name,
             )
-        elif config.resolve_graphs(device, attention) and self.row_tiles is None:
+        elif config.resolve_graphs(device, attention) and self.row_tiles is None and not hybrid:
             self.graphs = GraphedForward(
                 self._fast_packed_forward,
                 device,
@@ -134,6 +138,47 @@ class Executor:
             "%s: %d mixture-of-experts blocks run as grouped expert products", self._loaded.name, len(blocks)
         )
         return blocks
+
+    def _linear_layers(self) -> PackedLinearAttention | None:
+        """The packed forward of the model's Gated DeltaNet layers, or None without such layers; settings the
+        family cannot serve are refused (ModelLoadError) or turned off, each with its reason in the log."""
+        loaded, config = self._loaded, self._config
+        linear = PackedLinearAttention.of(loaded.base, self.device) if loaded.packable else None
+        if linear is None:
+            return None
+        refused = {
+            "quantization='fp8'": config.quantization == "fp8",
+            "adapters": bool(config.adapter_dirs),
+            "prefix_cache_mib": bool(config.prefix_cache_mib),
+            "tensor_parallel": config.tensor_parallel > 1,
+        }
+        for setting, asked in refused.items():
+            if asked:
+                raise ModelLoadError(
+                    f"{setting}: {loaded.name}'s Gated DeltaNet layers are not served with it (their "
+                    "projections, recurrent state and sharding have no path of their own there yet)"
+                )
+        turned_off = [
+            name
+            for name, on in (
+                ("compiled layers", config.resolve_compile(self.attention, self.device)),
+                ("CUDA graphs", config.resolve_graphs(self.device, self.attention)),
+                ("the last layer at the pooled rows", config.last_layer_pooled_rows),
+            )
+            if on
+        ]
+        if turned_off:
+            log.info(
+                "%s: %s stay off (the Gated DeltaNet layers read their sequence bounds on the host)",
+                loaded.name, ", ".join(turned_off),
+            )  # fmt: skip
+        log.info(
+            "%s: %d Gated DeltaNet layers run packed on the %s kernels",
+            loaded.name,
+            len(linear),
+            linear.kernel,
+        )
+        return linear
 
     def _quantize_fp8(self) -> None:
         """Swap the layers' projections for FP8 ones, or refuse to load (ModelLoadError)."""
@@ -255,6 +300,8 @@ class Executor:
             why = "the ranks' partial sums are reduced in chunks that follow the batch's size"
         elif self.moe_blocks is not None:
             why = "an expert's product takes the rows routed to it, whose count follows the batch"
+        elif self.linear_layers is not None:
+            why = "the Gated DeltaNet kernels batch a row's sequences in shapes that follow the batch"
         elif self.attention == "varlen" and config.varlen_kernel_name(self.attention, self.device) != "flash":
             why = "only torch's flash kernel is known to tile each sequence from its own first row"
         else:
@@ -278,6 +325,8 @@ class Executor:
         (MEAN reads every row); else None."""
         wanted = self._config.last_layer_pooled_rows and self.pooling != "mean"
         if not (wanted and self.attention == "varlen" and is_causal_decoder(self._loaded)):
+            return None
+        if self.linear_layers is not None:
             return None
         modules = last_layer_row_wise(decoder_layers(self._loaded.base))
         if not modules:
@@ -518,7 +567,7 @@ class Executor:
         restricted: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if pooled_rows is not None and self.pooled_layer is not None:
             restricted = self.pooled_layer.at(pooled_rows)
-        with restricted:
+        with restricted, self.linear_layers or contextlib.nullcontext():
             output = self._loaded.base(
                 input_ids=input_ids,
                 position_ids=position_ids,

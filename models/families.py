@@ -35,6 +35,8 @@ class Family:
     `qk_norm`: queries and keys normalised per head ("head") or over the whole projection ("projection").
     `norm_adds_one`: its RMSNorms scale by (1 + weight), so a neutral weight is zero (Gemma 2 and 3).
     `tensor_parallel`: why tensor parallelism cannot split it (None: it can).
+    `sharded_load`: why the layer-by-layer loader (tensor parallelism, and FP8 weights read layer by layer)
+    cannot take it at any group size (None: it can), e.g. layers whose kind its surgery does not know.
     `check`: a config this family's entry does not serve (a sentence saying why), or None.
     """
 
@@ -45,6 +47,7 @@ class Family:
     qk_norm: QkNorm | None = None
     norm_adds_one: bool = False
     tensor_parallel: str | None = None
+    sharded_load: str | None = None
     check: ConfigCheck | None = None
 
 
@@ -64,6 +67,8 @@ _PROJECTION_NORM_SPLIT = (
     "its q/k norms run over the whole query and key projections, whose sums would span the ranks' shares of "
     "the heads"
 )
+
+_LINEAR_SPLIT = "its Gated DeltaNet layers have no sharded form"
 
 FAMILIES: dict[str, Family] = {
     family.model_type: family
@@ -97,6 +102,10 @@ FAMILIES: dict[str, Family] = {
         ),
         # Partial rotary on interleaved pairs, norms after each sublayer too, one gate_up projection.
         Family("glm4", mlp=("Glm4MLP", "fused"), norms="sandwich"),
+        # Hybrids: Gated DeltaNet layers (models/linear_attention.py) between full-attention ones, whose
+        # RMSNorms scale by (1 + weight); Qwen3-Next's MLPs are sparse blocks with a shared expert.
+        Family("qwen3_5_text", qk_norm="head", norm_adds_one=True, sharded_load=_LINEAR_SPLIT),
+        Family("qwen3_next", qk_norm="head", norm_adds_one=True, sharded_load=_LINEAR_SPLIT),
         # Judges only: transformers has no Gemma 4 classifier. Its sliding layers, per-layer inputs and
         # shared key-value layers are HF's code; checked by _gemma4_check.
         Family(
@@ -142,8 +151,11 @@ def check_config(config: dict[str, Any]) -> None:
 
 def tensor_parallel_refusal(model_type: object, world: int) -> str | None:
     """Why tensor parallelism over `world` ranks cannot split this family (None: it can). A group of one
-    (FP8 weights loaded layer by layer through the same loader) cuts nothing, so every family takes it."""
+    (FP8 weights loaded layer by layer through the same loader) cuts nothing, so every family takes it
+    whose layers that loader knows."""
     declared = family(model_type)
-    if declared is None or world <= 1:
+    if declared is None:
         return None
-    return declared.tensor_parallel
+    if declared.sharded_load is not None:
+        return declared.sharded_load
+    return None if world <= 1 else declared.tensor_parallel

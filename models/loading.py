@@ -25,6 +25,7 @@ from transformers.utils.import_utils import is_accelerate_available
 from models.errors import ModelLoadError
 from models.families import CLASSIFIER_MODEL_TYPES, UNSERVED, check_config
 from models.families import DECODER_MODEL_TYPES as DECODER_MODEL_TYPES
+from models.linear_attention import HYBRID_MODEL_TYPES
 from models.load_report import held_load_report, report_unused
 from models.packing import Pooling
 
@@ -45,6 +46,10 @@ def packable(model_type: str) -> bool:
         MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
     )
 
+    if model_type in HYBRID_MODEL_TYPES:
+        # Their full-attention layers call the interface; the Gated DeltaNet layers run ours
+        # (models/linear_attention.py) on the packed row. HF leaves the class flag off for the latter.
+        return True
     # A family without a classifier (Gemma 4's text model) loads as a judge: its causal LM class says.
     name = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)
     name = name or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)

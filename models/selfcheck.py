@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from models.errors import ModelLoadError
 from models.fp8 import jittered
+from models.linear_attention import hf_torch_functions
 from models.prepare import PreparedRequest
 from schemas import HiddenDType, ScoreRequest
 
@@ -152,7 +153,7 @@ def _plain_forward(
     groups = [list(range(len(ids)))] if batched else [[i] for i in range(len(ids))]
     scores: list[np.ndarray] = [np.empty(0)] * len(ids)
     hidden: list[np.ndarray] = [np.empty(0)] * len(ids)
-    with _plain_attention(scorer.hf_model):
+    with _plain_attention(scorer.hf_model), hf_torch_functions():
         for group in groups:
             out = _padded_forward(scorer, [ids[i] for i in group], [types[i] for i in group])
             for slot, index in enumerate(group):

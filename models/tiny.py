@@ -20,12 +20,17 @@ from transformers import (
 )
 
 from models.families import CLASSIFIER_MODEL_TYPES, DECODER_MODEL_TYPES
+from models.linear_attention import HYBRID_MODEL_TYPES
 from models.loading import quiet_progress_bars
 
 # Decoders with a classifier; the judge-only families (no *ForSequenceClassification in transformers) are
 # written as judges whatever is asked.
 DECODERS = CLASSIFIER_MODEL_TYPES
 JUDGE_ONLY = tuple(name for name in DECODER_MODEL_TYPES if name not in CLASSIFIER_MODEL_TYPES)
+# Hybrid decoders: Gated DeltaNet layers (models/linear_attention.py) with full attention every fourth layer.
+HYBRIDS = HYBRID_MODEL_TYPES
+# The decoders written as classifiers or judges alike (the hybrids among them).
+CAUSAL = DECODERS
 # Cross-encoders: bidirectional attention, a query/item pair template, a pooler or dense head chain.
 ENCODERS = ("bert", "roberta", "xlm-roberta", "deberta-v2", "modernbert")
 ARCHITECTURES = DECODERS + JUDGE_ONLY + ENCODERS
@@ -137,6 +142,8 @@ def tiny_config(architecture: str, vocab_size: int, num_labels: int) -> Pretrain
     fields.update(_FAMILY_FIELDS.get(architecture, {}))
     if architecture == "gemma4_text":
         fields["vocab_size_per_layer_input"] = vocab_size  # the per-layer inputs' own table, as small
+    if architecture in HYBRIDS:
+        fields.update(_hybrid_fields(architecture))
     config = AutoConfig.for_model(architecture, **fields)
     config.architectures = [_class_name(architecture, judge=architecture in JUDGE_ONLY)]
     return config
@@ -191,6 +198,30 @@ def _class_name(architecture: str, judge: bool) -> str:
 
     names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if judge else MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
     return str(names[architecture])
+
+
+def _hybrid_fields(architecture: str) -> dict[str, Any]:
+    """Gated DeltaNet layers with full attention every fourth layer, as the real models have them: more
+    value heads than key heads (each key head serving two), a partial rotary, gated attention output."""
+    fields: dict[str, Any] = {
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    }
+    if architecture == "qwen3_next":
+        # Sparse MoE blocks on every layer: 8 experts, 2 per token, and the gated shared expert.
+        fields.update(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
+            norm_topk_prob=True,
+        )  # fmt: skip
+    return fields
 
 
 def _encoder_config(architecture: str, vocab_size: int, num_labels: int) -> PretrainedConfig:

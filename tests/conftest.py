@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,16 @@ def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
         first = rank.get(path, (weight, index))
         rank[path] = (min(first[0], weight), first[1])
     return sorted(items, key=lambda item: rank[item.nodeid.split("::")[0]])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hf_linear_attention_in_torch() -> Iterator[None]:
+    """HF's own forward of the hybrid models, the tests' reference, runs HF's torch functions (float32
+    arithmetic on any device and transformers version, whether or not flash-linear-attention is installed)."""
+    from models.linear_attention import hf_torch_functions
+
+    with hf_torch_functions():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -109,6 +109,8 @@ def half_forward_bound(
     return implementations * per_computation * magnitude
 
 
+# The layer_types entry of a Gated DeltaNet layer (hybrid decoders: models/linear_attention.py).
+LINEAR_LAYER = "linear_attention"
 # Post-norm encoders (LayerNorm after attention and after the MLP); ModernBERT normalises before them.
 _POST_NORM_ENCODERS = ("bert", "roberta", "xlm-roberta", "deberta-v2")
 
@@ -140,6 +142,8 @@ def forward_sums(model_dir: str | Path, longest: int, *, mean_pooled: bool = Fal
         relative = [head_dim, head_dim] if kind == "deberta-v2" else []
         layer = [hidden, *attention, *relative, *layer_norm, hidden, inner, *layer_norm]
         ends = [*layer_norm, hidden, hidden]  # embedding LayerNorm; pooler (or dense) and classifier
+    elif LINEAR_LAYER in config.get("layer_types", ()):
+        return _hybrid_sums(config, longest, mean_pooled)
     elif kind == "modernbert":
         layer = [*layer_norm, hidden, *attention, *layer_norm, hidden, inner]
         # The embedding and final norms, the head's dense layer and norm, the classifier.
@@ -193,6 +197,34 @@ def _sparse_layers(config: dict[str, Any], before_mlp: list[int]) -> list[int]:
         is_sparse = index not in only and (index + 1) % step == 0
         sums += [*before_mlp, *(sparse if is_sparse else dense)]
     return sums
+
+
+def _hybrid_sums(config: dict[str, Any], longest: int, mean_pooled: bool) -> list[int]:
+    """forward_sums of a hybrid decoder (Qwen3.5, Qwen3-Next): full-attention layers (q/k norms, a gated
+    output: a product, no sum) and Gated DeltaNet layers. A Gated DeltaNet layer's sums in series: its norm
+    and in-projections (hidden_size each), the causal convolution (its kernel width), the q/k l2 norms
+    (key head dim), the recurrence (the state is a decayed sum over the `longest` tokens of rank-one terms,
+    each correction reading the state through a key: key head dim; the chunked form's triangular solve
+    sums a chunk's earlier corrections, 64 terms), the output's read of the state (key head dim), the gated
+    RMS norm (value head dim) and the output projection (value heads * value head dim). The MLP: a dense
+    one (hidden_size, intermediate_size) or Qwen3-Next's sparse block (the router over hidden_size, its
+    softmax over the experts, an expert's or the shared expert's projections, the top-k weighted sum)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    k_dim, v_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    if config.get("num_experts"):
+        inner = max(config["moe_intermediate_size"], config["shared_expert_intermediate_size"])
+        mlp = [hidden, config["num_experts"], hidden, inner, config["num_experts_per_tok"] + 1]
+    else:
+        mlp = [hidden, config["intermediate_size"]]
+    full = [hidden, hidden, head_dim, head_dim, longest, heads * head_dim, hidden, *mlp]
+    linear = [
+        hidden, hidden, config["linear_conv_kernel_dim"], k_dim, longest, k_dim, 64, k_dim, v_dim,
+        config["linear_num_value_heads"] * v_dim, hidden, *mlp,
+    ]  # fmt: skip
+    layers = [full if kind == "full_attention" else linear for kind in config["layer_types"]]
+    ends = [hidden, hidden]  # the final norm and the head
+    return [n for layer in layers for n in layer] + ends + ([longest] if mean_pooled else [])
 
 
 def forward_length(model_dir: str | Path, longest: int, *, mean_pooled: bool = False) -> int:

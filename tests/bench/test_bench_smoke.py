@@ -422,3 +422,15 @@ def test_moe_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) -> None:
     assert report["flops_per_token"]["dense"] == 2 * report["active_parameters"]
     assert report["active_parameters"] > 0 and report["runs"]["packed"]["experts_path"] == "loop"
     assert idle > report["active_parameters"]  # most of the tiny model's weights sit in idle experts
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_next"])
+def test_hybrid_benchmark_quick_run_checks_what_it_timed(kind: str, tmp_path: Path) -> None:
+    """bench/hybrid.py on a tiny hybrid on the CPU: timed, its sample checked against HF float32, the report
+    written with its verdict."""
+    proc = _run_script(["bench/hybrid.py", "--quick", "--kind", kind], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "hybrid-quick.json").read_text())
+    assert report["verdict"] == "ok" and report["vs_float32"]["ok"]
+    assert report["linear_kernel"] == "torch" and report["tokens_per_s"] > 0
+    assert report["vs_float32"]["items"] == 12

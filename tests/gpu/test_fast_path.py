@@ -33,7 +33,7 @@ from tolerances import (
 )
 
 from models import Scorer, ScorerConfig
-from models.tiny import ARCHITECTURES
+from models.tiny import ARCHITECTURES, HYBRIDS
 from schemas import ScoreRequest, ScoreResult
 
 pytestmark = [
@@ -475,7 +475,8 @@ def test_two_flash_passes_merge_into_one_pass_over_gathered_keys(kernel_name: st
         )
 
 
-@pytest.mark.parametrize("name", [*ARCHITECTURES, GQA_MODEL])
+# Hybrids (Gated DeltaNet layers) refuse FP8 at start-up (tests/models/test_linear_attention.py).
+@pytest.mark.parametrize("name", [*(a for a in ARCHITECTURES if a not in HYBRIDS), GQA_MODEL])
 def test_fp8_projections_agree_with_hf_on_the_same_projections(
     name: str, architecture_models: dict[str, Path]
 ) -> None:

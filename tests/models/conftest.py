@@ -69,6 +69,18 @@ def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Hybrid: three Gated DeltaNet layers, then full attention with a gated output and partial rotary."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3_5"), "qwen3_5_text", seed=9)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Hybrid like Qwen3.5, with sparse MoE blocks (HF's) in place of the dense MLPs."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3_next"), "qwen3_next", seed=10)
+
+
+@pytest.fixture(scope="session")
 def three_label_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama-3labels"), "llama", seed=4, num_labels=3)
 
@@ -84,6 +96,8 @@ def model_dirs(
     tiny_phi3_dir: Path,
     newer_family_dirs: dict[str, Path],
     tiny_qwen3_moe_dir: Path,
+    tiny_qwen3_5_dir: Path,
+    tiny_qwen3_next_dir: Path,
 ) -> dict[str, Path]:
     return {
         "llama": tiny_llama_dir,
@@ -95,4 +109,6 @@ def model_dirs(
         "phi3": tiny_phi3_dir,
         **newer_family_dirs,
         "qwen3_moe": tiny_qwen3_moe_dir,
+        "qwen3_5_text": tiny_qwen3_5_dir,
+        "qwen3_next": tiny_qwen3_next_dir,
     }

@@ -20,7 +20,7 @@ from tolerances import (
 from transformers import AutoModelForSequenceClassification
 
 from models import Scorer, ScorerConfig, transfer
-from models.tiny import DECODERS
+from models.tiny import CAUSAL
 from models.transfer import HostRows, RowRequest, start_rows_copy
 from schemas import HiddenDType, ScoreRequest
 
@@ -53,7 +53,7 @@ def _longest(prompts: Sequence[Sequence[int]]) -> int:
     return max(len(p) for p in prompts)
 
 
-@pytest.mark.parametrize("architecture", DECODERS)
+@pytest.mark.parametrize("architecture", CAUSAL)
 def test_text_requests_match_hf(architecture: str, model_dirs: dict[str, Path]) -> None:
     model_dir = model_dirs[architecture]
     scorer = Scorer(model_dir, ScorerConfig(device="cpu"))

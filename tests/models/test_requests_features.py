@@ -19,10 +19,10 @@ ITEMS = ("Yes, the library opens at nine o'clock.", "No.")
 LABELS = (40, 7, 300)
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma2", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["llama", "gemma2", "qwen3_moe", "qwen3_5_text", "qwen3_next"])
 def judge_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Gemma 2 caps its output logits as well as its attention logits; Qwen3-MoE's causal LM routes to
-    experts."""
+    experts; Qwen3.5 and Qwen3-Next are hybrids (Gated DeltaNet layers), judged through their causal LMs."""
     return write_tiny_model(
         tmp_path_factory.mktemp(f"judge-{request.param}"), request.param, seed=3, judge=True
     )

@@ -24,7 +24,7 @@ from tolerances import assert_within, attention_bound, sum_bound
 from models import Scorer, ScorerConfig, execute, plan
 from models.attention import attend_causal
 from models.packing import SharedPrefix, find_shared_prefixes, pack, packed_length, pool
-from models.tiny import DECODERS, write_tiny_model
+from models.tiny import CAUSAL, write_tiny_model
 from schemas import ScoreRequest
 
 # Token ids from 4 up (0..3 are special); the query is longer than the 16-token sliding windows of the
@@ -56,7 +56,7 @@ LONGEST = max(len(p) for p in _whole_prompts())
 
 
 @pytest.mark.parametrize("attention", ["reference", "varlen"])
-@pytest.mark.parametrize("architecture", DECODERS)
+@pytest.mark.parametrize("architecture", CAUSAL)
 def test_each_item_scores_as_its_whole_prompt_in_hf(
     architecture: str, attention: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,7 +19,7 @@ from tolerances import forward_bound, forward_length, rounded_pair_tolerances
 from transformers import AutoModel, AutoModelForCausalLM
 
 from models import Scorer, ScorerConfig
-from models.tiny import DECODERS, PRM_LABELS, PRM_SEPARATORS, write_tiny_model
+from models.tiny import CAUSAL, PRM_LABELS, PRM_SEPARATORS, write_tiny_model
 from schemas import ErrorCode, ScoreRequest, ScoreResult, decode_result, encode_result, result_size_bound
 
 QUERY = "Problem: count the boats on the river."
@@ -128,7 +128,7 @@ def _prompts(model_dir: Path, request: ScoreRequest) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["head", "lm"])
-@pytest.mark.parametrize("architecture", DECODERS)
+@pytest.mark.parametrize("architecture", CAUSAL)
 def test_process_rewards_at_every_step_match_hf(prm_root: str, architecture: str, kind: str) -> None:
     model_dir = _prm_dir(prm_root, architecture, kind)
     scorer = _scorer(model_dir)
@@ -151,7 +151,7 @@ def test_process_rewards_at_every_step_match_hf(prm_root: str, architecture: str
     assert len(result.scores[0]) == 2
 
 
-@pytest.mark.parametrize("architecture", DECODERS)
+@pytest.mark.parametrize("architecture", CAUSAL)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_outputs_at_every_token_and_a_range_match_hf(prm_root: str, architecture: str, dtype: str) -> None:
     model_dir = _prm_dir(prm_root, architecture, "head")
