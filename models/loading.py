@@ -428,7 +428,7 @@ def load_model(
             config,
             device=device,
             dtype=dtype,
-            attn_implementation=attn_implementation if runs_packed else "eager",
+            attn_implementation=attn_implementation if runs_packed else _plain_attention(model_type),
             remote_code=remote_code,
             safetensors_only=_safetensors_only(model_dir, allow_pickle_weights),
         )
@@ -473,6 +473,13 @@ def load_model(
         step_separator=step_separator(config),
         vision=vision,
     )
+
+
+def _plain_attention(model_type: str) -> str:
+    """HF's attention for a model on the plain path: eager, except an image-text model's, whose vision tower
+    would hold [images, heads, patches, patches] of scores in eager (16 GB for 32 of Gemma 3's images);
+    SDPA takes the same masks (the image blocks' both-ways attention included)."""
+    return "sdpa" if model_type in VISION_FAMILIES else "eager"
 
 
 def _from_pretrained(

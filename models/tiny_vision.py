@@ -40,11 +40,15 @@ VISION_CHAT_TEMPLATE = (
 )
 
 
-def gemma3_vision_config(vocab_size: int, image_ids: dict[str, int | None], num_labels: int) -> Any:
-    """Gemma 3's image-text config around the tiny text config (local and global layers, soft caps off)."""
+def gemma3_vision_config(
+    vocab_size: int, image_ids: dict[str, int | None], num_labels: int, shapes: dict[str, Any] | None = None
+) -> Any:
+    """Gemma 3's image-text config around the tiny text config (local and global layers, soft caps off);
+    `shapes` overrides its "text" and "vision" fields, "tokens_per_image" and "image_size"."""
     from transformers import Gemma3Config
 
-    text = tiny_config("gemma3_text", vocab_size, num_labels).to_dict()
+    shapes = shapes or {}
+    text = {**tiny_config("gemma3_text", vocab_size, num_labels).to_dict(), **shapes.get("text", {})}
     for key in (
         "architectures",
         "_name_or_path",
@@ -57,10 +61,11 @@ def gemma3_vision_config(vocab_size: int, image_ids: dict[str, int | None], num_
     vision = {
         "model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE,
-        "num_channels": 3,
+        "num_channels": 3, **shapes.get("vision", {}),
     }  # fmt: skip
     fields: dict[str, Any] = {
-        "text_config": text, "vision_config": vision, "mm_tokens_per_image": TOKENS_PER_IMAGE,
+        "text_config": text, "vision_config": vision,
+        "mm_tokens_per_image": shapes.get("tokens_per_image", TOKENS_PER_IMAGE),
         "boi_token_index": image_ids["boi_token"], "eoi_token_index": image_ids["eoi_token"],
         "image_token_index": image_ids["image_token"], "num_labels": num_labels,
         "pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
@@ -70,10 +75,20 @@ def gemma3_vision_config(vocab_size: int, image_ids: dict[str, int | None], num_
     return config
 
 
-def write_tiny_vision_model(path: str | Path, seed: int = 0, num_labels: int = 1) -> Path:
+def write_tiny_vision_model(
+    path: str | Path,
+    seed: int = 0,
+    num_labels: int = 1,
+    *,
+    shapes: dict[str, Any] | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Write a random-weight Gemma3ForSequenceClassification (safetensors), its tokenizer with the image
     marks and a chat template that places image parts, and its processor's files; deterministic from
-    `seed`."""
+    `seed`. `shapes` (gemma3_vision_config's) make it a larger model, built on `device` in `dtype` (the
+    benchmarks' Gemma-3-4B-like one)."""
+    shapes = shapes or {}
     from transformers import Gemma3ImageProcessorPil
 
     target = Path(path)
@@ -81,10 +96,10 @@ def write_tiny_vision_model(path: str | Path, seed: int = 0, num_labels: int = 1
     tokenizer = train_tokenizer(seed, architecture="gemma3_text")
     tokenizer.add_special_tokens(list(IMAGE_TOKENS.values()))  # ids after the trained vocabulary
     image_ids = {name: tokenizer.token_to_id(text) for name, text in IMAGE_TOKENS.items()}
-    config = gemma3_vision_config(tokenizer.get_vocab_size(), image_ids, num_labels)
-    with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG state
+    config = gemma3_vision_config(tokenizer.get_vocab_size(), image_ids, num_labels, shapes)
+    with torch.random.fork_rng(devices=[]), torch.device(device):  # seeded, the caller's RNG state kept
         torch.manual_seed(seed)
-        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
     _fill_zero_initialised(model, seed)
     # HF starts the projector's matrix at zero, which would make every image's features zero: the model
     # would score the text alone. Unit-scale random features make each image change the scores.
@@ -104,8 +119,10 @@ def write_tiny_vision_model(path: str | Path, seed: int = 0, num_labels: int = 1
         extra_special_tokens=IMAGE_TOKENS,
     )
     fast.save_pretrained(str(target))
-    Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(str(target))
-    processor = {"processor_class": "Gemma3Processor", "image_seq_length": TOKENS_PER_IMAGE}
+    size = shapes.get("image_size", IMAGE_SIZE)
+    Gemma3ImageProcessorPil(size={"height": size, "width": size}).save_pretrained(str(target))
+    tokens = shapes.get("tokens_per_image", TOKENS_PER_IMAGE)
+    processor = {"processor_class": "Gemma3Processor", "image_seq_length": tokens}
     (target / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     config_path = target / "config.json"
     saved = json.loads(config_path.read_text())

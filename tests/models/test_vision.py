@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import io
 import json
-import struct
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from PIL import Image
 from scoring_testkit import hidden_of, scores_of
 from tolerances import forward_atol
-from transformers import AutoModelForSequenceClassification, Gemma3Processor
+from vision_testkit import encoded, hf_alone, image_and_text_requests, load_reference, png_claiming
 
 from models import ModelLoadError, Scorer, ScorerConfig, write_tiny_model
 from models.tiny_vision import TOKENS_PER_IMAGE, write_tiny_vision_model
-from schemas import MAX_IMAGE_PIXELS, ChatMessage, ContentPart, ErrorCode, ScoreRequest
+from schemas import MAX_IMAGE_PIXELS, ErrorCode, ScoreRequest
 
 
 @pytest.fixture(scope="module")
@@ -35,94 +30,7 @@ def vision_scorer(vision_dir: Path) -> Scorer:
 
 @pytest.fixture(scope="module")
 def reference(vision_dir: Path) -> tuple[Any, Any]:
-    model = AutoModelForSequenceClassification.from_pretrained(
-        str(vision_dir), attn_implementation="eager", dtype=torch.float32
-    ).eval()
-    return model, Gemma3Processor.from_pretrained(str(vision_dir))
-
-
-def encoded(fmt: str, seed: int, size: tuple[int, int] = (20, 30)) -> bytes:
-    """A random RGB picture of `size` (width, height) as a file of `fmt` (lossless where it can be)."""
-    rng = np.random.default_rng(seed)
-    pixels = (rng.random((size[1], size[0], 3)) * 255).astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, fmt, **({"lossless": True} if fmt == "WEBP" else {}))
-    return buffer.getvalue()
-
-
-def _chunk(kind: bytes, body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A small, valid PNG header that claims a canvas of width x height (a decompression bomb's shape)."""
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    data = zlib.compress(b"\x00" * 64)
-    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", data) + _chunk(b"IEND", b"")
-
-
-def _texts(request: ScoreRequest, processor: Any) -> tuple[list[str], bool]:
-    """Each item's prompt text as the contract defines it (schemas/README.md, Images)."""
-    if request.messages is not None:
-        turns = [m.as_template_turn() for m in request.messages]
-        texts = [
-            processor.tokenizer.apply_chat_template(
-                [*turns, {"role": "assistant", "content": item}], tokenize=False
-            )
-            for item in request.items
-        ]
-        return texts, False
-    marks = processor.boi_token * len(request.images or ())
-    return [marks + f"{request.query or ''}{item}" for item in request.items], True
-
-
-def hf_alone(reference: tuple[Any, Any], request: ScoreRequest, *, bidirectional: bool = True) -> Any:
-    """HF float32 on each item alone: the processor's ids, token types and pixel values, the model's own
-    forward. Returns (scores [N, L], pooled hidden states [N, H], longest prompt)."""
-    model, processor = reference
-    images = [Image.open(io.BytesIO(data)).convert("RGB") for data in request.images or ()]
-    texts, specials = _texts(request, processor)
-    scores, hidden, longest = [], [], 0
-    for text in texts:
-        inputs = processor(
-            text=[text], images=[images] if images else None, add_special_tokens=specials, return_tensors="pt"
-        )
-        types = inputs.get("token_type_ids")
-        if types is not None and not bidirectional:
-            types = torch.zeros_like(types)
-        with torch.inference_mode():
-            out = model(
-                input_ids=inputs["input_ids"],
-                attention_mask=inputs["attention_mask"],
-                pixel_values=inputs.get("pixel_values"),
-                token_type_ids=types,
-                output_hidden_states=True,
-            )
-        scores.append(out.logits[0].numpy())
-        hidden.append(out.hidden_states[-1][0, -1].numpy())
-        longest = max(longest, int(inputs["input_ids"].shape[1]))
-    return np.stack(scores), np.stack(hidden), longest
-
-
-def _requests() -> list[ScoreRequest]:
-    chat = ChatMessage(
-        "user", (ContentPart("image"), ContentPart("text", "Which fits? "), ContentPart("image"))
-    )
-    return [
-        ScoreRequest(
-            "picture-query", items=("a cat", " a dog on a mat"), query="Which animal? ",
-            images=(encoded("PNG", 1),), return_pooled_hidden_states=True,
-        ),
-        ScoreRequest("text-only", items=("The quick brown fox", "jumps"), return_pooled_hidden_states=True),
-        ScoreRequest(
-            "chat-two-images", items=("the left one", "neither"),
-            messages=(ChatMessage("system", "Judge."), chat),
-            images=(encoded("JPEG", 2, (40, 12)), encoded("WEBP", 3, (16, 16))),
-            return_pooled_hidden_states=True,
-        ),
-        ScoreRequest("text-chat", items=("yes",), messages=(ChatMessage("user", "Is it fine?"),),
-                     return_pooled_hidden_states=True),
-    ]  # fmt: skip
+    return load_reference(vision_dir)
 
 
 def _assert_matches(result: Any, expected: tuple[np.ndarray, np.ndarray, int], vision_dir: Path) -> None:
@@ -138,7 +46,7 @@ def _assert_matches(result: Any, expected: tuple[np.ndarray, np.ndarray, int], v
 
 
 def test_mixed_batch_matches_hf_float32(vision_scorer: Scorer, reference: Any, vision_dir: Path) -> None:
-    requests = _requests()
+    requests = image_and_text_requests()
     results = vision_scorer.score(requests)
     for request, result in zip(requests, results, strict=True):
         assert result.ok, result.error
@@ -159,7 +67,7 @@ def test_an_image_request_alone_matches_hf(vision_scorer: Scorer, reference: Any
 def test_image_tokens_attend_both_ways(vision_scorer: Scorer, reference: Any, vision_dir: Path) -> None:
     """HF's model attends both ways inside each image's tokens; a causal mask there gives other scores, by
     far more than the tolerance, so the comparisons above would see it."""
-    request = _requests()[0]
+    request = image_and_text_requests()[0]
     result = vision_scorer.score([request])[0]
     causal, _, longest = hf_alone(reference, request, bidirectional=False)
     atol = forward_atol(vision_dir, causal, longest=longest)
@@ -168,7 +76,7 @@ def test_image_tokens_attend_both_ways(vision_scorer: Scorer, reference: Any, vi
 
 def test_the_deterministic_setting_scores_images_item_by_item(reference: Any, vision_dir: Path) -> None:
     scorer = Scorer(vision_dir, ScorerConfig(device="cpu", deterministic=True))
-    requests = _requests()
+    requests = image_and_text_requests()
     for request, result in zip(requests, scorer.score(requests), strict=True):
         _assert_matches(result, hf_alone(reference, request), vision_dir)
 
@@ -227,3 +135,20 @@ def test_the_images_change_the_scores(vision_scorer: Scorer, vision_dir: Path) -
     requests = [ScoreRequest(f"r{seed}", items=("a cat",), images=(encoded("PNG", seed),)) for seed in (1, 2)]
     first, second = (scores_of(result) for result in vision_scorer.score(requests))
     assert np.abs(first - second).max() > 10 * forward_atol(vision_dir, first, longest=16)
+
+
+def test_make_tiny_model_writes_the_image_text_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from worker import cli
+
+    target = tmp_path / "vl"
+    assert (
+        cli.main(["make-tiny-model", str(target), "--architecture", "gemma3", "--images", "--seed", "3"]) == 0
+    )
+    assert "image-text" in capsys.readouterr().out
+    scorer = Scorer(target, ScorerConfig(device="cpu"))
+    assert scorer.score([ScoreRequest("r", items=("a",), images=(encoded("PNG", 1),))])[0].ok
+    # The flag and the architecture go together.
+    assert cli.main(["make-tiny-model", str(tmp_path / "x"), "--architecture", "gemma3"]) == 2
+    assert cli.main(["make-tiny-model", str(tmp_path / "y"), "--images"]) == 2
