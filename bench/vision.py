@@ -32,6 +32,7 @@ from bench.common import (
 from models import Scorer, ScorerConfig
 from models.prepare import PreparedRequest
 from models.tiny_vision import write_tiny_vision_model
+from models.vision import load_vision
 from schemas import ScoreRequest
 
 # Gemma 3 4B's shapes: the text model (34 layers, 5 local to 1 global, head_dim 256, 262,208 tokens) and
@@ -81,9 +82,11 @@ def workload(count: int, size: tuple[int, int]) -> list[ScoreRequest]:
 def hf_alone(model_dir: Path, device: str, dtype: torch.dtype, requests: list[ScoreRequest]) -> Any:
     """HF's forward on each request alone (its processor's inputs): scores [N, L], pooled states [N, H]."""
     from PIL import Image
-    from transformers import AutoModelForSequenceClassification, Gemma3Processor
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    processor = Gemma3Processor.from_pretrained(str(model_dir))
+    # The worker's processor (Pillow's resize, whether or not torchvision is installed): the check is of
+    # the model's arithmetic on the same inputs.
+    processor = load_vision(model_dir, "gemma3", AutoTokenizer.from_pretrained(str(model_dir))).processor
     model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     scores, hidden = [], []
     for request in requests:

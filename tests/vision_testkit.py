@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import struct
 import zlib
 from pathlib import Path
@@ -17,13 +18,26 @@ from schemas import ChatMessage, ContentPart, ScoreRequest
 
 def load_reference(model_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """HF's model (eager attention: plain matmuls, independent of the SDPA path under test) and its
-    processor, from the directory's own files."""
-    from transformers import AutoModelForSequenceClassification, Gemma3Processor
+    processor from the directory's own files, with the Pillow image processor the worker uses (where
+    torchvision is installed, Gemma3Processor.from_pretrained would take its backend, whose resize rounds
+    pixels otherwise: a difference of inputs, not of the model)."""
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+    )
 
     model = AutoModelForSequenceClassification.from_pretrained(
         str(model_dir), attn_implementation="eager", dtype=dtype
     ).eval()
-    return model, Gemma3Processor.from_pretrained(str(model_dir))
+    settings = json.loads((model_dir / "processor_config.json").read_text())
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil.from_pretrained(str(model_dir)),
+        tokenizer=AutoTokenizer.from_pretrained(str(model_dir)),
+        image_seq_length=settings["image_seq_length"],
+    )
+    return model, processor
 
 
 def encoded(fmt: str, seed: int, size: tuple[int, int] = (20, 30)) -> bytes:
