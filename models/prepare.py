@@ -177,6 +177,13 @@ class PromptBuilder:
             prompts, token_types, truncated = self._truncate(request, prompts, token_types)
         for index, prompt in enumerate(prompts):
             self._check(index, prompt)
+        # Text that spells the image token out is a client's mistake; token ids are taken as sent (alone
+        # or beside text-only requests they score as HF would; a batch they share with images is split).
+        if self.vision is not None and request.images is None and _has_text(request):
+            try:
+                self.vision.check_text_only(prompts)
+            except ImageError as exc:
+                raise PromptError(exc.code, exc.message) from None
         total = sum(len(prompt) for prompt in prompts)
         if self.max_request_tokens is not None and total > self.max_request_tokens:
             raise PromptError(
@@ -489,6 +496,10 @@ class PromptBuilder:
                 f"Item {index} has token id {largest}, outside the model's vocabulary of {self.vocab_size}; "
                 "send ids from this model's tokenizer.",
             )
+
+
+def _has_text(request: ScoreRequest) -> bool:
+    return request.messages is not None or any(isinstance(v, str) for v in (request.query, *request.items))
 
 
 def _not_served(code: ErrorCode, kind: str, name: str, served: tuple[str, ...], instead: str) -> PromptError:

@@ -65,7 +65,22 @@ class VisionPrompts:
 
     processor: Any
     placeholder: str
+    # The token the vision features replace, and its text: a prompt holds it only where the processor put
+    # it for an image (one more, and the model's count of features and tokens would not match).
+    image_token_id: int
+    image_token: str
     max_pixels: int = MAX_IMAGE_PIXELS
+
+    def check_text_only(self, prompts: Sequence[tuple[int, ...]]) -> None:
+        """ImageError when a prompt of a text request without images holds the image token."""
+        if any(self.image_token_id in prompt for prompt in prompts):
+            raise ImageError(ErrorCode.INVALID_REQUEST, self._typed_token_sentence())
+
+    def _typed_token_sentence(self) -> str:
+        return (
+            f"the prompt holds the model's image token ({self.image_token!r}, id {self.image_token_id}) "
+            f"outside an image; send images in images, and text and token ids without that token."
+        )
 
     def placeholders(self, count: int) -> str:
         """The text that places `count` images, one after the other."""
@@ -74,6 +89,8 @@ class VisionPrompts:
     def encode(self, images: Sequence[bytes], texts: Sequence[str], special_tokens: bool) -> ImagePrompts:
         """Decode the images (ImageError for a bad one) and let the processor expand each text's image marks
         into image tokens and turn the images into pixel values. Every text holds every image."""
+        if any(self.image_token in text for text in texts):
+            raise ImageError(ErrorCode.INVALID_REQUEST, self._typed_token_sentence())
         decoded = [
             decode_image(data, f"images[{index}]", self.max_pixels) for index, data in enumerate(images)
         ]
@@ -130,7 +147,9 @@ def load_vision(model_dir: Path, model_type: str, tokenizer: Any) -> VisionPromp
             f"cannot build the image processor of {str(model_dir)!r} ({type(exc).__name__}: {exc}); a "
             "vision-language directory needs its preprocessor_config.json and a tokenizer with image tokens"
         ) from exc
-    return VisionPrompts(processor, str(getattr(processor, family.placeholder)))
+    image_token = str(tokenizer.image_token)
+    image_token_id = int(tokenizer.convert_tokens_to_ids(image_token))
+    return VisionPrompts(processor, str(getattr(processor, family.placeholder)), image_token_id, image_token)
 
 
 class _WithImages(Protocol):

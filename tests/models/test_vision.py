@@ -15,7 +15,7 @@ from vision_testkit import encoded, hf_alone, image_and_text_requests, load_refe
 
 from models import ModelLoadError, Scorer, ScorerConfig, write_tiny_model
 from models.tiny_vision import TOKENS_PER_IMAGE, write_tiny_vision_model
-from schemas import MAX_IMAGE_PIXELS, ErrorCode, ScoreRequest
+from schemas import MAX_IMAGE_PIXELS, ErrorCode, ScoreRequest, ScoreResult
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +81,26 @@ def test_the_deterministic_setting_scores_images_item_by_item(reference: Any, vi
         _assert_matches(result, hf_alone(reference, request), vision_dir)
 
 
+def _assert_alike(got: Any, request: ScoreRequest, scorer: Scorer) -> None:
+    """A request's scores in a batch with others and alone: two float32 computations of the same sums in
+    other orders (the batch's padded width changes the products' shapes), within forward_bound."""
+    alone = scorer.score([request])[0]
+    assert got.ok and alone.ok, (got.error, alone.error)
+    prepared = scorer.prepare(request)
+    assert not isinstance(prepared, ScoreResult)
+    longest = max(len(prompt) for prompt in prepared.prompts)
+    want = np.asarray(alone.scores)
+    atol = forward_atol(Path(scorer.hf_model.name_or_path), want, longest=longest)
+    np.testing.assert_allclose(got.scores, want, atol=atol, rtol=0)
+
+
 def _error(scorer: Scorer, images: Sequence[bytes]) -> Any:
     good = ScoreRequest("good", items=("a cat",), images=(encoded("PNG", 1),))
     bad = ScoreRequest("bad", items=("a cat",), images=tuple(images))
-    good_alone = scorer.score([good])[0]
     results = scorer.score([good, bad, good])
     # One bad image fails its own request only; the others score as they do alone.
     for other in (results[0], results[2]):
-        assert other.ok and other.scores == good_alone.scores
+        _assert_alike(other, good, scorer)
     assert not results[1].ok and results[1].error is not None
     return results[1].error
 
@@ -117,10 +129,24 @@ def test_a_text_model_refuses_images(tmp_path: Path) -> None:
     assert result.error is not None and result.error.code is ErrorCode.IMAGES_NOT_SUPPORTED
 
 
-def test_image_marks_typed_in_the_text_are_refused(vision_scorer: Scorer) -> None:
-    request = ScoreRequest("r", items=("<start_of_image>",), images=(encoded("PNG", 1),))
-    result = vision_scorer.score([request])[0]
-    assert result.error is not None and result.error.code is ErrorCode.INVALID_REQUEST
+def test_image_marks_and_image_tokens_outside_images_are_refused(vision_scorer: Scorer) -> None:
+    """A begin mark typed in the text would take no image; an image token outside an image would make the
+    model's count of features and tokens differ (and fail the batch it shares): each its request's error."""
+    image_id = vision_scorer.model.tokenizer.convert_tokens_to_ids("<image_soft_token>")
+    requests = [
+        ScoreRequest("mark", items=("<start_of_image>",), images=(encoded("PNG", 1),)),
+        ScoreRequest("token-with-image", items=("a <image_soft_token>",), images=(encoded("PNG", 1),)),
+        ScoreRequest("token-in-text", items=("a <image_soft_token> b",)),
+    ]
+    good = ScoreRequest("good", items=("a cat",), images=(encoded("PNG", 2),))
+    # Token ids are taken as sent: beside an image request they split the batch, and both score as alone.
+    token_ids = ScoreRequest("token-id", items=((5, image_id, 7),))
+    *refused, scored, as_sent = vision_scorer.score([*requests, good, token_ids])
+    for result in refused:
+        assert result.error is not None and result.error.code is ErrorCode.INVALID_REQUEST, result
+    assert "image token" in refused[1].error.message  # type: ignore[union-attr]
+    _assert_alike(scored, good, vision_scorer)
+    _assert_alike(as_sent, token_ids, vision_scorer)
 
 
 def test_qwen_vision_language_models_are_refused_by_name(tmp_path: Path) -> None:
@@ -134,7 +160,10 @@ def test_the_images_change_the_scores(vision_scorer: Scorer, vision_dir: Path) -
     """Two images under one text score apart, by far more than the tolerance: the features reach the text."""
     requests = [ScoreRequest(f"r{seed}", items=("a cat",), images=(encoded("PNG", seed),)) for seed in (1, 2)]
     first, second = (scores_of(result) for result in vision_scorer.score(requests))
-    assert np.abs(first - second).max() > 10 * forward_atol(vision_dir, first, longest=16)
+    prepared = vision_scorer.prepare(requests[0])
+    assert not isinstance(prepared, ScoreResult)
+    longest = len(prepared.prompts[0])
+    assert np.abs(first - second).max() > 10 * forward_atol(vision_dir, first, longest=longest)
 
 
 def test_make_tiny_model_writes_the_image_text_model(
