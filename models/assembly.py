@@ -100,6 +100,7 @@ def prompt_builder(model: LoadedModel, config: ScorerConfig, named_heads: NamedH
         step_separator=model.step_separator,
         adapters=tuple(config.adapter_dirs),
         heads=tuple(named_heads.widths.items()) if named_heads is not None else (),
+        vision=model.vision,
     )
 
 

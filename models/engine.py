@@ -46,6 +46,7 @@ from models.transfer import (
     to_host_async,
     wants_hidden,
 )
+from models.vision import batch_images
 from schemas import ErrorCode, ScoreRequest, ScoreResult, Tensor
 
 if TYPE_CHECKING:
@@ -369,7 +370,8 @@ class Scorer:
         adapters = self._adapters_of(batch)  # per prompt, or None: the base model throughout
         shared = self.plan.shared_prefixes(prompts, adapters)  # none where nothing is shared
         positions = batch_positions(batch)
-        pooled, at = self.executor.pooled(prompts, token_types, shared, positions, adapters)  # [N, H], [M, H]
+        images = batch_images(batch)
+        pooled, at = self.executor.pooled(prompts, token_types, shared, positions, adapters, images)  # [N, H]
         logits, columns = self.head.logits(pooled, batch)
         token_logits = None
         if at is not None and any(p.request.return_token_scores for p in batch if p.positions):

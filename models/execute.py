@@ -378,21 +378,26 @@ class Executor:
         shared: Sequence[SharedPrefix],
         positions: Sequence[Sequence[int]] | None = None,
         adapters: Sequence[int] | None = None,
+        images: Sequence[np.ndarray] | None = None,
+        alone: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each prompt's pooled hidden state [N, H] (float32 for MEAN), the prefixes of `shared` once; and,
         with `positions` (per prompt, token positions), the hidden states at them [M, H], prompt by prompt
-        (None without). `adapters`: each prompt's LoRA adapter index (-1: the base model)."""
+        (None without). `adapters`: each prompt's LoRA adapter index (-1: the base model). `images`: each
+        prompt's pixel values [images, 3, H, W] (image-text models, which run padded)."""
         self.row_tokens = None
-        if self._config.deterministic and self.row_tiles is None:
-            forward = self.packed_pooled if self._loaded.packable else self.padded_pooled
+        if self._config.deterministic and self.row_tiles is None and not alone:
             # Every item alone: no result depends on what else shares the batch (kernels pick their tiling
             # by the matrix shapes, so a row's rounding can change with the batch).
             outputs = [
-                forward(
+                self.pooled(
                     [prompt],
                     None if token_types is None else [token_types[index]],
+                    (),
                     positions=None if positions is None else [positions[index]],
                     adapters=None if adapters is None else [adapters[index]],
+                    images=None if images is None else [images[index]],
+                    alone=True,
                 )
                 for index, prompt in enumerate(prompts)
             ]
@@ -402,7 +407,7 @@ class Executor:
             return pooled, torch.cat(at) if at else None
         if self._loaded.packable:
             return self.packed_pooled(prompts, token_types, shared, positions, adapters)
-        return self.padded_pooled(prompts, token_types, positions, adapters)
+        return self.padded_pooled(prompts, token_types, positions, adapters, images)
 
     def packed_pooled(
         self,
@@ -588,9 +593,12 @@ class Executor:
         token_types: list[Prompt] | None,
         positions: Sequence[Sequence[int]] | None = None,
         adapters: Sequence[int] | None = None,
+        images: Sequence[np.ndarray] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Models whose attention cannot be packed: HF's own forward on a right-padded batch, then the same
-        pooling as the packed path: [N, H] (float32 for MEAN); and the rows at `positions` [M, H]."""
+        pooling as the packed path: [N, H] (float32 for MEAN); and the rows at `positions` [M, H]. `images`:
+        each prompt's pixel values, the vision tower run once on all of them (the model puts each image's
+        features at its tokens in row order, which is the prompts' order)."""
         count, width = len(prompts), max(len(p) for p in prompts)
         pad = self._loaded.pad_token_id or 0
         ids = np.full((count, width), pad, dtype=np.int64)
@@ -602,6 +610,9 @@ class Executor:
             if token_types is not None:
                 types[row, : len(prompt)] = token_types[row]
         extra = {} if token_types is None else {"token_type_ids": torch.from_numpy(types).to(self.device)}
+        if images is not None and any(len(one) for one in images):
+            pixels = np.concatenate([one for one in images if len(one)])  # [images, 3, H, W]
+            extra["pixel_values"] = torch.from_numpy(pixels).to(self.device, self.dtype)
         adapted: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if (chosen := self._adapted(adapters)) is not None and self.adapters is not None:
             rows = np.repeat(np.asarray(chosen, dtype=np.int64), width)  # every padded row of each prompt

@@ -28,6 +28,7 @@ from models.families import DECODER_MODEL_TYPES as DECODER_MODEL_TYPES
 from models.linear_attention import HYBRID_MODEL_TYPES
 from models.load_report import held_load_report, report_unused
 from models.packing import Pooling
+from models.vision import VISION_FAMILIES, VisionPrompts, check_vision_type, load_vision
 
 # DECODER_MODEL_TYPES (models/families.py): model types whose packed forward is covered by tests against
 # HF's padded forward. Others may work, but an untested architecture must not silently return wrong scores,
@@ -57,7 +58,8 @@ def packable(model_type: str) -> bool:
     return bool(getattr(model_class, "_supports_attention_backend", False))
 
 
-SUPPORTED_MODEL_TYPES = DECODER_MODEL_TYPES + ENCODER_MODEL_TYPES
+# Image-text classifiers (models/vision.py): HF's own forward on a padded batch, pixel values beside the ids.
+SUPPORTED_MODEL_TYPES = DECODER_MODEL_TYPES + ENCODER_MODEL_TYPES + tuple(VISION_FAMILIES)
 # RoBERTa's position ids start after the pad id and skip pad tokens (HF's create_position_ids_from_input_ids).
 _PAD_OFFSET_POSITIONS = ("xlm-roberta", "roberta")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -85,6 +87,7 @@ class LoadedModel:
     final_softcap: float | None = None  # a judge's cap on its logits, tanh(x / cap) * cap (Gemma 2)
     value_head: bool = False  # a TRL value head on a causal LM: HF's own forward does not compute the score
     step_separator: int | str | None = None  # config.json's score_worker_step_separator (process rewards)
+    vision: VisionPrompts | None = None  # an image-text model's processor; None: text only
 
 
 def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -127,6 +130,7 @@ def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, A
                 "that code, so score-worker does so only with trust_remote_code set (only for code you trust)"
             )
         return config
+    check_vision_type(model_type)
     if model_type not in SUPPORTED_MODEL_TYPES:
         hint = f" ({UNSERVED[model_type]})" if model_type in UNSERVED else ""
         raise ModelLoadError(
@@ -420,14 +424,16 @@ def load_model(
     judge = is_judge(config)
     remote_code = bool(config.get("auto_map"))
     # A model's own code may ignore our attention, whatever type it claims: it runs the plain path.
-    runs_packed = not remote_code and packable(str(config.get("model_type")))
+    # Image-text models too (their packed attention would need the image blocks' bidirectional mask).
+    model_type = str(config.get("model_type"))
+    runs_packed = not remote_code and packable(model_type) and model_type not in VISION_FAMILIES
     with held_load_report():  # it would call the weights placed below missing or unexpected
         model, info = _from_pretrained(
             model_dir,
             config,
             device=device,
             dtype=dtype,
-            attn_implementation=attn_implementation if runs_packed else "eager",
+            attn_implementation=attn_implementation if runs_packed else _plain_attention(model_type),
             remote_code=remote_code,
             safetensors_only=_safetensors_only(model_dir, allow_pickle_weights),
         )
@@ -447,6 +453,7 @@ def load_model(
     encoder = config.get("model_type") in ENCODER_MODEL_TYPES
     tokenizer = _load_tokenizer(model_dir, remote_code, encoder=encoder)
     max_positions, position_pad = _positions(config)
+    vision = load_vision(model_dir, model_type, tokenizer) if model_type in VISION_FAMILIES else None
     return LoadedModel(
         model=model,
         base=base,
@@ -462,13 +469,22 @@ def load_model(
             "last_token" if judge or value_head else _default_pooling(config) if encoder else "last"
         ),
         encoder=encoder,
-        token_types=encoder and int(config.get("type_vocab_size") or 1) > 1,
+        # Image-text models mark image tokens as type 1 (attended both ways within each image).
+        token_types=vision is not None or (encoder and int(config.get("type_vocab_size") or 1) > 1),
         position_pad=position_pad,
         packable=runs_packed,
         judge=judge,
         final_softcap=_final_softcap(model) if judge else None,
         step_separator=step_separator(config),
+        vision=vision,
     )
+
+
+def _plain_attention(model_type: str) -> str:
+    """HF's attention for a model on the plain path: eager, except an image-text model's, whose vision tower
+    would hold [images, heads, patches, patches] of scores in eager (16 GB for 32 of Gemma 3's images);
+    SDPA takes the same masks (the image blocks' both-ways attention included)."""
+    return "sdpa" if model_type in VISION_FAMILIES else "eager"
 
 
 def _from_pretrained(
@@ -530,7 +546,10 @@ def _base_and_embeddings(model: PreTrainedModel) -> tuple[nn.Module, nn.Embeddin
 def _positions(config: dict[str, Any]) -> tuple[int, int | None]:
     """The longest prompt the position table holds, and the pad id its positions start after (RoBERTa's
     family: positions count from pad_token_id + 1), or None."""
-    max_positions = int(config.get("max_position_embeddings") or 2**31 - 1)
+    text = config.get("text_config") or {}  # an image-text model keeps its text model's limit there
+    max_positions = int(
+        config.get("max_position_embeddings") or text.get("max_position_embeddings") or 2**31 - 1
+    )
     if config.get("model_type") not in _PAD_OFFSET_POSITIONS:
         return max_positions, None
     position_pad = int(config.get("pad_token_id") or 0)

@@ -7,6 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from models.images import ImageError
+from models.vision import VisionPrompts
 from schemas import ErrorCode, ScoreRequest, TokenOutputs, Truncation
 from schemas._checks import Input
 
@@ -28,6 +32,8 @@ class PreparedRequest:
     # With token_outputs: per prompt, the positions read (step separators, or the token range), in order.
     positions: tuple[tuple[int, ...], ...] | None = None
     head_floats: int = 0  # floats per item of the extra heads the request names
+    # With images: per prompt, the pixel values [images, 3, H, W] of its image tokens, in their order.
+    pixel_values: tuple[np.ndarray, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -137,6 +143,7 @@ class PromptBuilder:
     step_separator: int | str | None = None
     adapters: tuple[str, ...] = ()  # the LoRA adapters served, by name
     heads: tuple[tuple[str, int], ...] = ()  # the extra heads served: (name, floats per item)
+    vision: VisionPrompts | None = None  # an image-text model's processor; None: requests without images
 
     def adapter_index(self, request: ScoreRequest) -> int:
         """The index of the request's adapter among those served (-1: the base model)."""
@@ -156,8 +163,10 @@ class PromptBuilder:
         self._check_token_outputs(request)
         self._check_adapter(request)
         head_floats = self._head_floats(request)
-        token_types = None
-        if request.messages is not None:
+        token_types, pixel_values = None, None
+        if request.images is not None:
+            prompts, token_types, pixel_values = self._build_images(request)
+        elif request.messages is not None:
             prompts = self._build_chat(request)
         elif self.template is None:
             prompts = self._build(request)
@@ -168,6 +177,13 @@ class PromptBuilder:
             prompts, token_types, truncated = self._truncate(request, prompts, token_types)
         for index, prompt in enumerate(prompts):
             self._check(index, prompt)
+        # Text that spells the image token out is a client's mistake; token ids are taken as sent (alone
+        # or beside text-only requests they score as HF would; a batch they share with images is split).
+        if self.vision is not None and request.images is None and _has_text(request):
+            try:
+                self.vision.check_text_only(prompts)
+            except ImageError as exc:
+                raise PromptError(exc.code, exc.message) from None
         total = sum(len(prompt) for prompt in prompts)
         if self.max_request_tokens is not None and total > self.max_request_tokens:
             raise PromptError(
@@ -183,6 +199,7 @@ class PromptBuilder:
             truncated=truncated,
             positions=self._positions(request, prompts),
             head_floats=head_floats,
+            pixel_values=pixel_values,
         )
 
     def _head_floats(self, request: ScoreRequest) -> int:
@@ -283,10 +300,39 @@ class PromptBuilder:
         )
 
     @staticmethod
-    def _conversation(request: ScoreRequest) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in request.messages or ()]
+    def _conversation(request: ScoreRequest) -> list[dict[str, object]]:
+        return [m.as_template_turn() for m in request.messages or ()]
 
-    def _render(self, turns: list[dict[str, str]], generation_prompt: bool = False) -> Prompt:
+    def _build_images(
+        self, request: ScoreRequest
+    ) -> tuple[tuple[Prompt, ...], tuple[Prompt, ...], tuple[np.ndarray, ...]]:
+        """Prompts holding the request's images: the conversation rendered by the chat template (its image
+        parts become the processor's image marks), or the images' marks before each query and item; the
+        model's processor turns marks into image tokens and images into pixel values."""
+        if self.vision is None:
+            raise PromptError(
+                ErrorCode.IMAGES_NOT_SUPPORTED,
+                "This model reads text only; send the request without images, or to a vision-language model.",
+            )
+        images = request.images or ()
+        if request.messages is not None:
+            tokenizer, conversation = self._chat_tokenizer(), self._conversation(request)
+            turns = [[*conversation, {"role": "assistant", "content": str(item)}] for item in request.items]
+            texts = [str(tokenizer.apply_chat_template(one, tokenize=False)) for one in turns]
+        else:
+            marks, query = self.vision.placeholders(len(images)), str(request.query or "")
+            texts = [
+                marks + (f"{item}{query}" if request.item_first else f"{query}{item}")
+                for item in request.items
+            ]
+        try:
+            # A rendered conversation holds its special tokens already; a plain text gets the tokenizer's.
+            built = self.vision.encode(images, texts, special_tokens=request.messages is None)
+        except ImageError as exc:
+            raise PromptError(exc.code, exc.message) from None
+        return built.prompts, built.token_types, built.pixel_values
+
+    def _render(self, turns: list[dict[str, object]], generation_prompt: bool = False) -> Prompt:
         rendered = self._chat_tokenizer().apply_chat_template(
             turns, tokenize=True, add_generation_prompt=generation_prompt
         )
@@ -450,6 +496,10 @@ class PromptBuilder:
                 f"Item {index} has token id {largest}, outside the model's vocabulary of {self.vocab_size}; "
                 "send ids from this model's tokenizer.",
             )
+
+
+def _has_text(request: ScoreRequest) -> bool:
+    return request.messages is not None or any(isinstance(v, str) for v in (request.query, *request.items))
 
 
 def _not_served(code: ErrorCode, kind: str, name: str, served: tuple[str, ...], instead: str) -> PromptError:

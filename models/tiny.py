@@ -376,10 +376,10 @@ def _fix_architectures(target: Path, architectures: list[str]) -> None:
     config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `score-worker make-tiny-model`."""
+def add_arguments(parser: argparse.ArgumentParser, more_architectures: tuple[str, ...] = ()) -> None:
+    """Arguments of `score-worker make-tiny-model` (`more_architectures`: those another writer adds)."""
     parser.add_argument("directory", type=Path, help="where to write the model (created if missing)")
-    parser.add_argument("--architecture", choices=ARCHITECTURES, default="llama")
+    parser.add_argument("--architecture", choices=ARCHITECTURES + more_architectures, default="llama")
     parser.add_argument("--seed", type=int, default=0, help="weights and tokenizer are deterministic from it")
     parser.add_argument("--num-labels", type=int, default=1, help="outputs of the head (1 = reward model)")
     parser.add_argument(

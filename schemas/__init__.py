@@ -25,6 +25,14 @@ from schemas.headers import (
     request_headers,
     result_headers,
 )
+from schemas.images import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES,
+    ContentPart,
+    ImageFormat,
+    sniff_format,
+)
 from schemas.request import ChatMessage, ScoreRequest, TokenOutputs, Truncation
 from schemas.result import ErrorInfo, ResultStatus, ScoreResult
 from schemas.tensor import HiddenDType, Tensor
@@ -45,16 +53,21 @@ __all__ = [
     "HEADER_SOURCE_PARTITION",
     "HEADER_SOURCE_TOPIC",
     "HEADER_UNDECODABLE_CAUSE",
+    "MAX_IMAGES",
+    "MAX_IMAGE_BYTES",
+    "MAX_IMAGE_PIXELS",
     "REQUESTS_TOPIC",
     "REQUEST_CONTENT_TYPE",
     "RESULTS_TOPIC",
     "RESULT_CONTENT_TYPE",
     "SCHEMA_VERSION",
     "ChatMessage",
+    "ContentPart",
     "ErrorCode",
     "ErrorInfo",
     "Headers",
     "HiddenDType",
+    "ImageFormat",
     "Input",
     "ResultStatus",
     "SchemaError",
@@ -73,4 +86,5 @@ __all__ = [
     "request_headers",
     "result_headers",
     "result_size_bound",
+    "sniff_format",
 ]

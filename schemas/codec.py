@@ -47,6 +47,7 @@ _REQUEST_FIELDS: dict[str, object] = {
     "return_token_hidden_states": False,
     "adapter": None,
     "heads": None,
+    "images": None,
 }
 _RESULT_FIELDS: dict[str, object] = {
     "request_id": _REQUIRED,
@@ -237,7 +238,7 @@ def encode_request(request: ScoreRequest) -> bytes:
         "hidden_states_dtype": request.hidden_states_dtype.value,
         "metadata": request.metadata,
         "label_token_ids": request.label_token_ids,
-        "messages": None if messages is None else [{"role": m.role, "content": m.content} for m in messages],
+        "messages": None if messages is None else [m.as_template_turn() for m in messages],
         "truncate": request.truncate.value,
         "requires": request.requires,
         "deadline_ms": request.deadline_ms,
@@ -249,6 +250,7 @@ def encode_request(request: ScoreRequest) -> bytes:
         "return_token_hidden_states": request.return_token_hidden_states,
         "adapter": request.adapter,
         "heads": request.heads,
+        "images": None if request.images is None else list(request.images),
     }
     return _pack(body, request.request_id)
 

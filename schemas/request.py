@@ -21,6 +21,7 @@ from schemas._checks import (
     quoted,
 )
 from schemas.errors import ErrorCode, SchemaError
+from schemas.images import ContentPart, check_content_parts, check_images, image_parts
 from schemas.tensor import HiddenDType, check_dtype
 from schemas.version import SCHEMA_VERSION
 
@@ -235,7 +236,9 @@ def check_label_token_ids(value: object) -> tuple[int, ...] | None:
     return ids
 
 
-def _check_message_parts(role: object, content: object, field: str) -> tuple[str, str]:
+def _check_message_parts(
+    role: object, content: object, field: str
+) -> tuple[str, str | tuple[ContentPart, ...]]:
     if role is None:
         raise invalid(
             f"{field}.role is missing; send the speaker's role as a string of 1 to {MAX_ROLE_CHARS} "
@@ -252,9 +255,12 @@ def _check_message_parts(role: object, content: object, field: str) -> tuple[str
         )
     if content is None:
         raise invalid(f"{field}.content is missing; send the message text as a string (it may be empty).")
+    if isinstance(content, list | tuple):
+        return role, check_content_parts(content, f"{field}.content")
     if not isinstance(content, str):
         raise invalid(
-            f"{field}.content must be a string, not {describe(content)}; send the message text as a string."
+            f"{field}.content must be a string or an array of parts, not {describe(content)}; send the "
+            f'message text as a string, or parts such as [{{"type": "image"}}, {{"type": "text", ...}}].'
         )
     return role, content
 
@@ -264,10 +270,16 @@ class ChatMessage:
     """One turn of the conversation that comes before the assistant's reply (each item is that reply)."""
 
     role: str
-    content: str
+    content: str | tuple[ContentPart, ...]  # text, or parts placing the request's images among texts
 
     def __post_init__(self) -> None:
-        _check_message_parts(self.role, self.content, "message")
+        object.__setattr__(self, "content", _check_message_parts(self.role, self.content, "message")[1])
+
+    def as_template_turn(self) -> dict[str, object]:
+        """The message as chat templates read it."""
+        if isinstance(self.content, str):
+            return {"role": self.role, "content": self.content}
+        return {"role": self.role, "content": [part.as_template_part() for part in self.content]}
 
 
 def _check_message(value: object, field: str) -> ChatMessage:
@@ -324,6 +336,33 @@ def _check_chat(request: ScoreRequest) -> None:
                 f"items[{index}] is an array of token ids but messages is set; send every item as text (the "
                 f"assistant's reply), or send token ids without messages."
             )
+
+
+def _check_image_places(request: ScoreRequest) -> None:
+    """Images go with text prompts; with messages, each image part takes the next image, one for one."""
+    placed = sum(image_parts(message.content) for message in request.messages or ())
+    if request.images is None:
+        if placed:
+            raise invalid(
+                f"messages place {placed} image(s) but images is nil; send the encoded images in images, in "
+                f"the order their parts appear."
+            )
+        return
+    if request.messages is not None and placed != len(request.images):
+        raise invalid(
+            f'messages place {placed} image(s) (parts {{"type": "image"}}) but images has '
+            f"{len(request.images)}; send one image per image part, in the order the parts appear."
+        )
+    if any(not isinstance(value, str) for value in (request.query, *request.items) if value is not None):
+        raise invalid(
+            "images come with token-id inputs; send the query and items as text with images (the model's "
+            "processor places the image tokens in the text)."
+        )
+    if request.truncate is not Truncation.NONE:
+        raise invalid(
+            'truncate is set on a request with images; send truncate "none" with images (an image\'s '
+            "tokens cannot be cut)."
+        )
 
 
 def check_requires(value: object) -> tuple[str, ...] | None:
@@ -388,6 +427,8 @@ class ScoreRequest:
     adapter: str | None = None
     # Extra heads (by the names a worker serves them under) to score each item with, beside its own.
     heads: tuple[str, ...] | None = None
+    # Encoded images (PNG, JPEG, WebP), in the order the prompt places them (schemas/images.py).
+    images: tuple[bytes, ...] | None = None
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -427,6 +468,8 @@ class ScoreRequest:
         _check_token_output_fields(self)
         object.__setattr__(self, "adapter", check_adapter(self.adapter))
         object.__setattr__(self, "heads", check_heads(self.heads))
+        object.__setattr__(self, "images", check_images(self.images))
+        _check_image_places(self)
         check_metadata(self.metadata)
 
     def expires_at_ms(self, record_timestamp_ms: int, default_ttl_ms: int = 0) -> int | None:

@@ -129,6 +129,28 @@ def forward_sums(model_dir: str | Path, longest: int, *, mean_pooled: bool = Fal
     pooling adds a sum over the tokens. The pooled hidden states lie on this chain, a sum or two before its
     end."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
+    if "vision_config" in config:  # an image-text model: its vision tower's sums come before the text's
+        return _vision_sums(config) + _config_sums(config["text_config"], longest, mean_pooled)
+    return _config_sums(config, longest, mean_pooled)
+
+
+def _vision_sums(config: dict[str, Any]) -> list[int]:
+    """The sums in series from an image's pixels to its features among the text's embeddings (SigLIP and
+    Gemma 3's projector): the patch embedding (channels * patch^2 terms), then per layer a LayerNorm (two
+    sums of the width), the q/k/v projections, the scores (head_dim), the weighted sum over the patches,
+    the output projection, a LayerNorm, the MLP's two projections; the final LayerNorm; the projector's
+    average pool (the patches pooled into a token), its RMS norm and its projection (the vision width)."""
+    vision = config["vision_config"]
+    width, inner = vision["hidden_size"], vision["intermediate_size"]
+    patches = (vision["image_size"] // vision["patch_size"]) ** 2
+    head_dim = width // vision["num_attention_heads"]
+    layer = [width, width, width, head_dim, patches, width, width, width, width, inner]
+    pooled = patches // config["mm_tokens_per_image"]
+    ends = [width, width, pooled, width, width]
+    return [vision["num_channels"] * vision["patch_size"] ** 2, *vision["num_hidden_layers"] * layer, *ends]
+
+
+def _config_sums(config: dict[str, Any], longest: int, mean_pooled: bool) -> list[int]:
     kind = config["model_type"]
     hidden, inner = config["hidden_size"], config["intermediate_size"]
     heads = config["num_attention_heads"]

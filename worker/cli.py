@@ -38,7 +38,7 @@ log = logging.getLogger("worker")
 EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("worker.submit", "submit scoring requests and print their results"),
     "demo": ("worker.demo", "embedded broker + tiny model + one worker + sample requests"),
-    "make-tiny-model": ("models.tiny", "write a tiny random-weight model for tests and demos"),
+    "make-tiny-model": ("models.tiny_command", "write a tiny random-weight model for tests and demos"),
     "lag-exporter": (
         "worker.lag_exporter",
         "consumer-group lag for Prometheus, read from the brokers",

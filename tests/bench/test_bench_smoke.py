@@ -434,3 +434,14 @@ def test_hybrid_benchmark_quick_run_checks_what_it_timed(kind: str, tmp_path: Pa
     assert report["verdict"] == "ok" and report["vs_float32"]["ok"]
     assert report["linear_kernel"] == "torch" and report["tokens_per_s"] > 0
     assert report["vs_float32"]["items"] == 12
+
+
+def test_vision_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) -> None:
+    """bench/vision.py on the tiny image-text model on the CPU: a mixed batch timed, images and tokens per
+    second reported, a sample of both kinds checked against HF float32."""
+    proc = _run_script(["bench/vision.py", "--quick"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "vision-quick.json").read_text())
+    assert report["verdict"] == "ok" and report["vs_fp32"]["ok"]
+    assert report["images"] == report["requests"] // 2 and report["images_per_s"] > 0
+    assert report["vs_fp32"]["with_images"] == report["vs_fp32"]["requests"] // 2

@@ -367,9 +367,9 @@ def test_chat_template_request_is_valid() -> None:
         ({"messages": [*CHAT, {"role": "user"}]}, ["messages[2].content is missing", "may be empty"]),
         (
             {"messages": [{"role": "user", "content": b"c"}]},
-            ["messages[0].content must be a string, not binary"],
+            ["messages[0].content must be a string or an array of parts, not binary"],
         ),
-        ({"messages": [{"role": "user", "content": ["c"]}]}, ["messages[0].content must be a string"]),
+        ({"messages": [{"role": "user", "content": ["c"]}]}, ["messages[0].content[0] must be a map"]),
     ],
 )
 def test_bad_new_request_fields_name_the_field(changes: dict[str, Any], fragments: list[str]) -> None:
@@ -458,7 +458,7 @@ def test_constructor_validates_new_fields_like_the_decoder() -> None:
         (None, "c", "message.role is missing"),
         (5, "c", "message.role must be a string"),
         ("user", None, "message.content is missing"),
-        ("user", 3, "message.content must be a string"),
+        ("user", 3, "message.content must be a string or an array of parts"),
     ],
 )
 def test_chat_message_validates_itself(role: Any, content: Any, fragment: str) -> None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from schemas import (
     ChatMessage,
+    ContentPart,
     ErrorCode,
     ErrorInfo,
     HiddenDType,
@@ -25,6 +26,7 @@ from schemas import (
     encode_request,
     encode_result,
 )
+from schemas.images import image_parts
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ROUND_TRIP = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -32,7 +34,7 @@ ROUND_TRIP = settings(max_examples=300, deadline=None, suppress_health_check=[He
 REQUEST_KEYS = [
     "version", "request_id", "query", "items", "item_first", "apply_softmax",
     "return_pooled_hidden_states", "hidden_states_dtype", "metadata", "label_token_ids", "messages",
-    "truncate", "requires",
+    "truncate", "requires", "images",
 ]  # fmt: skip
 RESULT_KEYS = [
     "version", "request_id", "status", "scores", "pooled_hidden_states", "prompt_tokens", "model",
@@ -128,7 +130,18 @@ def _valid_chat_request_map() -> dict[str, Any]:
     }  # fmt: skip
 
 
-REQUEST_TEMPLATES = {"tokens": _valid_request_map, "chat": _valid_chat_request_map}
+def _valid_image_request_map() -> dict[str, Any]:
+    parts = [{"type": "image"}, {"type": "text", "text": "What is shown?"}, {"type": "image"}]
+    return {
+        "version": 1, "request_id": "near-1", "items": ["a cat", "a dog"],
+        "messages": [{"role": "user", "content": parts}],
+        "images": [b"\x89PNG\r\n\x1a\n" + b"\x00" * 8, b"\xff\xd8\xff\xe0"], "requires": ["images"],
+    }  # fmt: skip
+
+
+REQUEST_TEMPLATES = {
+    "tokens": _valid_request_map, "chat": _valid_chat_request_map, "images": _valid_image_request_map,
+}  # fmt: skip
 
 
 def _valid_result_map() -> dict[str, Any]:
@@ -162,7 +175,11 @@ def test_near_valid_request_with_one_field_mutated(
     except SchemaError as error:
         if key != "request_id":
             assert error.request_id == "near-1"
-        assert error.code in (ErrorCode.INVALID_REQUEST, ErrorCode.UNSUPPORTED_SCHEMA_VERSION)
+        # The images' own codes are for the images field alone.
+        image_codes = (
+            (ErrorCode.TOO_MANY_IMAGES, ErrorCode.IMAGE_FORMAT_NOT_SUPPORTED) if key == "images" else ()
+        )
+        assert error.code in (ErrorCode.INVALID_REQUEST, ErrorCode.UNSUPPORTED_SCHEMA_VERSION, *image_codes)
 
 
 @FUZZ
@@ -192,7 +209,15 @@ label_ids = st.none() | st.lists(token_ids, min_size=1, max_size=8, unique=True)
 chat_messages = st.builds(
     ChatMessage,
     role=st.text(alphabet=st.characters(exclude_categories=["Cs"]), min_size=1, max_size=32),
-    content=clean_text,
+    content=clean_text
+    | st.lists(
+        st.builds(ContentPart, type=st.just("text"), text=clean_text) | st.just(ContentPart("image")),
+        min_size=1,
+        max_size=4,
+    ).map(tuple),
+)
+image_bytes = st.sampled_from([b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF\x00\x00\x00\x00WEBP"]).flatmap(
+    lambda magic: st.binary(max_size=16).map(lambda tail: magic + tail)
 )
 request_field_names = st.sampled_from(REQUEST_KEYS)
 metadata_values = st.recursive(
@@ -217,8 +242,11 @@ def valid_requests(draw: st.DrawFn) -> ScoreRequest:
         if text and draw(st.booleans())
         else None
     )
+    placed = sum(image_parts(message.content) for message in messages or ())
+    images = tuple(draw(st.lists(image_bytes, min_size=placed, max_size=placed))) if placed else None
     return ScoreRequest(
         request_id=draw(st.text(alphabet=st.characters(exclude_categories=["Cs"]), min_size=1, max_size=256)),
+        images=images,
         items=tuple(draw(st.lists(inputs, max_size=6))),
         query=None if messages else draw(st.none() | inputs),
         item_first=False if messages else draw(st.booleans()),
@@ -228,7 +256,7 @@ def valid_requests(draw: st.DrawFn) -> ScoreRequest:
         metadata=draw(metadata_values),
         label_token_ids=draw(label_ids),
         messages=messages,
-        truncate=draw(st.sampled_from(list(Truncation))),
+        truncate=Truncation.NONE if images else draw(st.sampled_from(list(Truncation))),
         requires=draw(st.none() | st.lists(request_field_names, max_size=5).map(tuple)),
     )
 

@@ -122,6 +122,7 @@ ADDED_KEYS = {
     "return_token_hidden_states": False,
     "adapter": None,
     "heads": None,
+    "images": None,
 }
 
 

@@ -130,10 +130,24 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 def live_worker(  # a worker per test module that asks for it, on its own topics
     kafka_bootstrap: str, tiny_llama_dir: Path
 ) -> Iterator[LiveWorker]:
+    yield from serving(kafka_bootstrap, tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def live_vision_worker(  # the same with a tiny image-text model
+    kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveWorker]:
+    from models.tiny_vision import write_tiny_vision_model
+
+    yield from serving(kafka_bootstrap, write_tiny_vision_model(tmp_path_factory.mktemp("vision"), seed=1))
+
+
+def serving(kafka_bootstrap: str, model_dir: Path) -> Iterator[LiveWorker]:
+    """A worker of `model_dir` on its own topics, run in a thread until the generator is closed."""
     names = Names.unique("client")
-    settings = fast_settings(kafka_bootstrap, tiny_llama_dir, names)
+    settings = fast_settings(kafka_bootstrap, model_dir, names)
     asyncio.run(ensure_topics(settings))  # the client needs the results topic before the worker is up
-    worker = ScoreWorker(settings, Scorer(tiny_llama_dir, ScorerConfig(device="cpu")))
+    worker = ScoreWorker(settings, Scorer(model_dir, ScorerConfig(device="cpu")))
     errors: list[BaseException] = []
 
     def serve() -> None:
@@ -145,7 +159,7 @@ def live_worker(  # a worker per test module that asks for it, on its own topics
     thread = threading.Thread(target=serve, name="live-worker", daemon=True)
     thread.start()
     try:
-        yield LiveWorker(kafka_bootstrap, names, Scorer(tiny_llama_dir, ScorerConfig(device="cpu")))
+        yield LiveWorker(kafka_bootstrap, names, Scorer(model_dir, ScorerConfig(device="cpu")))
     finally:
         worker.stop()
         thread.join(timeout=60)

@@ -1,0 +1,40 @@
+"""`score-worker make-tiny-model`: a text model (models/tiny.py) or, with --images, an image-text one."""
+
+from __future__ import annotations
+
+import argparse
+
+from models import tiny
+from models.tiny_vision import write_tiny_vision_model
+
+VISION_ARCHITECTURES = ("gemma3",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The text models' arguments, the image-text architectures among the choices, and --images."""
+    tiny.add_arguments(parser, VISION_ARCHITECTURES)
+    parser.add_argument(
+        "--images",
+        action="store_true",
+        help="an image-text classifier with its processor (--architecture gemma3: Gemma 3's vision tower and "
+        "projector), scored on requests that carry images",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the tiny model; returns the process exit code."""
+    vision = args.architecture in VISION_ARCHITECTURES
+    if args.images != vision:
+        print("--images goes with --architecture gemma3 (the image-text model), and gemma3 with --images")
+        return 2
+    if not vision:
+        return tiny.run(args)
+    if args.judge or args.prm:
+        print("--judge and --prm are for text decoders; the image-text model is a classifier")
+        return 2
+    if args.num_labels < 1:
+        print("--num-labels must be at least 1")
+        return 2
+    target = write_tiny_vision_model(args.directory, args.seed, args.num_labels)
+    print(f"wrote a tiny gemma3 image-text model ({args.num_labels} label(s)), seed {args.seed}, to {target}")
+    return 0
