@@ -19,8 +19,9 @@ from typing import Any
 NOISE_FLOOR = 0.01
 
 
-class PhaseCut(Exception):
-    """A phase ran past its time budget: its figures are missing, not wrong."""
+class PhaseCut(BaseException):
+    """A phase ran past its time budget: its figures are missing, not wrong. Not an Exception: the engine
+    answers an Exception in a batch by scoring the batch's halves apart, which would swallow the cut."""
 
 
 @dataclass

@@ -255,7 +255,6 @@ def deterministic(ctx: Context) -> Phase:
         W1_SHAPES,
         check_sample_with,
         make_lognormal_workload,
-        sample_entry,
         spread_picks,
     )
     from bench.w1 import same_bits_in_other_company, time_scorer
@@ -273,8 +272,15 @@ def deterministic(ctx: Context) -> Phase:
         torch._dynamo.reset()
         scorer = packed_path.make_scorer(ctx.w1_dir(), budget, deterministic=setting, device=ctx.device)
         run = time_scorer(label, scorer, requests, chunks, 2, hidden)
-        results = packed_path.run_scorer(scorer, requests, [picks])
-        sample = [sample_entry([tuple(work.token_ids[i].tolist())], results[i]) for i in picks]
+        timed = run.pop("output")  # the last timed pass's scores and hidden states, checked here
+        sample = [
+            {
+                "items": [work.token_ids[i].tolist()],
+                "scores": [timed.scores[i].tolist()],
+                "hidden": [timed.hidden[i]],
+            }
+            for i in picks
+        ]
         found = check_sample_with(functools.partial(hf_copy, scorer.model.model), ctx.device, sample)
         checks[f"{label}: against float32"] = check(found["ok"], found)
         if setting:
@@ -282,7 +288,6 @@ def deterministic(ctx: Context) -> Phase:
             checks["deterministic: the same bits in other company"] = check(bits["ok"], bits)
             rows = scorer.executor.row_tiles
             run["form"] = "every item alone" if rows is None else f"tiles of {rows} rows"
-        run.pop("output")
         runs[label] = run
         del scorer
         _free(ctx.device)

@@ -20,7 +20,10 @@ def _ctx(tmp_path: Path) -> Context:
 
 
 def _slow(ctx: Context) -> dict[str, Any]:
-    time.sleep(30)
+    try:
+        time.sleep(30)
+    except Exception:  # as the engine answers a failed batch: by scoring it again, in halves
+        time.sleep(30)
     return {"figures": {}, "checks": {"never": check(True)}}
 
 
@@ -37,6 +40,7 @@ def _fine(ctx: Context) -> dict[str, Any]:
 
 
 def test_a_phase_past_its_budget_is_cut_and_a_failed_check_makes_it_wrong(tmp_path: Path) -> None:
+    """The cut gets through a phase's own handlers of errors; a failed check, or none, is wrong."""
     started = time.monotonic()
     cut = headline.run_phase(headline.Phase("slow", "slow", 0.3, _slow), _ctx(tmp_path), 0.3)
     assert cut["status"] == "cut" and time.monotonic() - started < 10
