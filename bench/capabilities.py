@@ -63,6 +63,14 @@ def with_steps(ids: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(t) for t in out)
 
 
+def shapes_only(directory: Path) -> torch.nn.Module:
+    """The saved model's modules on the meta device: their names and sizes, no weights."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        return AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(directory))
+
+
 def write_adapters(model: torch.nn.Module, count: int, root: Path) -> dict[str, Path]:
     """`count` PEFT LoRA directories of rank RANK on every projection, random factors (A ~ N(0, 1/in), B ~
     N(0, 0.02^2)): deltas of a trained adapter's size."""
@@ -87,9 +95,14 @@ def write_adapters(model: torch.nn.Module, count: int, root: Path) -> dict[str, 
     return adapters
 
 
-def time_score(scorer: Scorer, requests: Sequence[ScoreRequest], repeats: int) -> tuple[float, list[Any]]:
-    """Best seconds of `repeats` calls scoring `requests`, and the last call's results."""
-    best, results = float("inf"), []
+def time_score(
+    scorer: Scorer, requests: Sequence[ScoreRequest], repeats: int
+) -> tuple[float, list[Any], list[float]]:
+    """Best seconds of `repeats` calls scoring `requests` after one untimed call (the batch shapes compiled
+    there, not in a timed call), the last call's results, and every timed call's seconds (their spread is
+    the figure's noise)."""
+    seconds: list[float] = []
+    results: list[Any] = scorer.score(requests)
     for _ in range(repeats):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -97,11 +110,11 @@ def time_score(scorer: Scorer, requests: Sequence[ScoreRequest], repeats: int) -
         results = scorer.score(requests)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - started)
+        seconds.append(time.perf_counter() - started)
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
-    return best, results
+    return min(seconds), results, seconds
 
 
 @torch.inference_mode()
@@ -133,6 +146,15 @@ def merged(model: Any, adapter: Path) -> Any:
     return model
 
 
+def hf_copy(base_model: Any, dtype: torch.dtype, adapter: Path | None = None) -> Any:
+    """A copy of a Scorer's HF model (never changed by a Scorer: adapters swap forwards around a batch
+    only) in `dtype`, on HF's own SDPA attention rather than the packed path's, with `adapter` merged."""
+    model: Any = copy.deepcopy(base_model)
+    model = model.to(dtype)
+    model.set_attn_implementation("sdpa")
+    return merged(model, adapter) if adapter is not None else model
+
+
 def check(
     values: np.ndarray,
     make_model: Callable[[torch.dtype], Any],
@@ -156,6 +178,81 @@ def check(
     return {"max_abs_diff": err, "hf_bf16_max_abs_diff": hf_err, "bound": bound, "ok": ok}
 
 
+def prm_case(
+    scorer: Scorer, prompts: Sequence[tuple[int, ...]], picks: Sequence[int], repeats: int
+) -> dict[str, Any]:
+    """PRM steps against plain LAST pooling on one Scorer, the step scores of `picks` checked against HF
+    float32 (a copy of the Scorer's model)."""
+    tokens = sum(len(p) for p in prompts)
+    plain = [ScoreRequest(f"p{i}", items=(p,)) for i, p in enumerate(prompts)]
+    steps = [
+        ScoreRequest(f"s{i}", items=(p,), token_outputs=TokenOutputs.STEPS, step_separator=SEPARATOR)
+        for i, p in enumerate(prompts)
+    ]
+    plain_s, _, plain_all = time_score(scorer, plain, repeats)
+    steps_s, step_results, steps_all = time_score(scorer, steps, repeats)
+    if not all(len(r.token_positions[0]) == STEPS for r in step_results):
+        raise RuntimeError(f"an item did not get its {STEPS} step scores")
+    positions = [step_results[i].token_positions[0] for i in picks]
+    values = np.concatenate([step_results[i].token_scores[0].to_numpy() for i in picks])
+    make = functools.partial(hf_copy, scorer.model.model)
+    prm_check = check(values, make, [prompts[i] for i in picks], positions)
+    print(f"PRM: plain {tokens / plain_s:,.0f} tok/s, 8 steps {tokens / steps_s:,.0f} tok/s "
+          f"({plain_s / steps_s:.3f}x); check {prm_check}", flush=True)  # fmt: skip
+    return {
+        "tokens": tokens, "plain_tok_s": tokens / plain_s, "steps_tok_s": tokens / steps_s,
+        "ratio": plain_s / steps_s, "check": prm_check, "plain_seconds": plain_all,
+        "steps_seconds": steps_all,
+    }  # fmt: skip
+
+
+def adapters_case(
+    directory: Path, config: dict[str, Any], prompts: Sequence[tuple[int, ...]], picks: Sequence[int],
+    count: int, repeats: int, root: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """`count` mixed adapters against the base model in one Scorer (ScorerConfig(**config)), the scores of
+    the first adapter's requests among `picks` checked against HF float32 with that adapter merged; the
+    check also fails when the adapter moved the scores by no more than its bound."""
+    tokens = sum(len(p) for p in prompts)
+    # A worker process holds one Scorer: the compiled layers' graphs of the Scorers before count against
+    # the same recompile limit (its layers' code object is shared) and would not be there.
+    adapters = write_adapters(shapes_only(directory), count, root / f"adapters-{count}")
+    setting = ",".join(f"{name}={path}" for name, path in adapters.items())
+    torch._dynamo.reset()
+    scorer = Scorer(directory, ScorerConfig(adapters=setting, **config))
+    names = list(adapters)
+    plain = [ScoreRequest(f"p{i}", items=(p,)) for i, p in enumerate(prompts)]
+    mixed = [ScoreRequest(f"m{i}", items=(p,), adapter=names[i % count]) for i, p in enumerate(prompts)]
+    base_s, base_results, base_all = time_score(scorer, plain, repeats)
+    mixed_s, mixed_results, mixed_all = time_score(scorer, mixed, repeats)
+    # Requests of the first adapter among the float32 picks (the stream's first one at least).
+    same = [i for i in picks if i % count == 0] or [0]
+    values = np.array([mixed_results[i].scores[0] for i in same], dtype=np.float32)
+    make = functools.partial(hf_copy, scorer.model.model, adapter=adapters[names[0]])
+    lasts = [(len(prompts[i]) - 1,) for i in same]  # LAST pooling: no pad id in the items
+    adapter_check = check(values, make, [prompts[i] for i in same], lasts)
+    # The check means something only where the adapter moved the scores by more than its bound.
+    effect = max(abs(mixed_results[i].scores[0][0] - base_results[i].scores[0][0]) for i in same)
+    adapter_check["adapter_effect"] = effect
+    adapter_check["ok"] = adapter_check["ok"] and effect > adapter_check["bound"]
+    print(f"{count} adapters: base {tokens / base_s:,.0f} tok/s, mixed {tokens / mixed_s:,.0f} tok/s "
+          f"({base_s / mixed_s:.3f}x); check {adapter_check}", flush=True)  # fmt: skip
+    del scorer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {
+        "base_tok_s": tokens / base_s, "mixed_tok_s": tokens / mixed_s, "ratio": base_s / mixed_s,
+        "check": adapter_check, "base_seconds": base_all, "mixed_seconds": mixed_all,
+    }  # fmt: skip
+
+
+def stepped_prompts(shapes: dict[str, Any], requests: int, quick: bool) -> list[tuple[int, ...]]:
+    """W1's lognormal request lengths (256 tokens at most in a quick run), each with its steps."""
+    work = make_lognormal_workload(requests, shapes["vocab_size"], max_len=256 if quick else 2048)
+    return [with_steps(ids) for ids in work.token_ids]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argument_parser(__doc__)
     add_options(parser, "capabilities", quick=False, max_batch_tokens=16384, fp32_requests=8)
@@ -168,92 +265,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device is None:
         return 2
     shapes = W1_QUICK_SHAPES if args.quick else W1_SHAPES
-    requests_n = 16 if args.quick else args.requests
     report = report_header(args)
     failures: list[str] = []
-    work = make_lognormal_workload(requests_n, shapes["vocab_size"], max_len=256 if args.quick else 2048)
-    prompts = [with_steps(ids) for ids in work.token_ids]
-    tokens = sum(len(p) for p in prompts)
+    prompts = stepped_prompts(shapes, 16 if args.quick else args.requests, args.quick)
     picks = spread_picks([len(p) for p in prompts], args.fp32_requests)
+    target = report_path("capabilities", args.json, args.quick)
     with tempfile.TemporaryDirectory() as tmp:
         directory = model_dir("llama", shapes, device, Path(tmp) / "w1")
         config = {"device": device, "max_batch_tokens": args.max_batch_tokens}
-
-        # PRM steps against plain LAST pooling, one Scorer; its HF model, never changed by a Scorer (adapters
-        # swap forwards around a batch only), is what the references copy.
-        scorer = Scorer(directory, ScorerConfig(**config))
-        base_model = scorer.model.model
-        target = report_path("capabilities", args.json, args.quick)
-
-        def hf_model(dtype: torch.dtype, adapter: Path | None = None) -> Any:
-            model: Any = copy.deepcopy(base_model)
-            model = model.to(dtype)
-            model.set_attn_implementation("sdpa")  # HF's own attention, not the packed path's
-            return merged(model, adapter) if adapter is not None else model
-
-        plain = [ScoreRequest(f"p{i}", items=(p,)) for i, p in enumerate(prompts)]
-        steps = [
-            ScoreRequest(f"s{i}", items=(p,), token_outputs=TokenOutputs.STEPS, step_separator=SEPARATOR)
-            for i, p in enumerate(prompts)
-        ]
         if not args.no_prm:
-            plain_s, _ = time_score(scorer, plain, args.repeats)
-            steps_s, step_results = time_score(scorer, steps, args.repeats)
-            positions = [step_results[i].token_positions[0] for i in picks]
-            values = np.concatenate([step_results[i].token_scores[0].to_numpy() for i in picks])
-            prm_check = check(values, hf_model, [prompts[i] for i in picks], positions)
-            assert all(len(r.token_positions[0]) == STEPS for r in step_results), "every item has its steps"
-            report["prm"] = {
-                "tokens": tokens, "plain_tok_s": tokens / plain_s, "steps_tok_s": tokens / steps_s,
-                "ratio": plain_s / steps_s, "check": prm_check,
-            }  # fmt: skip
-            print(f"PRM: plain {tokens / plain_s:,.0f} tok/s, 8 steps {tokens / steps_s:,.0f} tok/s "
-                  f"({plain_s / steps_s:.3f}x); check {prm_check}", flush=True)  # fmt: skip
-            if not prm_check["ok"]:
-                failures.append(f"PRM step scores off float32: {prm_check}")
+            scorer = Scorer(directory, ScorerConfig(**config))
+            report["prm"] = prm_case(scorer, prompts, picks, args.repeats)
+            if not report["prm"]["check"]["ok"]:
+                failures.append(f"PRM step scores off float32: {report['prm']['check']}")
             target.write_text(
                 json.dumps(report, indent=2, default=str)
             )  # what is done, if a later part fails
-        del scorer
-        gc.collect()
-        for count in (int(c) for c in args.adapter_counts.split(",")):
-            adapters = write_adapters(base_model, count, Path(tmp) / f"adapters-{count}")
-            setting = ",".join(f"{name}={path}" for name, path in adapters.items())
-            # A worker process holds one Scorer: the compiled layers' graphs of the Scorers before count
-            # against the same recompile limit (its layers' code object is shared) and would not be there.
-            torch._dynamo.reset()
-            scorer = Scorer(directory, ScorerConfig(adapters=setting, **config))
-            names = list(adapters)
-            mixed = [
-                ScoreRequest(f"m{i}", items=(p,), adapter=names[i % count]) for i, p in enumerate(prompts)
-            ]
-            base_s, base_results = time_score(scorer, plain, args.repeats)
-            mixed_s, mixed_results = time_score(scorer, mixed, args.repeats)
-            # Requests of the first adapter among the float32 picks (the stream's first one at least).
-            same = [i for i in picks if i % count == 0] or [0]
-            values = np.array([mixed_results[i].scores[0] for i in same], dtype=np.float32)
-            make = functools.partial(hf_model, adapter=adapters[names[0]])
-            lasts = [(len(prompts[i]) - 1,) for i in same]  # LAST pooling: no pad id in the items
-            adapter_check = check(values, make, [prompts[i] for i in same], lasts)
-            # The check means something only where the adapter moved the scores by more than its bound.
-            effect = max(abs(mixed_results[i].scores[0][0] - base_results[i].scores[0][0]) for i in same)
-            adapter_check["adapter_effect"] = effect
-            adapter_check["ok"] = adapter_check["ok"] and effect > adapter_check["bound"]
-            report[f"adapters_{count}"] = {
-                "base_tok_s": tokens / base_s, "mixed_tok_s": tokens / mixed_s, "ratio": base_s / mixed_s,
-                "check": adapter_check,
-            }  # fmt: skip
-            print(f"{count} adapters: base {tokens / base_s:,.0f} tok/s, mixed {tokens / mixed_s:,.0f} tok/s "
-                  f"({base_s / mixed_s:.3f}x); check {adapter_check}", flush=True)  # fmt: skip
-            if not adapter_check["ok"]:
-                failures.append(
-                    f"{count} adapters: scores off float32 with the adapter merged: {adapter_check}"
-                )
-            target.write_text(json.dumps(report, indent=2, default=str))
             del scorer
             gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        for count in (int(c) for c in args.adapter_counts.split(",")):
+            case = adapters_case(directory, config, prompts, picks, count, args.repeats, Path(tmp))
+            report[f"adapters_{count}"] = case
+            if not case["check"]["ok"]:
+                failures.append(
+                    f"{count} adapters: scores off float32 with the adapter merged: {case['check']}"
+                )
+            target.write_text(json.dumps(report, indent=2, default=str))
     return write_verdict(report, failures, target, "capabilities")
 
 

@@ -440,14 +440,25 @@ def sample_entry(prompts: Sequence[Sequence[int]], result: Any) -> dict[str, Any
 
 
 def check_sample(
-    model_dir: Path, device: str, sample: Sequence[dict[str, Any]], **load: Any
+    model_dir: Path, device: str, sample: Sequence[dict[str, Any]], **options: Any
 ) -> dict[str, Any]:
-    """Results (sample_entry) against HF float32, item by item. The bound is twice HF's own bf16 error on
-    the same items plus 5% of the score scale (2% for the hidden states' relative error); a non-finite
-    value or a missing sample fails too. `load`: from_pretrained's options for both HF models (e.g. the
-    experts implementation of a mixture of experts)."""
+    """Results (sample_entry) against HF float32 loaded from `model_dir` (check_sample_with). `options`:
+    from_pretrained's options for both HF models (e.g. the experts implementation of a mixture of experts)."""
     from transformers import AutoModelForSequenceClassification
 
+    def load(dtype: torch.dtype) -> torch.nn.Module:
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype, **options)
+        return model.to(device).eval()  # type: ignore[no-any-return]
+
+    return check_sample_with(load, device, sample)
+
+
+def check_sample_with(
+    load: Callable[[torch.dtype], torch.nn.Module], device: str, sample: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    """Results (sample_entry) against HF float32, item by item, the model of each dtype from load(dtype),
+    one at a time. The bound is twice HF's own bf16 error on the same items plus 5% of the score scale (2%
+    for the hidden states' relative error); a non-finite value or a missing sample fails too."""
     rows = [torch.tensor(item) for entry in sample for item in entry["items"]]
     scores = np.array([row for entry in sample for row in entry["scores"]], dtype=np.float32)
     # Items of the requests that asked for hidden states, as indices into `rows`, and their states.
@@ -457,10 +468,12 @@ def check_sample(
     half = torch.bfloat16 if device == "cuda" else torch.float32
     outputs = {}
     for dtype in (torch.float32, half):
-        model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype, **load)
-        model = model.to(device).eval()
+        model = load(dtype)
         outputs[dtype] = hf_paths.run_reference(model, rows)
         del model
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     reference, hf_half = outputs[torch.float32], outputs[half]
     scale = float(np.abs(reference.scores).max())
     hf_err = float(np.abs(hf_half.scores - reference.scores).max())

@@ -201,7 +201,8 @@ def l1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
 def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, Any]:
     shapes = W1_QUICK_SHAPES if args.quick else W1_SHAPES
     model = build_model("llama", shapes, device)
-    work = make_lognormal_workload(16 if args.quick else 512, shapes["vocab_size"])
+    count = args.w1_requests or (16 if args.quick else 512)
+    work = make_lognormal_workload(count, shapes["vocab_size"], max_len=512 if args.quick else 2048)
     chunks = list(token_runs(work.lengths, args.max_batch_tokens))
     requests = packed_path.make_requests(work.token_ids)
     model_dir = workdir / "w1"
@@ -276,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_options(parser, "fp8", quick=False, max_batch_tokens=16384, fp32_requests=16, profile_top=0)
     parser.add_argument("--cases", default="l1,w1", help="which of l1, w1 to run")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (L1) / passes (W1)")
+    parser.add_argument("--w1-requests", type=int, default=None, help="W1's requests (512; quick 16)")
     parser.add_argument(
         "--variants",
         default="fp8",

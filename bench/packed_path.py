@@ -85,13 +85,14 @@ def make_scorer(
     last_layer_pooled_rows: bool = True,
     deterministic_tile_rows: int | None = None,
     prefix_cache_mib: int = 0,
+    device: str = "cuda",
 ) -> Any:
     from models import Scorer, ScorerConfig
 
     config = ScorerConfig(
-        device="cuda",
+        device=device,
         dtype=dtype,
-        attention="varlen",
+        attention="varlen" if device == "cuda" else "auto",  # the CPU has no varlen kernel of its own
         max_batch_tokens=max_batch_tokens,
         deterministic=deterministic,
         compile=compile,  # type: ignore[arg-type]

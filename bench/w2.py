@@ -91,6 +91,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "switch20ms": {"switch_interval_us": 20_000},
     # The low-latency fetch wait at saturation: what the short wait costs when records are always there.
     "fetch2": {"fetch_max_wait_ms": 2},
+    # The worker as configured, restarted: saturation once more, the same figure twice (its noise).
+    "again": {},
 }
 DEFAULT_SWITCH_INTERVAL_S = sys.getswitchinterval()
 
@@ -418,6 +420,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"comma-separated restarts, each followed by saturation again: {', '.join(VARIANTS)}",
     )
     parser.add_argument("--budget-s", type=float, default=370.0, help="wall-clock bound on the whole run")
+    parser.add_argument(
+        "--phase-margin-s",
+        type=float,
+        default=30.0,
+        help="the least time left for a later load phase (one in flight, relay, variant) to start (30)",
+    )
     return parser.parse_args(argv)
 
 
@@ -440,8 +448,11 @@ def make_settings(args: argparse.Namespace, bootstrap: str, model_dir: Path, dev
     return WorkerSettings(**values)
 
 
-def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -> dict[str, Any]:
-    """Build the model, serve the load through the broker, then time the model step alone."""
+def run(
+    args: argparse.Namespace, device: str, workdir: Path, deadline: float, step_reserve_s: float = 60.0
+) -> dict[str, Any]:
+    """Build the model, serve the load through the broker (ending `step_reserve_s` before `deadline`), then
+    time the model step alone."""
     shapes = W2_QUICK_SHAPES if args.quick else W2_SHAPES
     model_dir = w2_model_dir(shapes, device, workdir)
     # As the worker configures its scorer: graphs for every batch its budget allows, unless told otherwise.
@@ -459,7 +470,8 @@ def run(args: argparse.Namespace, device: str, workdir: Path, deadline: float) -
         saturation_timeout_s=args.saturation_timeout,
         latency_seconds=args.latency_seconds or (3.0 if args.quick else 20.0),
         # The model-step timings after the load need about a minute; the load must end before that.
-        deadline=deadline - 60,
+        deadline=deadline - step_reserve_s,
+        phase_margin_s=args.phase_margin_s,
         variants=tuple(v for v in args.saturation_variants.split(",") if v),
     )
     # As the worker warms its scorer before joining the group (every compiled variant, the full budget),

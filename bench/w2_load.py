@@ -50,6 +50,8 @@ class LoadConfig:
     variants: tuple[str, ...] = ()
     # Absolute time.monotonic() by which every phase must be over (results included): bounds the run.
     deadline: float = math.inf
+    # The least time left before `deadline` for a one-in-flight, relay or variant phase to start.
+    phase_margin_s: float = 30.0
 
 
 # The one-request-in-flight phases run on topics of their own. The embedded broker (Tansu 0.6, memory
@@ -450,7 +452,7 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
             ("low_latency", "one_in_flight_low_latency", "one-low", "warm4", "worker fetch_max_wait_ms 2"),
         )
         for restart, name, prefix, warm_prefix, label in one_phases:
-            if config.deadline - time.monotonic() < 30:
+            if config.deadline - time.monotonic() < config.phase_margin_s:
                 report[f"{name}_skipped"] = "no time left"
                 return report
             topics = ONE_IN_FLIGHT_TOPICS[restart]
@@ -460,7 +462,7 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
             report[name]["topics"] = list(topics)
             _progress(f"one request in flight, {label}", report[name])
         for restart, wait_ms in RELAYS.items():
-            if config.deadline - time.monotonic() < 30:
+            if config.deadline - time.monotonic() < config.phase_margin_s:
                 report[f"{restart}_skipped"] = "no time left"
                 return report
             _, report[restart] = await one_at_a_time(
@@ -469,7 +471,8 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
             label = f"the broker alone (a relay), one record in flight, fetch_max_wait_ms {wait_ms}"
             _progress(label, report[restart])
         for variant in config.variants:
-            if config.deadline - time.monotonic() < 2 * (sat["t_last_result"] - sat["t_first_send"]) + 30:
+            needed = 2 * (sat["t_last_result"] - sat["t_first_send"]) + config.phase_margin_s
+            if config.deadline - time.monotonic() < needed:
                 report[f"saturation_{variant}_skipped"] = "no time left"
                 continue
             queue.put({"restart": variant})

@@ -126,11 +126,12 @@ def chunks(requests: Sequence[ScoreRequest], budget: int, scorer: Scorer | None 
 
 def time_path(
     scorer: Scorer, requests: Sequence[ScoreRequest], cut: Sequence[range], repeats: int, step_only: bool
-) -> tuple[list[ScoreResult], dict[str, float]]:
+) -> tuple[list[ScoreResult], dict[str, float], list[float]]:
     """Best wall time of `repeats` passes after one warm-up pass, three ways: the model step
     (`score_prepared` on requests prepared beforehand, as the worker's intake prepares them beside the
     model), the batches launched ahead, and the whole call (`score`, preparing on the same thread first);
-    `step_only`: the model step alone. The model step's results.
+    `step_only`: the model step alone. The model step's results, the best times, and every pass's time of
+    the model step (their spread is the figure's noise).
     A scorer's prefix cache is emptied before every pass: each starts as the first call of a stream."""
     cache = scorer.executor.prefix_cache
 
@@ -169,8 +170,10 @@ def time_path(
         {} if step_only else {"overlapped_s": float("inf"), "whole_s": float("inf")}
     )
     results: list[ScoreResult] = []
+    steps: list[float] = []
     for _ in range(repeats):
         results, elapsed = timed_pass(step)
+        steps.append(elapsed)
         best["step_s"] = min(best["step_s"], elapsed)
         if step_only:
             continue
@@ -183,7 +186,7 @@ def time_path(
             raise RuntimeError(f"batches launched ahead disagree with the same batches alone: {check}")
         _, elapsed = timed_pass(lambda: packed_path.run_scorer(scorer, requests, cut))
         best["whole_s"] = min(best["whole_s"], elapsed)
-    return results, best
+    return results, best, steps
 
 
 def agree(
@@ -256,11 +259,11 @@ def run_case(
         cut = shared_cut = [range(k, min(k + size, len(requests))) for k in range(0, len(requests), size)]
     items = sum(len(r.items) for r in requests)
     whole_tokens = sum(len(p) for r in requests for p in whole_prompts(r))
-    whole_results, whole_t = time_path(today, requests, cut, args.repeats, args.step_only)
-    shared_results, shared_t = time_path(shared, requests, shared_cut, args.repeats, args.step_only)
+    whole_results, whole_t, whole_p = time_path(today, requests, cut, args.repeats, args.step_only)
+    shared_results, shared_t, shared_p = time_path(shared, requests, shared_cut, args.repeats, args.step_only)
     distinct_tokens = sum(len(r.items[0]) for r in bare)
     bare_cut = [range(len(bare))] if one_call or calls else chunks(bare, args.max_batch_tokens)
-    _, distinct_t = time_path(today, bare, bare_cut, args.repeats, args.step_only)
+    _, distinct_t, distinct_p = time_path(today, bare, bare_cut, args.repeats, args.step_only)
     del today
 
     def rates(timing: str) -> dict[str, float]:
@@ -283,6 +286,7 @@ def run_case(
         "shared_batches": len(shared_cut),
         # The model step: what bounds the worker, whose intake prepares requests beside the model.
         **rates("step_s"),
+        "step_passes_s": {"today": whole_p, "shared": shared_p, "distinct": distinct_p},
         "vs_fp32": check_sample(model_dir, device, sample(requests, shared_results, args.sample)),
     }
     if not args.step_only:

@@ -743,3 +743,30 @@ def test_deterministic_tiles_on_the_gpu_give_the_same_bits_in_any_batch(tiny_qwe
         for part in (0, 1):  # scores, hidden states
             assert np.array_equal(together[part][i], backwards[part][j])
             assert np.array_equal(together[part][i], alone[i][part][0])
+
+
+def test_an_item_longer_than_the_token_budget_scores_alone_on_the_fast_path(tiny_qwen3_dir: Path) -> None:
+    """W5's case on the fast path: an item of 400 tokens among items of 50, a budget of 128 tokens (the
+    graphs' largest batch too): the long item runs as a batch of its own, never cut, through the compiled
+    layers past every recorded graph, and every result is the one a budget holding them all gives without
+    graphs."""
+    small = Scorer(
+        tiny_qwen3_dir,
+        ScorerConfig(device="cuda", dtype="bfloat16", max_batch_tokens=128, graph_max_tokens=128),
+    )
+    roomy = Scorer(
+        tiny_qwen3_dir,
+        ScorerConfig(device="cuda", dtype="bfloat16", max_batch_tokens=4096, cuda_graphs="off"),
+    )
+    short, long = _requests(4, 50, seed=7), _requests(1, 400, seed=8)
+    stream = [*short[:2], dataclasses.replace(long[0], request_id="long"), *short[2:]]
+    prepared = [small.prepare(r) for r in stream]
+    assert [list(run) for run in small.plan.runs(prepared, 128)] == [[0, 1], [2], [3, 4]]  # type: ignore[arg-type]
+    got_scores, got_hidden = _arrays(small.score(stream))
+    want_scores, want_hidden = _arrays(roomy.score(stream))
+    scale = max(1.0, float(np.abs(want_scores).max()))
+    # Two bf16 forwards of prompts of up to 400 tokens in other batches (_bf16_bound), at the scores' scale
+    # and, norm-wise, relative to the state.
+    np.testing.assert_allclose(got_scores, want_scores, atol=_bf16_bound(tiny_qwen3_dir, 400, scale), rtol=0)
+    relative = np.linalg.norm(got_hidden - want_hidden, axis=1) / np.linalg.norm(want_hidden, axis=1)
+    assert relative.max() <= _bf16_bound(tiny_qwen3_dir, 400, 1.0)

@@ -1,0 +1,255 @@
+"""The headline run: every headline figure of the GPU side in one process of at most 9 minutes on one H100 or
+H200, in order of importance, each phase within its own time budget, every figure checked against float32.
+
+Run on the GPU machine from the repository root (W2's phase needs the carried wheels, bench/README.md):
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 && python3 bench/headline.py
+`--quick` runs the same phases on tiny models on the CPU (a smoke test of the run, not a measurement).
+`--compare OLD.json` prints each figure beside an earlier report's and flags moves beyond the noise.
+
+After each phase the report ($OUT/headline.json, or the current directory's) and the Markdown rows of
+docs/benchmarks.md's tables (headline.md beside it) are rewritten in one step: a run killed part-way leaves
+every finished phase behind. A phase's status: ok (timed and checked against float32), wrong (a check of
+what it timed failed: its figures are no figures), error (it raised), cut (it ran past its budget, or no
+time was left to start it), skipped (its module is absent, or the CPU cannot time it). The exit status is 1
+when any phase was wrong or raised, else 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import headline_phases as phases
+from bench.common import argument_parser, out_dir, pick_device, report_header
+from bench.headline_kit import Context, PhaseCut, compare, load_report, markdown_rows, write_atomic
+
+COMMAND = "python3 bench/headline.py"
+TOTAL_S = 540.0  # the whole run, process start to the last report: 9 minutes
+# A quick run's budgets are the GPU's times this: the CPU is slower on its tiny models than the GPU on the
+# full ones, and a quick run checks that every phase runs and checks, not how fast.
+QUICK_SCALE = 4.0
+CUT_AGAIN_S = 5.0  # after a cut, raised again this often until the phase has let go
+START_S = 20.0  # what the start (imports, CUDA's context, the report's header) takes before the first phase
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One entry of the run: its name, title, time budget on the GPU (seconds) and what it runs."""
+
+    name: str
+    title: str
+    budget_s: float
+    run: Callable[[Context], dict[str, Any]]
+
+
+def _optional(module: str) -> Callable[[Context], dict[str, Any]]:
+    def run(ctx: Context) -> dict[str, Any]:
+        return phases.optional(module, ctx)
+
+    return run
+
+
+# In order of importance: when time runs short, the last are the ones cut.
+PHASES: tuple[Phase, ...] = (
+    Phase("w1", "W1, bf16 and FP8 against the matmul rooflines", 150, phases.w1),
+    Phase("l1", "L1, 1 and 64 requests of 100 tokens", 35, phases.l1),
+    Phase("w2", "W2 behind the embedded broker", 100, phases.w2),
+    Phase("w4", "W4, each prompt's answers interleaved", 80, phases.w4),
+    Phase("adapters", "mixed LoRA adapters against the base model", 55, phases.adapters),
+    Phase("prm", "PRM, 8 steps against plain scoring", 25, phases.prm),
+    Phase("deterministic", "the deterministic setting against the default", 45, phases.deterministic),
+    Phase("w5", "W5, long context among W1's requests", 60, phases.w5),
+    Phase("hybrid", "a hybrid linear-attention model", 30, _optional("bench.hybrid")),
+    Phase("moe", "a mixture-of-experts model", 30, _optional("bench.moe")),
+)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise PhaseCut in this (the main) thread once `seconds` have passed, and again every CUT_AGAIN_S
+    until the block is left (an event loop keeps a task's exception and runs on: the next one lands
+    elsewhere). Python runs the handler between bytecodes, so a phase is cut when the device call it waits
+    on returns."""
+
+    def cut(signum: int, frame: object) -> None:
+        raise PhaseCut(f"past its budget of {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, cut)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01), CUT_AGAIN_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_phase(phase: Phase, ctx: Context, budget_s: float) -> dict[str, Any]:
+    """One phase within `budget_s`: its figures and checks, with its status and how long it took."""
+    entry: dict[str, Any] = {"title": phase.title, "budget_s": round(budget_s, 1)}
+    started = time.monotonic()
+    ctx.deadline = started + budget_s
+    # A worker holds one Scorer: no phase's compiled graphs count against another's recompile limit.
+    torch._dynamo.reset()
+    try:
+        with time_limit(budget_s):
+            result = phase.run(ctx)
+    except PhaseCut as cut:
+        entry.update(status="cut", notes=[f"cut: {cut}"])
+    except Exception as exc:
+        traceback.print_exc()
+        entry.update(
+            status="error", error=f"{type(exc).__name__}: {exc}", notes=[f"raised {type(exc).__name__}"]
+        )
+    else:
+        if "skipped" in result:
+            entry.update(status="skipped", notes=[result["skipped"]])
+        else:
+            failed = [name for name, c in result.get("checks", {}).items() if not c.get("ok")]
+            no_checks = not result.get("checks")
+            entry.update(result, status="wrong" if failed or no_checks else "ok")
+            entry["notes"] = [*result.get("notes", []), *(["nothing was checked"] if no_checks else [])]
+            entry["failed_checks"] = failed
+    finally:
+        entry["seconds"] = round(time.monotonic() - started, 1)
+        with contextlib.suppress(Exception):
+            _release(ctx.device)
+    return entry
+
+
+def _release(device: str) -> None:
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+    parser = argument_parser(__doc__)
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny models on the CPU: a smoke test of the run"
+    )
+    parser.add_argument("--compare", type=Path, default=None, help="an earlier headline.json to set beside")
+    parser.add_argument("--json", type=Path, default=None, help="the report (default $OUT/headline.json)")
+    parser.add_argument(
+        "--phases", default=",".join(p.name for p in PHASES), help="the phases to run, in the run's order"
+    )
+    parser.add_argument(
+        "--total-s",
+        type=float,
+        default=None,
+        help=f"the whole run's time ({TOTAL_S:.0f}; quick x{QUICK_SCALE:.0f})",
+    )
+    parser.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="NAME=SECONDS",
+        help="another time budget for a phase (repeatable)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.monotonic()
+    args = parse_args(argv)
+    device = pick_device("the headline run (or --quick)", cpu_allowed=args.quick)
+    if device is None:
+        return 2
+    if device == "cuda" and args.quick:
+        device = "cpu"  # a quick run is the CPU's smoke test, wherever it runs
+    wanted = [n for n in args.phases.split(",") if n]
+    unknown = set(wanted) - {p.name for p in PHASES}
+    if unknown:
+        print(f"unknown phases {sorted(unknown)}; known: {[p.name for p in PHASES]}", file=sys.stderr)
+        return 2
+    scale = QUICK_SCALE if args.quick else 1.0
+    total_s = args.total_s or TOTAL_S * scale
+    budgets = {p.name: p.budget_s * scale for p in PHASES}
+    budgets.update({k: float(v) for k, v in (item.split("=", 1) for item in args.budget)})
+    target = args.json or (out_dir() or Path(".")) / f"headline{'-quick' if args.quick else ''}.json"
+    rows_target = target.with_suffix(".md")
+    report = report_header(args)
+    report.update(device=device, total_s=total_s, phases={})
+    end = started + total_s - 5  # the last write's margin
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        ctx = Context(device=device, quick=args.quick, workdir=Path(tmp))
+        for phase in (p for p in PHASES if p.name in wanted):
+            left = end - time.monotonic()
+            budget = min(budgets[phase.name], left)
+            print(f"\n=== {phase.name}: {phase.title} (budget {budget:.0f} s, {left:.0f} s left)", flush=True)
+            if budget < min(10.0, budgets[phase.name]):
+                entry = {
+                    "title": phase.title,
+                    "status": "cut",
+                    "notes": [f"cut: {left:.0f} s left in the run"],
+                }
+            else:
+                entry = run_phase(phase, ctx, budget)
+            report["phases"][phase.name] = entry
+            report["verdict"] = verdict(report)
+            write_atomic(target, _json(report))
+            write_atomic(rows_target, markdown_rows(report, COMMAND + (" --quick" if args.quick else "")))
+            print(
+                f"=== {phase.name}: {entry['status']} in {entry.get('seconds', 0)} s; wrote {target}",
+                flush=True,
+            )
+    report["seconds"] = round(time.monotonic() - started, 1)
+    write_atomic(target, _json(report))
+    summary(report)
+    if args.compare is not None:
+        lines, flagged = compare(report, load_report(args.compare))
+        print(f"\nagainst {args.compare} ({flagged} figures moved beyond the noise):")
+        print("\n".join(lines))
+    return 1 if report["verdict"] != "ok" else 0
+
+
+def verdict(report: dict[str, Any]) -> Any:
+    """ "ok", or what failed: the phases that were wrong or raised (cut and skipped ones are noted, not
+    failed)."""
+    failures = [
+        f"{name}: {entry['status']}: {entry.get('failed_checks') or entry.get('error')}"
+        for name, entry in report["phases"].items()
+        if entry["status"] in {"wrong", "error"}
+    ]
+    return failures or "ok"
+
+
+def summary(report: dict[str, Any]) -> None:
+    print(f"\nheadline run in {report['seconds']} s on {report['environment'].get('gpu', 'the CPU')}:")
+    for name, entry in report["phases"].items():
+        notes = "; ".join(entry.get("notes", []))
+        print(f"  {name:<14}{entry['status']:<9}{entry.get('seconds', 0):>7} s  {notes}")
+        for label, fig in entry.get("figures", {}).items():
+            noise = f" (spread {100 * fig['spread']:.1f}%)" if fig.get("spread") else ""
+            print(f"      {label}: {fig['value']} {fig['unit']}{noise}")
+    for failure in [] if report["verdict"] == "ok" else report["verdict"]:
+        print(f"headline FAILED: {failure}", file=sys.stderr)
+
+
+def _json(report: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(report, indent=2, default=_plain)
+
+
+def _plain(value: Any) -> Any:
+    """Report values JSON has no form for: arrays as lists, anything else as its text."""
+    tolist = getattr(value, "tolist", None)
+    return tolist() if callable(tolist) else str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
