@@ -69,7 +69,7 @@ PHASES: tuple[Phase, ...] = (
     Phase("adapters", "mixed LoRA adapters against the base model", 55, phases.adapters),
     Phase("prm", "PRM, 8 steps against plain scoring", 25, phases.prm),
     Phase("deterministic", "the deterministic setting against the default", 45, phases.deterministic),
-    Phase("w5", "W5, long context among W1's requests", 60, phases.w5),
+    Phase("w5", "W5, long context among W1's requests", 90, phases.w5),
     Phase("hybrid", "a hybrid linear-attention model", 30, _optional("bench.hybrid")),
     Phase("moe", "a mixture-of-experts model", 30, _optional("bench.moe")),
 )

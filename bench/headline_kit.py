@@ -113,6 +113,11 @@ def _shown(value: Any, unit: str) -> str:
     return f"{value:.4g} {unit}"
 
 
+def _cell(text: str) -> str:
+    """Text as one cell of a Markdown table: its bars escaped, on one line."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
 def markdown_rows(report: dict[str, Any], command: str) -> str:
     """The rows of docs/benchmarks.md's table (figure, latest, command, machine, date, same-run baseline)
     for every figure the run has so far; phases without figures say why."""
@@ -125,19 +130,18 @@ def markdown_rows(report: dict[str, Any], command: str) -> str:
     ]
     for name, phase in report.get("phases", {}).items():
         status = phase.get("status")
+        title = _cell(phase.get("title", name))
         if status != "ok":
-            why = "; ".join(str(n) for n in phase.get("notes", [])) or phase.get("error", "")
-            lines.append(
-                f"| {phase.get('title', name)} | **{status}**: {why} | `{command}` | {machine} | {date} | |"
-            )
+            why = _cell("; ".join(str(n) for n in phase.get("notes", [])) or phase.get("error", ""))
+            lines.append(f"| {title} | **{status}**: {why} | `{command}` | {machine} | {date} | |")
             continue
         for label, fig in phase.get("figures", {}).items():
             noise = fig.get("spread")
             spread_text = f" (spread {100 * noise:.1f}%)" if noise else ""
             latest = f"**{_shown(fig['value'], fig['unit'])}**{spread_text}"
+            baseline = _cell(fig.get("baseline", ""))
             lines.append(
-                f"| {phase.get('title', name)}: {label} | {latest} | `{command}` | {machine} | {date} | "
-                f"{fig.get('baseline', '')} |"
+                f"| {title}: {_cell(label)} | {latest} | `{command}` | {machine} | {date} | {baseline} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -308,7 +308,7 @@ def w5(ctx: Context) -> Phase:
     """W5's long items interleaved with W1's requests (bench/w5.py), sized to the run."""
     from bench import w5 as long_context
 
-    long_n, short_n = (4, 12) if ctx.quick else (12, 96)
+    long_n, short_n = (4, 12) if ctx.quick else (8, 64)
     args = namespace(quick=ctx.quick, long_requests=long_n, short_requests=short_n, repeats=2,
                      max_batch_tokens=64 if ctx.quick else 16384,
                      fp32_requests=3 if ctx.quick else 4)  # fmt: skip

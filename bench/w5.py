@@ -73,18 +73,18 @@ def long_workload(count: int, vocab: int, lengths: tuple[int, int], seed: int = 
 def interleave(long: Workload, short: Workload) -> tuple[list[torch.Tensor], list[bool]]:
     """One stream: the long requests spread evenly among the short ones, in order; which entries are long."""
     step = len(short.token_ids) / max(len(long.token_ids), 1)
-    places = {round(k * step): k for k in range(len(long.token_ids))}
+    before: dict[int, list[int]] = {}  # the long requests placed before each short one (or after the last)
+    for k in range(len(long.token_ids)):
+        before.setdefault(min(int(k * step), len(short.token_ids)), []).append(k)
     rows: list[torch.Tensor] = []
     is_long: list[bool] = []
-    for index, row in enumerate(short.token_ids):
-        if index in places:
-            rows.append(long.token_ids[places.pop(index)])
+    for index in range(len(short.token_ids) + 1):
+        for k in before.get(index, []):
+            rows.append(long.token_ids[k])
             is_long.append(True)
-        rows.append(row)
-        is_long.append(False)
-    for k in sorted(places.values()):
-        rows.append(long.token_ids[k])
-        is_long.append(True)
+        if index < len(short.token_ids):
+            rows.append(short.token_ids[index])
+            is_long.append(False)
     return rows, is_long
 
 

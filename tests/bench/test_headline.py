@@ -109,3 +109,14 @@ def test_figures_carry_their_spread_and_ratios_add_their_noise() -> None:
     }
     rows = markdown_rows(report, "python3 bench/headline.py").splitlines()
     assert rows[2].startswith("| W1: bf16 | **45,000 tokens/s** | `python3 bench/headline.py` | NVIDIA H100")
+
+
+def test_a_bar_in_a_figures_name_stays_inside_its_cell() -> None:
+    report = {
+        "environment": {},
+        "phases": {
+            "w1": {"title": "W1", "status": "ok", "figures": {"max |score - float32|": figure(0.1, "abs")}}
+        },
+    }
+    row = markdown_rows(report, "python3 bench/headline.py").splitlines()[2]
+    assert row.startswith(r"| W1: max \|score - float32\| | **0.1 abs** |") and row.count(" | ") == 5
