@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from bench import headline_models as models
 from bench import headline_phases as phases
 from bench.common import argument_parser, out_dir, pick_device, report_header
 from bench.headline_kit import Context, PhaseCut, compare, load_report, markdown_rows, write_atomic
@@ -53,13 +54,6 @@ class Phase:
     run: Callable[[Context], dict[str, Any]]
 
 
-def _optional(module: str) -> Callable[[Context], dict[str, Any]]:
-    def run(ctx: Context) -> dict[str, Any]:
-        return phases.optional(module, ctx)
-
-    return run
-
-
 # In order of importance: when time runs short, the last are the ones cut.
 PHASES: tuple[Phase, ...] = (
     Phase("w1", "W1, bf16 and FP8 against the matmul rooflines", 150, phases.w1),
@@ -70,8 +64,9 @@ PHASES: tuple[Phase, ...] = (
     Phase("prm", "PRM, 8 steps against plain scoring", 25, phases.prm),
     Phase("deterministic", "the deterministic setting against the default", 45, phases.deterministic),
     Phase("w5", "W5, long context among W1's requests", 90, phases.w5),
-    Phase("hybrid", "a hybrid linear-attention model", 30, _optional("bench.hybrid")),
-    Phase("moe", "a mixture-of-experts model", 30, _optional("bench.moe")),
+    Phase("hybrid", "a hybrid linear-attention model (Qwen3.5-9B-like)", 100, models.hybrid),
+    Phase("moe", "a mixture-of-experts model (Qwen3-30B-A3B's shapes, 8 layers)", 80, models.moe),
+    Phase("vision", "an image-text classifier (Gemma-3-4B-like), images beside text", 70, models.vision),
 )
 
 

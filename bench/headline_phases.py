@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import gc
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -336,20 +335,3 @@ def w5(ctx: Context) -> Phase:
         )  # fmt: skip
     return {"figures": figures, "checks": {"against float32": check(case["check"]["ok"], case["check"])},
             "notes": notes, "detail": case}  # fmt: skip
-
-
-def optional(module_name: str, ctx: Context) -> Phase:
-    """A phase another module provides (its `headline_phase(ctx)`, returning what these phases return);
-    skipped, with a note, where this tree has no such module."""
-    import importlib
-    import importlib.util
-
-    if importlib.util.find_spec(module_name) is None:
-        path = Path(*module_name.split(".")).with_suffix(".py")
-        return {"skipped": f"{path} is not in this tree"}
-    module = importlib.import_module(module_name)
-    phase = getattr(module, "headline_phase", None)
-    if phase is None:
-        return {"skipped": f"{module_name} has no headline_phase(ctx)"}
-    result: Phase = phase(ctx)
-    return result
