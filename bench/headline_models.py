@@ -30,7 +30,7 @@ def hybrid(ctx: Context) -> Phase:
     from bench.hybrid import run
 
     requests = 12 if ctx.quick else 128
-    report, failures = run("qwen3_5_text", quick=ctx.quick, requests=requests, sample=6, repeats=2)
+    report, failures = run("qwen3_5_text", quick=ctx.quick, requests=requests, sample=4, repeats=2)
     tokens = report["tokens"]
     samples = [tokens / s for s in report["timing"]["seconds"]]
     figures: dict[str, Any] = {"tokens/s": figure(max(samples), "tokens/s", samples), **_matmul(report)}

@@ -71,6 +71,29 @@ def run_padded(
     return PathOutput(scores=scores, hidden=hidden)
 
 
+@torch.inference_mode()
+def forward_one(model: torch.nn.Module, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One unpadded sequence through HF's forward with no mask (the same function as an all-ones mask, and
+    HF's SDPA then takes its causal memory-efficient kernel rather than an [L, L] mask); the pooled hidden
+    state is kept by a hook on the base model's output (the final norm's), where output_hidden_states would
+    hold every layer's (33 x 512 MiB for one 32k-token item of an 8B model in float32)."""
+    device = next(model.parameters()).device
+    final: list[torch.Tensor] = []
+    base: Any = model.base_model
+    hook = base.register_forward_hook(lambda _m, _a, out: final.append(out.last_hidden_state))
+    try:
+        out = model(input_ids=row.to(device)[None])
+    finally:
+        hook.remove()
+    return out.logits, final[-1][:, -1]
+
+
 def run_reference(model: torch.nn.Module, token_ids: Sequence[torch.Tensor]) -> PathOutput:
     """One request per forward, no padding and no mask: the exact reference (run it in float32)."""
-    return run_padded(model, token_ids, [[i] for i in range(len(token_ids))])
+    config: Any = model.config
+    scores = np.zeros((len(token_ids), int(config.num_labels)), dtype=np.float32)
+    hidden = np.zeros((len(token_ids), int(config.hidden_size)), dtype=np.float32)
+    for i, row in enumerate(token_ids):
+        logits, pooled = forward_one(model, row)
+        scores[i], hidden[i] = logits.float().cpu().numpy()[0], pooled.float().cpu().numpy()[0]
+    return PathOutput(scores=scores, hidden=hidden)
