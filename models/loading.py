@@ -427,16 +427,15 @@ def load_model(
     # Image-text models too (their packed attention would need the image blocks' bidirectional mask).
     model_type = str(config.get("model_type"))
     runs_packed = not remote_code and packable(model_type) and model_type not in VISION_FAMILIES
-    with held_load_report():  # it would call the weights placed below missing or unexpected
-        model, info = _from_pretrained(
-            model_dir,
-            config,
-            device=device,
-            dtype=dtype,
-            attn_implementation=attn_implementation if runs_packed else _plain_attention(model_type),
-            remote_code=remote_code,
-            safetensors_only=_safetensors_only(model_dir, allow_pickle_weights),
-        )
+    model, info = _from_pretrained(
+        model_dir,
+        config,
+        device=device,
+        dtype=dtype,
+        attn_implementation=attn_implementation if runs_packed else _plain_attention(model_type),
+        remote_code=remote_code,
+        safetensors_only=_safetensors_only(model_dir, allow_pickle_weights),
+    )
     value_head = _value_head(model_dir, model) if judge else None
     if value_head is not None:
         # A reward model after all: its score is the value head at the last token, not label logits.
@@ -444,9 +443,6 @@ def load_model(
         value_head.to(device=device, dtype=dtype)
     elif not judge:
         _adapt_head(model, model_dir, info.get("unexpected_keys") or ())
-    # The head's and a value head's weights are placed above (or the model refused): the rest are left out.
-    placed = ["v_head"] if value_head is not None else [] if judge else [head_name(model)]
-    report_unused(model_dir, info.get("unexpected_keys") or (), placed)
     module: nn.Module = model  # PreTrainedModel.to's decorator hides Module.to's signature from mypy
     module.to(device).eval()
     base, embeddings = _base_and_embeddings(model)
@@ -487,6 +483,7 @@ def _plain_attention(model_type: str) -> str:
     return "sdpa" if model_type in VISION_FAMILIES else "eager"
 
 
+@held_load_report()  # it would call the head weights placed here and in load_model missing or unexpected
 def _from_pretrained(
     model_dir: Path,
     config: dict[str, Any],
@@ -527,6 +524,8 @@ def _from_pretrained(
             k for k in info.get("unexpected_keys") or () if not k.startswith(f"{name}.")
         ]
     _check_all_weights_loaded(model_dir, info)
+    # The head's weights (a bias included) and a judge's value head are placed in load_model, or refused.
+    report_unused(model_dir, info.get("unexpected_keys") or (), ["v_head"] if judge else [head_name(model)])
     return model, info
 
 

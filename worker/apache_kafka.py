@@ -1,11 +1,11 @@
 """Apache Kafka from its jars, without Docker: one combined-mode KRaft node or a cluster of several.
 
 The test suite, the benchmarks and `./dev.sh kafka` (worker/kafka_command.py) start brokers through this
-module. The jars come from
-the Maven project `deploy/kafka/pom.xml`, resolved once per Kafka version into a cache outside the
-repository (`$SCORE_WORKER_KAFKA_CACHE`, default `~/.cache/score-worker/kafka`); a later start resolves
-nothing. A broker is `java -cp <jars> kafka.Kafka server.properties` after `kafka.tools.StorageTool format`,
-each node in a directory of its own holding its configuration, its data and its log (`server.log`).
+module. The jars come from the Maven project `deploy/kafka/pom.xml`, resolved once per Kafka version into a
+cache outside the repository (`$SCORE_WORKER_KAFKA_CACHE`, default `~/.cache/score-worker/kafka`); a later
+start resolves nothing. A broker is `java -cp <jars> kafka.Kafka server.properties` after
+`kafka.tools.StorageTool format`, each node in a directory of its own holding its configuration, its data
+and its log (`server.log`).
 
 Needs Java 17 or newer (`$JAVA_HOME/bin/java` or `java` on PATH) and, for the first resolution of a
 version, Maven (`mvn`). Without them `KafkaUnavailable` says what is missing.

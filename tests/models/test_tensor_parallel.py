@@ -142,6 +142,8 @@ def test_deterministic_setting_holds_in_a_group(
     for one, other in zip(first, reversed(again), strict=True):
         assert one.scores == other.scores
         assert one.pooled_hidden_states == other.pooled_hidden_states
+    leader.close()  # told to exit, the followers leave at once, with status 0 (not killed at the deadline)
+    assert [follower.returncode for follower in leader._followers] == [0]
 
 
 def test_fp8_projections_in_a_group_pass_the_start_up_check(
