@@ -28,7 +28,7 @@ from models.families import DECODER_MODEL_TYPES as DECODER_MODEL_TYPES
 from models.linear_attention import HYBRID_MODEL_TYPES
 from models.load_report import held_load_report, report_unused
 from models.packing import Pooling
-from models.vision import VISION_FAMILIES, VisionPrompts, check_vision_type, load_vision
+from models.vision import VISION_FAMILIES, VisionPrompts, check_vision_type, load_vision, plain_attention
 
 # DECODER_MODEL_TYPES (models/families.py): model types whose packed forward is covered by tests against
 # HF's padded forward. Others may work, but an untested architecture must not silently return wrong scores,
@@ -432,7 +432,7 @@ def load_model(
         config,
         device=device,
         dtype=dtype,
-        attn_implementation=attn_implementation if runs_packed else _plain_attention(model_type),
+        attn_implementation=attn_implementation if runs_packed else plain_attention(model_type),
         remote_code=remote_code,
         safetensors_only=_safetensors_only(model_dir, allow_pickle_weights),
     )
@@ -474,13 +474,6 @@ def load_model(
         step_separator=step_separator(config),
         vision=vision,
     )
-
-
-def _plain_attention(model_type: str) -> str:
-    """HF's attention for a model on the plain path: eager, except an image-text model's, whose vision tower
-    would hold [images, heads, patches, patches] of scores in eager (16 GB for 32 of Gemma 3's images);
-    SDPA takes the same masks (the image blocks' both-ways attention included)."""
-    return "sdpa" if model_type in VISION_FAMILIES else "eager"
 
 
 @held_load_report()  # it would call the head weights placed here and in load_model missing or unexpected

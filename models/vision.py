@@ -49,6 +49,13 @@ def check_vision_type(model_type: object) -> None:
         )
 
 
+def plain_attention(model_type: str) -> str:
+    """HF's attention for a model on the plain path: eager, except an image-text model's, whose vision tower
+    would hold [images, heads, patches, patches] of scores in eager (16 GB for 32 of Gemma 3's images);
+    SDPA takes the same masks (the image blocks' both-ways attention included)."""
+    return "sdpa" if model_type in VISION_FAMILIES else "eager"
+
+
 @dataclass(frozen=True)
 class ImagePrompts:
     """A request's prompts with its images' tokens in place: token ids, token types (1 at image tokens),
