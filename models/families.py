@@ -32,7 +32,8 @@ class Family:
     another MLP.
     `norms`: where a layer normalises: before each sublayer ("pre"), before and after ("sandwich"), or only
     after ("post", OLMo 2: the sublayer's output, before the residual sum).
-    `qk_norm`: queries and keys normalised per head ("head") or over the whole projection ("projection").
+    `qk_norm`: queries and keys normalised per head ("head") or over the whole projection ("projection":
+    tensor parallelism sums each rank's squares across the group, models/tensor_parallel.py).
     `norm_adds_one`: its RMSNorms scale by (1 + weight), so a neutral weight is zero (Gemma 2 and 3).
     `tensor_parallel`: why tensor parallelism cannot split it (None: it can).
     `check`: a config this family's entry does not serve (a sentence saying why), or None.
@@ -60,11 +61,6 @@ def _gemma4_check(config: dict[str, Any]) -> str | None:
     return None
 
 
-_PROJECTION_NORM_SPLIT = (
-    "its q/k norms run over the whole query and key projections, whose sums would span the ranks' shares of "
-    "the heads"
-)
-
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
@@ -82,7 +78,6 @@ FAMILIES: dict[str, Family] = {
             mlp=("Olmo2MLP", "separate"),
             norms="post",
             qk_norm="projection",
-            tensor_parallel=_PROJECTION_NORM_SPLIT,
         ),
         # OLMo 2's layout with sliding-window layers (layer_types).
         Family(
@@ -90,7 +85,6 @@ FAMILIES: dict[str, Family] = {
             mlp=("Olmo3MLP", "separate"),
             norms="post",
             qk_norm="projection",
-            tensor_parallel=_PROJECTION_NORM_SPLIT,
         ),
         # Partial rotary on interleaved pairs, norms after each sublayer too, one gate_up projection.
         Family("glm4", mlp=("Glm4MLP", "fused"), norms="sandwich"),

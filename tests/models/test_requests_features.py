@@ -12,6 +12,7 @@ from tolerances import softmax_bound
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models import Scorer, ScorerConfig, write_tiny_model
+from models.tiny import JUDGE_ONLY
 from schemas import ErrorCode, ScoreRequest
 
 QUERY = "Is the following answer helpful and honest?"
@@ -19,9 +20,10 @@ ITEMS = ("Yes, the library opens at nine o'clock.", "No.")
 LABELS = (40, 7, 300)
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma2"])
+@pytest.fixture(scope="module", params=["llama", "gemma2", "smollm3", "olmo2", "olmo3", "glm4", *JUDGE_ONLY])
 def judge_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Gemma 2 caps its output logits as well as its attention logits."""
+    """Gemma 2 caps its output logits as well as its attention logits; the newer families (SmolLM3, OLMo 2
+    and 3, GLM-4) and Gemma 4's text model, a judge only, with their quirks (models/tiny.py)."""
     return write_tiny_model(
         tmp_path_factory.mktemp(f"judge-{request.param}"), request.param, seed=3, judge=True
     )
