@@ -40,7 +40,10 @@ def self_check_cosine_floor(scorer: Any, model_dir: str | Path) -> float:
     from models.selfcheck import _LENGTHS, _fixed_prompts
     from schemas import ScoreRequest
 
-    request = ScoreRequest("floor", items=tuple(_fixed_prompts(scorer)), return_pooled_hidden_states=True)
+    labels = (4,) if scorer.model.judge else None  # a judge's states are read with any label token
+    request = ScoreRequest(
+        "floor", items=tuple(_fixed_prompts(scorer)), return_pooled_hidden_states=True, label_token_ids=labels
+    )
     hidden = hidden_of(scorer.score([request])[0]).astype(np.float64)
     mean = scorer.pooling == "mean"
     length = forward_length(model_dir, max(_LENGTHS) + 3, mean_pooled=mean)

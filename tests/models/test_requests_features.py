@@ -20,13 +20,24 @@ ITEMS = ("Yes, the library opens at nine o'clock.", "No.")
 LABELS = (40, 7, 300)
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma2", "smollm3", "olmo2", "olmo3", "glm4", *JUDGE_ONLY])
+# Gemma 4's mixture-of-experts blocks beside its MLP (a variant of the tiny model): routing is HF's code.
+VARIANTS: dict[str, dict[str, object]] = {
+    "experts": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+}
+
+
+@pytest.fixture(
+    scope="module",
+    params=["llama", "gemma2", "smollm3", "olmo2", "olmo3", "glm4", *JUDGE_ONLY, "gemma4_text+experts"],
+)
 def judge_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Gemma 2 caps its output logits as well as its attention logits; the newer families (SmolLM3, OLMo 2
     and 3, GLM-4) and Gemma 4's text model, a judge only, with their quirks (models/tiny.py)."""
+    architecture, _, variant = str(request.param).partition("+")
     return write_tiny_model(
-        tmp_path_factory.mktemp(f"judge-{request.param}"), request.param, seed=3, judge=True
-    )
+        tmp_path_factory.mktemp(f"judge-{architecture}{variant}"), architecture, seed=3, judge=True,
+        overrides=VARIANTS.get(variant),
+    )  # fmt: skip
 
 
 def _close(actual: np.ndarray, expected: np.ndarray, model_dir: Path, longest: int) -> None:
