@@ -3,9 +3,11 @@
 The engine runs transformers' own decoder layers with its attention in place (models/attention.py), so a
 family's arithmetic is HF's; what differs between families, and what this table declares, is which of the
 engine's own moves stay exact on it: the fused MLP kernel (an MLP of the form down(silu(gate) * up)),
-tensor parallelism (a norm over a whole projection cannot be cut by heads), the prefix cache (one pool
-shape for every layer's keys), and the config values a family's HF code does not serve packed. Adding a
-family is one `Family(...)` entry in FAMILIES, the tiny model's config (models/tiny.py) and its tests.
+tensor parallelism (a norm over a whole projection cannot be cut by heads alone), and the config values a
+family's HF code does not serve packed. Quirks a config states for itself are read from it where they act:
+soft caps (models/engine.py, loading's final_softcap), windows (models.layers.sliding_window), per-layer key
+shapes (the prefix cache's refusal, models/execute.py). Adding a family is one `Family(...)` entry in
+FAMILIES, the tiny model's config (models/tiny.py) and its tests.
 """
 
 from __future__ import annotations
