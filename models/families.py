@@ -3,9 +3,11 @@
 The engine runs transformers' own decoder layers with its attention in place (models/attention.py), so a
 family's arithmetic is HF's; what differs between families, and what this table declares, is which of the
 engine's own moves stay exact on it: the fused MLP kernel (an MLP of the form down(silu(gate) * up)),
-tensor parallelism (a norm over a whole projection cannot be cut by heads), the prefix cache (one pool
-shape for every layer's keys), and the config values a family's HF code does not serve packed. Adding a
-family is one `Family(...)` entry in FAMILIES, the tiny model's config (models/tiny.py) and its tests.
+tensor parallelism (a norm over a whole projection cannot be cut by heads alone), and the config values a
+family's HF code does not serve packed. Quirks a config states for itself are read from it where they act:
+soft caps (models/engine.py, loading's final_softcap), windows (models.layers.sliding_window), per-layer key
+shapes (the prefix cache's refusal, models/execute.py). Adding a family is one `Family(...)` entry in
+FAMILIES, the tiny model's config (models/tiny.py) and its tests.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class Family:
     another MLP.
     `norms`: where a layer normalises: before each sublayer ("pre"), before and after ("sandwich"), or only
     after ("post", OLMo 2: the sublayer's output, before the residual sum).
-    `qk_norm`: queries and keys normalised per head ("head") or over the whole projection ("projection").
+    `qk_norm`: queries and keys normalised per head ("head") or over the whole projection ("projection":
+    tensor parallelism sums each rank's squares across the group, models/tensor_parallel.py).
     `norm_adds_one`: its RMSNorms scale by (1 + weight), so a neutral weight is zero (Gemma 2 and 3).
     `tensor_parallel`: why tensor parallelism cannot split it (None: it can).
     `sharded_load`: why the layer-by-layer loader (tensor parallelism, and FP8 weights read layer by layer)
@@ -63,11 +66,6 @@ def _gemma4_check(config: dict[str, Any]) -> str | None:
     return None
 
 
-_PROJECTION_NORM_SPLIT = (
-    "its q/k norms run over the whole query and key projections, whose sums would span the ranks' shares of "
-    "the heads"
-)
-
 _LINEAR_SPLIT = "its Gated DeltaNet layers have no sharded form"
 
 FAMILIES: dict[str, Family] = {
@@ -90,7 +88,6 @@ FAMILIES: dict[str, Family] = {
             mlp=("Olmo2MLP", "separate"),
             norms="post",
             qk_norm="projection",
-            tensor_parallel=_PROJECTION_NORM_SPLIT,
         ),
         # OLMo 2's layout with sliding-window layers (layer_types).
         Family(
@@ -98,7 +95,6 @@ FAMILIES: dict[str, Family] = {
             mlp=("Olmo3MLP", "separate"),
             norms="post",
             qk_norm="projection",
-            tensor_parallel=_PROJECTION_NORM_SPLIT,
         ),
         # Partial rotary on interleaved pairs, norms after each sublayer too, one gate_up projection.
         Family("glm4", mlp=("Glm4MLP", "fused"), norms="sandwich"),

@@ -111,6 +111,10 @@ def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, A
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {str(config_path)!r}: {exc}") from exc
     architectures = config.get("architectures") or []
+    if config.get("model_type") in UNSERVED and not config.get("auto_map"):
+        raise ModelLoadError(
+            f"model type {config.get('model_type')!r} is not supported: {UNSERVED[config['model_type']]}"
+        )
     judge = is_judge(config)
     if is_process_reward_model(config):
         # Qwen2.5-Math-PRM's layout: transformers' own classes with its two-layer head; its remote code,
@@ -132,9 +136,8 @@ def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, A
         return config
     check_vision_type(model_type)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        hint = f" ({UNSERVED[model_type]})" if model_type in UNSERVED else ""
         raise ModelLoadError(
-            f"model type {model_type!r} is not supported{hint}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     if not judge and model_type in DECODER_MODEL_TYPES and model_type not in CLASSIFIER_MODEL_TYPES:
         raise ModelLoadError(

@@ -43,8 +43,9 @@ from models.config import ScorerConfig
 from models.engine import Scorer
 from models.errors import DeviceLostError
 from models.interface import BatchObserver, EngineWrapper, PendingScores
+from models.loading import read_config
 from models.prepare import PreparedRequest
-from models.tensor_parallel import Shard
+from models.tensor_parallel import Shard, check_splittable
 from schemas import ScoreResult
 
 log = logging.getLogger(__name__)
@@ -280,6 +281,11 @@ def start_group(
     hooks = {name: value for name, value in _hooks(config).items() if value is not None}
     if hooks:
         raise ValueError(f"{', '.join(hooks)} cannot reach the other ranks of a tensor-parallel group")
+    # A model the split refuses is refused before any process starts or any rank joins.
+    check_splittable(
+        Path(model_dir), read_config(Path(model_dir), config.trust_remote_code), config.trust_remote_code,
+        config.tensor_parallel,
+    )  # fmt: skip
     spec = GroupSpec(
         config.tensor_parallel, _free_port(), str(model_dir),
         {name: getattr(config, name) for name in type(config).model_fields if name in _ENGINE_FIELDS},
@@ -309,6 +315,8 @@ def start_group(
     except BaseException:
         for process in followers:
             process.kill()
+        if dist.is_initialized():  # joined, then failed to load: the next group must be able to join
+            dist.destroy_process_group()
         raise
 
 

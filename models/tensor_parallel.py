@@ -133,6 +133,26 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class ProjectionNormShard(nn.Module):
+    """A rank's share of an RMSNorm over a whole query or key projection (OLMo 2's q/k norms): its columns'
+    squares summed here, the sums added across the group, the mean taken over the whole width. Where a
+    key-value head is copied to several ranks (`copies`), the group's sum counts it that many times."""
+
+    def __init__(self, weight: nn.Parameter, eps: float, width: int, copies: int, group: Any) -> None:
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+        self.count = width * copies  # terms in the group's sum of squares
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        squares = _all_reduce(hidden.pow(2).sum(-1, keepdim=True), self.group)
+        # The same arithmetic as HF's norm (weight * (x * rsqrt(mean + eps))), the mean over the group's sum.
+        return (self.weight * (hidden * torch.rsqrt(squares / self.count + self.eps))).to(dtype)
+
+
 def _vocab_parallel_forward(module: nn.Embedding, start: int, end: int, group: Any) -> Any:
     """The embedding's own forward (a scaled embedding's scale included) over this rank's rows only: other
     tokens' rows are zero here and come from their rank in the sum."""
@@ -239,12 +259,31 @@ class _Surgery:
             self.column(attention, prefix, "k_proj", (_scaled(kv, head_dim),))
             self.column(attention, prefix, "v_proj", (_scaled(kv, head_dim),))
         self.row(attention, prefix, "o_proj", (_scaled(q, head_dim),))
+        declared = family(getattr(config, "model_type", None))
+        if declared is not None and declared.qk_norm == "projection" and self.shard.world > 1:
+            copies = max(1, self.shard.world // kv_heads)  # ranks holding each key-value head
+            self.projection_norm(attention, prefix, "q_norm", _scaled(q, head_dim), heads * head_dim, 1)
+            self.projection_norm(
+                attention, prefix, "k_norm", _scaled(kv, head_dim), kv_heads * head_dim, copies
+            )
         heads_here, kv_here = q[1] - q[0], kv[1] - kv[0]
         if getattr(attention, "config", None) is config:  # Phi-3 reads the head counts from its config
             setattr(attention, "config", _LocalHeads(config, heads_here, kv_here))  # noqa: B010
         for name, value in (("num_key_value_heads", kv_here), ("num_heads", heads_here)):
             if hasattr(attention, name):
                 setattr(attention, name, value)
+
+    def projection_norm(
+        self, attention: nn.Module, prefix: str, name: str, run: tuple[int, int], width: int, copies: int
+    ) -> None:
+        norm = getattr(attention, name)
+        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        weight = nn.Parameter(
+            torch.empty(run[1] - run[0], device="meta", dtype=norm.weight.dtype), requires_grad=False
+        )
+        setattr(attention, name, ProjectionNormShard(weight, eps, width, copies, self.shard.group))
+        key = f"{prefix}{name}.weight"
+        self.cuts[key] = Cut(key, 0, (run,), (width,))
 
     def mlp(self, mlp: nn.Module, prefix: str, intermediate: int) -> None:
         columns = shares(intermediate, self.shard.world, self.shard.rank)

@@ -116,8 +116,11 @@ _MOE_FIELDS: dict[str, Any] = {
 }
 
 
-def tiny_config(architecture: str, vocab_size: int, num_labels: int) -> PretrainedConfig:
-    """A small config of `architecture` (GQA with 4 query and 2 KV heads) for a sequence classifier."""
+def tiny_config(
+    architecture: str, vocab_size: int, num_labels: int, overrides: dict[str, Any] | None = None
+) -> PretrainedConfig:
+    """A small config of `architecture` (GQA with 4 query and 2 KV heads) for a sequence classifier, its
+    family's quirks switched on; `overrides`: config fields that replace the tiny ones (a variant)."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture must be one of {', '.join(ARCHITECTURES)}, got {architecture!r}")
     if architecture in ENCODERS:
@@ -140,6 +143,7 @@ def tiny_config(architecture: str, vocab_size: int, num_labels: int) -> Pretrain
         "num_labels": num_labels,
     }
     fields.update(_FAMILY_FIELDS.get(architecture, {}))
+    fields.update(overrides or {})
     if architecture == "gemma4_text":
         fields["vocab_size_per_layer_input"] = vocab_size  # the per-layer inputs' own table, as small
     if architecture in HYBRIDS:
@@ -280,12 +284,14 @@ def write_tiny_model(
     num_labels: int = 1,
     judge: bool = False,
     prm: str | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random-weight model (safetensors) and its tokenizer to `path`; deterministic from `seed`.
 
     `judge`: a *ForCausalLM of a decoder architecture instead of a classifier (scored on label tokens).
     `prm`: a process reward model of a decoder architecture (PRM_KINDS), its step separator one token of its
     tokenizer and declared in config.json (`score_worker_step_separator`).
+    `overrides`: config fields in place of the tiny ones (tiny_config).
     Decoders' tokenizers carry a small chat template, so `messages` can be tried on them.
     """
     if prm is not None and prm not in PRM_KINDS:
@@ -302,7 +308,8 @@ def write_tiny_model(
         tokenizer.add_special_tokens([PRM_SEPARATORS[prm]])  # one id after the trained vocabulary
     elif prm == "lm":
         tokenizer.add_tokens([PRM_SEPARATORS[prm]])
-    config = tiny_config(architecture, tokenizer.get_vocab_size(), 2 if prm == "head" else num_labels)
+    labels = 2 if prm == "head" else num_labels
+    config = tiny_config(architecture, tokenizer.get_vocab_size(), labels, overrides)
     if judge:
         config.architectures = [_class_name(architecture, judge=True)]
     auto: Any = AutoModelForCausalLM if judge else AutoModelForSequenceClassification

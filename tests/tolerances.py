@@ -174,7 +174,7 @@ def _config_sums(config: dict[str, Any], longest: int, mean_pooled: bool) -> lis
     else:
         layer = _decoder_layer_sums(config, head_dim, attention)
         ends = [hidden, hidden]  # the final norm and the head
-        if "num_experts" in config:
+        if config.get("num_experts") and "num_experts_per_tok" in config:  # Qwen3-MoE's sparse blocks
             return (
                 _sparse_layers(config, layer[:-2])  # the layer's sums before its MLP
                 + ends
@@ -186,8 +186,8 @@ def _config_sums(config: dict[str, Any], longest: int, mean_pooled: bool) -> lis
 def _decoder_layer_sums(config: dict[str, Any], head_dim: int, attention: list[int]) -> list[int]:
     """A decoder layer's sums, by its family's declared quirks (models/families.py): two norms, or four
     where it normalises before and after each sublayer; q/k norms per head (head_dim squares) or over the
-    whole projection (heads * head_dim); Gemma 4's value norm (head_dim) and per-layer input (its gate over
-    hidden_size, its projection over hidden_size_per_layer_input, a norm)."""
+    whole projection (heads * head_dim); Gemma 4's value norm (head_dim), per-layer input (its gate over
+    hidden_size, its projection over hidden_size_per_layer_input, a norm) and expert blocks."""
     hidden, inner, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
     declared = family(config["model_type"])
     norms = [hidden] * (4 if declared is not None and declared.norms == "sandwich" else 2)
@@ -202,6 +202,11 @@ def _decoder_layer_sums(config: dict[str, Any], head_dim: int, attention: list[i
         per_layer = config.get("hidden_size_per_layer_input") or 0
         if per_layer:
             extra += [hidden, per_layer, hidden]
+        if config.get("enable_moe_block"):
+            # The router (hidden), the experts' gate/up (hidden) and down (moe_intermediate_size), the sum of
+            # the top-k experts, and the three norms around them.
+            experts = [hidden, hidden, config["moe_intermediate_size"], config["top_k_experts"]]
+            extra += [*experts, hidden, hidden, hidden]
     return [*norms, hidden, *attention, hidden, inner, *extra]
 
 

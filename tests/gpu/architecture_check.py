@@ -42,6 +42,8 @@ HIDDEN_DTYPES = ("float32", "float16", "bfloat16")
 # Relative rounding of a vector stored in a narrower dtype (unit roundoff 2^-11 and 2^-8, with margin).
 NARROW_ROUNDING = {"float16": 1e-3, "bfloat16": 8e-3}
 MAX_BATCH_TOKENS = 700  # small, so the mixed batch is cut into several packs
+# The label tokens every request to a judge (a causal LM, Gemma 4's text model among them) is scored on.
+JUDGE_LABELS = (40, 7, 300)
 GQA_MODEL = "llama-gqa4-d128-3labels"
 
 
@@ -92,8 +94,9 @@ def write_models(root: Path) -> dict[str, Path]:
     return dirs
 
 
-def make_requests(max_tokens: int, vocab: int, seed: int) -> list[Any]:
-    """A mixed batch; request i asks for hidden states unless i % 4 == 3, cycling the hidden dtypes."""
+def make_requests(max_tokens: int, vocab: int, seed: int, labels: tuple[int, ...] | None = None) -> list[Any]:
+    """A mixed batch; request i asks for hidden states unless i % 4 == 3, cycling the hidden dtypes; each
+    scored on the label tokens `labels` where given (a judge)."""
     from schemas import HiddenDType, ScoreRequest
 
     rng = random.Random(seed)
@@ -113,6 +116,8 @@ def make_requests(max_tokens: int, vocab: int, seed: int) -> list[Any]:
     requests = []
     for i, spec in enumerate(specs):
         dtype = HiddenDType(HIDDEN_DTYPES[i % 3])
+        if labels is not None:
+            spec["label_token_ids"] = labels
         requests.append(
             ScoreRequest(
                 request_id=f"c{i}", return_pooled_hidden_states=i % 4 != 3, hidden_states_dtype=dtype, **spec
@@ -126,9 +131,11 @@ def hf_per_prompt(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     token_types: Sequence[Sequence[int]] | None = None,
+    labels: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Logits [n, labels] and the final hidden state at the pooled token [n, H], one prompt per forward:
-    the last token for decoders, the first (CLS) for encoders, whose segment ids come in `token_types`."""
+    the last token for decoders, the first (CLS) for encoders, whose segment ids come in `token_types`; a
+    judge's logits are its last token's at the label tokens `labels`."""
     scores, hidden = [], []
     device = next(model.parameters()).device
     encoder = not getattr(model.config, "is_decoder", False) and model.config.model_type in ENCODERS
@@ -138,7 +145,8 @@ def hf_per_prompt(
         if token_types is not None:
             extra["token_type_ids"] = torch.tensor([list(token_types[index])], device=device)
         out = model(input_ids=ids, output_hidden_states=True, **extra)
-        scores.append(out.logits[0].float().cpu().numpy())
+        logits = out.logits[0] if labels is None else out.logits[0, -1, list(labels)]
+        scores.append(logits.float().cpu().numpy())
         states = out.hidden_states[-1][0]  # [L, H]
         if getattr(model.config, "classifier_pooling", None) == "mean":  # ModernBERT may pool the mean
             pooled = states.float().mean(0)
@@ -149,15 +157,16 @@ def hf_per_prompt(
 
 
 def load_hf(model_dir: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from models.loading import packable, read_config
+    from models.loading import is_judge, packable, read_config
 
     # HF's SDPA path has no logit soft-capping (Gemma 2 refuses it) and DeBERTa has only its own attention:
     # those run eager attention.
     config = read_config(model_dir)
     eager = config.get("attn_logit_softcapping") is not None or not packable(config["model_type"])
-    model: torch.nn.Module = AutoModelForSequenceClassification.from_pretrained(
+    auto: Any = AutoModelForCausalLM if is_judge(config) else AutoModelForSequenceClassification
+    model: torch.nn.Module = auto.from_pretrained(
         str(model_dir), dtype=dtype, attn_implementation="eager" if eager else "sdpa"
     )
     return model.to(device).eval()
@@ -265,6 +274,7 @@ class Case:
     token_types: list[tuple[int, ...]] | None  # their segment ids, for encoders that embed them
     reference: tuple[np.ndarray, np.ndarray]  # HF float32 (scores, hidden) per prompt
     device: str  # "cuda"; "cpu" on the exact reference path
+    labels: tuple[int, ...] | None = None  # a judge's label tokens
 
 
 def check_one(
@@ -297,7 +307,7 @@ def check_one(
     if outcome.failures:
         return outcome
     packed = flatten(results, prepared)
-    same = hf_per_prompt(same_model, case.prompts, case.token_types)
+    same = hf_per_prompt(same_model, case.prompts, case.token_types, case.labels)
     compare_to_reference(outcome, packed, case.reference, same)
     # Batch invariance: each request alone (one pack) against the same request inside the mixed batch.
     alone = flatten([scorer.score([r])[0] for r in requests], prepared)
@@ -360,19 +370,21 @@ def check_model(
     """float32 HF reference once per model, then every dtype of the packed path against it, the varlen runs
     through attention `kernel`."""
     from models import Scorer, ScorerConfig
+    from models.loading import is_judge, read_config
     from schemas import ScoreRequest
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32, not TF32
 
+    labels = JUDGE_LABELS if is_judge(read_config(model_dir)) else None
     probe = Scorer(str(model_dir), ScorerConfig(device=device, dtype="float32", attention="reference"))
     # Room for an encoder's template tokens ([CLS] q [SEP] i [SEP]) around the longest generated prompt.
-    requests = make_requests(min(probe.max_input_tokens, MAX_BATCH_TOKENS) - 8, 512, seed=7)
+    requests = make_requests(min(probe.max_input_tokens, MAX_BATCH_TOKENS) - 8, 512, seed=7, labels=labels)
     prepared = [probe.prepare(r) for r in requests]
     prompts = [p for r in prepared for p in r.prompts]  # type: ignore[union-attr]
     types = [t for r in prepared for t in (r.token_types or ())]  # type: ignore[union-attr]
     del probe
     # An out-of-range token id among valid requests: refused alone, without disturbing its batch.
-    requests.insert(4, ScoreRequest(request_id="bad", items=((1, 2, 10**6),)))
+    requests.insert(4, ScoreRequest(request_id="bad", items=((1, 2, 10**6),), label_token_ids=labels))
     reference = load_hf(model_dir, torch.float32, device)
     case = Case(
         name,
@@ -380,8 +392,9 @@ def check_model(
         requests,
         prompts,
         types or None,
-        hf_per_prompt(reference, prompts, types or None),
+        hf_per_prompt(reference, prompts, types or None, labels),
         device,
+        labels,
     )
     del reference
     outcomes = []

@@ -42,13 +42,17 @@ pytestmark = [
 ]
 
 
-def _requests(count: int, length: int, seed: int, vocab: int = 500) -> list[ScoreRequest]:
+def _requests(
+    count: int, length: int, seed: int, vocab: int = 500, labels: tuple[int, ...] | None = None
+) -> list[ScoreRequest]:
+    """`count` one-item requests of `length` random token ids; a judge's scored on `labels`."""
     generator = torch.Generator().manual_seed(seed)
     return [
         ScoreRequest(
             request_id=f"r{i}",
             items=(tuple(torch.randint(4, vocab, (length,), generator=generator).tolist()),),
             return_pooled_hidden_states=True,
+            label_token_ids=labels,
         )
         for i in range(count)
     ]
@@ -146,7 +150,7 @@ def test_graphs_recorded_ahead_score_a_request_the_first_time_its_shape_comes(ti
 
 
 @pytest.mark.parametrize("kernel", ["flash", "triton", "fa4"])
-@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text", "olmo3", "glm4"])
 def test_shared_prefixes_through_the_flash_kernel_match_float32_hf(
     architecture: str, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -216,7 +220,7 @@ def test_kernel_in_the_engine_matches_float32_hf(
     assert info.attention_kernel == kernel
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3", "qwen2", "mistral", "phi3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "qwen2", "mistral", "phi3", "olmo2", "glm4"])
 def test_fused_mlp_in_the_engine_matches_float32_hf(architecture: str) -> None:
     """The fused gate/up/SiLU kernel (models/fused_mlp.py) in every MLP of the model, through compiled layers
     and a replayed CUDA graph, against HF float32 within bf16's error."""
@@ -228,7 +232,17 @@ def test_fused_mlp_in_the_engine_matches_float32_hf(architecture: str) -> None:
 
 @pytest.mark.parametrize(
     ("architecture", "fused"),
-    [("llama", "on"), ("qwen3", "on"), ("phi3", "on"), ("mistral", "off"), ("gemma3_text", "off")],
+    [
+        ("llama", "on"),
+        ("qwen3", "on"),
+        ("phi3", "on"),
+        ("mistral", "off"),
+        ("gemma3_text", "off"),
+        ("olmo2", "on"),
+        ("olmo3", "off"),
+        ("glm4", "on"),
+        ("smollm3", "on"),
+    ],
 )
 def test_the_last_layer_at_pooled_rows_matches_float32_hf(architecture: str, fused: str) -> None:
     """The last layer's query and output projections and MLP at the pooled rows only (models/pooled_rows.py;
@@ -500,7 +514,7 @@ def test_fp8_projections_agree_with_hf_on_the_same_projections(
         assert report.max_score_diff <= report.score_bound, report
     from models.fp8 import jittered
 
-    requests = _requests(16, 40, seed=11)
+    requests = _requests(16, 40, seed=11, labels=(40, 7, 300) if fp8.model.judge else None)
     fp8_scores, fp8_hidden = _arrays(fp8.score(requests))
     bf16_scores, bf16_hidden = _arrays(bf16.score(requests))
 

@@ -17,7 +17,7 @@ from tolerances import cosine_gap, forward_bound
 from tolerances import forward_atol as forward_atol
 from tolerances import forward_length as forward_length
 from tolerances import forward_sums as forward_sums
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from models.attention import attend_causal
 
@@ -40,7 +40,10 @@ def self_check_cosine_floor(scorer: Any, model_dir: str | Path) -> float:
     from models.selfcheck import _LENGTHS, _fixed_prompts
     from schemas import ScoreRequest
 
-    request = ScoreRequest("floor", items=tuple(_fixed_prompts(scorer)), return_pooled_hidden_states=True)
+    labels = (4,) if scorer.model.judge else None  # a judge's states are read with any label token
+    request = ScoreRequest(
+        "floor", items=tuple(_fixed_prompts(scorer)), return_pooled_hidden_states=True, label_token_ids=labels
+    )
     hidden = hidden_of(scorer.score([request])[0]).astype(np.float64)
     mean = scorer.pooling == "mean"
     length = forward_length(model_dir, max(_LENGTHS) + 3, mean_pooled=mean)
@@ -105,6 +108,21 @@ def hf_reference(
     last = torch.full((len(prompts),), width - 1) if left_pad else mask.sum(1) - 1
     hidden = out.hidden_states[-1][torch.arange(len(prompts)), last]
     return Reference(logits=out.logits.float().numpy(), hidden=hidden.float().numpy())
+
+
+@torch.inference_mode()
+def hf_judge_reference(
+    model_dir: str | Path, prompts: Sequence[Sequence[int]], labels: Sequence[int]
+) -> Reference:
+    """A judge's HF float32 reference (its causal LM with eager attention, one prompt per forward): the
+    last token's logits at the label tokens `labels` [n, len(labels)] and its final hidden state [n, H]."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager").eval()
+    logits, hidden = [], []
+    for prompt in prompts:
+        out = model(input_ids=torch.tensor([list(prompt)]), output_hidden_states=True)
+        logits.append(out.logits[0, -1, list(labels)].float().numpy())
+        hidden.append(out.hidden_states[-1][0, -1].float().numpy())
+    return Reference(logits=np.stack(logits), hidden=np.stack(hidden))
 
 
 def token_requests(lengths: Sequence[tuple[int, ...]], seed: int = 7, hidden: bool = True) -> list[Any]:

@@ -64,7 +64,15 @@ def _expected_tiles(scorer: Scorer, rows: int) -> int | None:
 @pytest.mark.parametrize("tile_rows", [0, 64])
 @pytest.mark.parametrize(
     ("architecture", "judge", "pooling"),
-    [("llama", False, "auto"), ("llama", False, "mean"), ("bert", False, "auto"), ("qwen3", True, "auto")],
+    [
+        ("llama", False, "auto"),
+        ("llama", False, "mean"),
+        ("bert", False, "auto"),
+        ("qwen3", True, "auto"),
+        ("olmo2", False, "auto"),
+        ("glm4", False, "auto"),
+        ("gemma4_text", True, "auto"),
+    ],
 )
 def test_results_do_not_depend_on_the_batch(
     architecture: str, judge: bool, pooling: str, tile_rows: int, tmp_path: Path

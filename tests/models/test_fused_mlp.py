@@ -129,6 +129,10 @@ def _layers(model_dir: Path) -> nn.ModuleList:
         ("phi3", True),  # one gate_up projection
         ("gemma2", False),  # GELU-gated
         ("gemma3_text", False),
+        ("smollm3", True),
+        ("olmo2", True),  # its norm after the MLP is the layer's, outside the MLP
+        ("olmo3", True),
+        ("glm4", True),  # one gate_up projection, as Phi-3's
     ],
 )
 def test_which_mlps_it_takes(architecture: str, fusable: bool, model_dirs: dict[str, Path]) -> None:
@@ -196,7 +200,7 @@ def _fused_on_cpu(compile: bool = False) -> ScorerConfig:
     )
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "phi3", "olmo2", "glm4"])
 def test_engine_through_the_kernel_matches_the_reference_path(
     architecture: str, model_dirs: dict[str, Path]
 ) -> None:

@@ -70,6 +70,28 @@ def test_unsupported_architecture(tiny_llama_dir: Path, tmp_path: Path) -> None:
         Scorer(other, ScorerConfig(device="cpu"))
 
 
+def test_judge_only_and_unserved_families_say_what_loads(tmp_path: Path) -> None:
+    """Gemma 4's text model loads as a judge only; its multimodal wrapper, and bidirectional attention over
+    every token, are refused with what to do instead."""
+    judge = write_tiny_model(tmp_path / "gemma4", "gemma4_text", seed=2)
+    assert Scorer(judge, ScorerConfig(device="cpu")).model.judge  # written as a judge whatever was asked
+    classifier = _copy_with_config(
+        judge, tmp_path / "classifier", architectures=["Gemma4ForSequenceClassification"]
+    )
+    with pytest.raises(ModelLoadError, match="no sequence classifier for 'gemma4_text'"):
+        Scorer(classifier, ScorerConfig(device="cpu"))
+    wrapper = _copy_with_config(
+        judge, tmp_path / "wrapper", model_type="gemma4", architectures=["Gemma4ForConditionalGeneration"]
+    )
+    with pytest.raises(ModelLoadError, match="'gemma4_text', Gemma4ForCausalLM"):
+        Scorer(wrapper, ScorerConfig(device="cpu"))
+    both_ways = _copy_with_config(judge, tmp_path / "bidirectional", use_bidirectional_attention="all")
+    with pytest.raises(ModelLoadError, match="packed engine's sequences are causal"):
+        Scorer(both_ways, ScorerConfig(device="cpu"))
+    with pytest.raises(ValueError, match="judge only"):
+        write_tiny_model(tmp_path / "prm", "gemma4_text", prm="head")
+
+
 def test_missing_weights(tiny_llama_dir: Path, tmp_path: Path) -> None:
     broken = _copy_with_config(tiny_llama_dir, tmp_path / "noweights")
     (broken / "model.safetensors").unlink()
@@ -164,6 +186,10 @@ def test_make_tiny_model_command(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (stepped,) = prm.score([request])
         assert stepped.ok and stepped.token_positions is not None and len(stepped.token_positions[0]) == 2
     assert tiny.run(parser.parse_args([str(tmp_path / "e"), "--architecture", "bert", "--prm", "head"])) == 2
+    # A family without a classifier in transformers is written as a judge.
+    assert tiny.run(parser.parse_args([str(tmp_path / "g"), "--architecture", "gemma4_text"])) == 0
+    assert "judge" in capsys.readouterr().out
+    assert Scorer(tmp_path / "g", ScorerConfig(device="cpu")).model.judge
 
 
 def test_attention_choice_follows_device_and_dtype() -> None:

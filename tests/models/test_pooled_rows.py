@@ -20,7 +20,7 @@ from scoring_testkit import CpuVarlenKernelGqa, assert_scored_alike
 from tolerances import assert_within, sum_bound
 from torch.overrides import TorchFunctionMode
 
-from models import Scorer, ScorerConfig
+from models import Scorer, ScorerConfig, write_tiny_model
 from models.graphs import Recorder, next_power_of_two, pooled_row_slots
 from models.layers import decoder_layers
 from models.moe import sparse_blocks
@@ -91,12 +91,18 @@ def _assert_same_results(
         assert_scored_alike(a, b, scorer, requests)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen2", "mistral", "gemma3_text", "phi3"])
+@pytest.mark.parametrize(
+    "name",
+    ["llama", "qwen3", "qwen2", "mistral", "gemma3_text", "phi3", "smollm3", "olmo2", "olmo3", "glm4"],
+)
 def test_the_last_layer_computes_only_the_pooled_rows(name: str, model_dirs: dict[str, Path]) -> None:
+    """OLMo's norms after each sublayer and GLM-4's four norms take the zero rows as the sublayers give them;
+    the pooled rows' results are the whole layer's."""
     whole = _scorer(model_dirs[name], last_layer_pooled_rows=False)
     pooled = _scorer(model_dirs[name])
     fused_qkv = name == "phi3"  # its query projection is one product with the keys and values
-    restricted = ["self_attn.o_proj", "mlp.gate_up_proj" if fused_qkv else "mlp.up_proj", DOWN]
+    fused_gate_up = name in ("phi3", "glm4")
+    restricted = ["self_attn.o_proj", "mlp.gate_up_proj" if fused_gate_up else "mlp.up_proj", DOWN]
     restricted += [] if fused_qkv else ["self_attn.q_proj"]
     kept = ["self_attn.qkv_proj"] if fused_qkv else ["self_attn.k_proj", "self_attn.v_proj"]
     requests = _requests()
@@ -133,6 +139,30 @@ def test_the_last_sparse_block_routes_only_the_pooled_rows(tiny_qwen3_moe_dir: P
     items = sum(len(r.items) for r in requests)
     (first,), (last,) = mode.rows[id(routers[0])], mode.rows[id(routers[-1])]
     assert last == pooled_row_slots(items) < first
+    _assert_same_results(results, whole.score(requests), whole, requests)
+
+
+def test_a_gemma4_judge_computes_only_the_pooled_rows(tmp_path: Path) -> None:
+    """Gemma 4's last layer reads the keys and values of an earlier one (it has no key or value projection)
+    and adds a per-layer input after its MLP; its query and output projections and MLP still run at the
+    pooled rows only, and the label logits and hidden states are the whole layer's."""
+    model_dir = write_tiny_model(tmp_path / "gemma4", "gemma4_text", seed=8)
+    requests = [
+        ScoreRequest(r.request_id, query=r.query, items=r.items, label_token_ids=(40, 7, 300),
+                     return_pooled_hidden_states=True)
+        for r in _requests()
+    ]  # fmt: skip
+    whole = _scorer(model_dir, last_layer_pooled_rows=False)
+    pooled = _scorer(model_dir)
+    restricted = ["self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", DOWN]
+    with _rows(pooled, *restricted) as seen:
+        results = pooled.score(requests)
+    assert all(r.ok for r in results), [r.error for r in results]
+    items = sum(len(r.items) for r in requests)
+    tokens = seen[DOWN][0][0]
+    for path in restricted:
+        (forward,) = seen[path]
+        assert forward == [tokens] * (len(forward) - 1) + [pooled_row_slots(items)], path
     _assert_same_results(results, whole.score(requests), whole, requests)
 
 

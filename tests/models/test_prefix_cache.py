@@ -17,6 +17,7 @@ from scoring_testkit import (
     CpuVarlenKernelGqa,
     PackSpy,
     assert_forward_close,
+    hf_judge_reference,
     hf_reference,
     hidden_of,
     scores_of,
@@ -60,6 +61,42 @@ def test_answers_in_later_calls_reuse_the_prompt_and_score_as_their_whole_prompt
     assert held.computed == [held.whole[0], held.whole[1] - 80, held.whole[2] - 80], held
     stats = scorer.executor.prefix_cache.stats  # type: ignore[union-attr]
     assert (stats.hits, stats.tokens_saved) == (4, 160)
+
+
+@pytest.mark.parametrize("attention", ["reference", "varlen"])
+def test_a_gemma4_judge_reads_its_prompt_from_the_cache(
+    attention: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 4 with heads of one width in every layer: its layers that reuse an earlier layer's keys and
+    values take the cached ones of that layer's prefix; label logits and hidden states as HF's on the
+    whole prompts. With its global layers' wider heads the cache is refused (one pool shape)."""
+    wide = write_tiny_model(tmp_path / "wide", "gemma4_text", seed=10)
+    with pytest.raises(ModelLoadError, match="keys of different shapes"):
+        Scorer(wide, _cached_config(attention, share_prefix_min_tokens=0))
+    uniform = {"global_head_dim": 16, "num_global_key_value_heads": 2}
+    model_dir = write_tiny_model(tmp_path / "uniform", "gemma4_text", seed=10, overrides=uniform)
+    scorer = Scorer(model_dir, _cached_config(attention, share_prefix_min_tokens=0))
+    labels = (40, 7, 300)
+    spy = PackSpy(monkeypatch)
+    results = []
+    for call in range(3):
+        requests = [
+            ScoreRequest(
+                r.request_id, items=r.items, label_token_ids=labels, return_pooled_hidden_states=True
+            )
+            for r in _requests(range(2 * call, 2 * call + 2))
+        ]
+        results += scorer.score(requests)
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    whole = [PROMPT + answer for answer in ANSWERS]
+    reference = hf_judge_reference(model_dir, whole, labels)
+    longest = max(len(p) for p in whole)
+    for got, want in ((scores_of, reference.logits), (hidden_of, reference.hidden)):
+        # Two float32 forwards: the model's chain of sums for the longest prompt (forward_atol).
+        assert_forward_close(np.concatenate([got(r) for r in results]), want, model_dir, longest=longest)
+    computed = [sum(len(whole[i]) for i in range(2 * call, 2 * call + 2)) for call in range(3)]
+    assert spy.tokens == [computed[0], computed[1] - 80, computed[2] - 80], spy.tokens
+    assert scorer.executor.prefix_cache.stats.hits == 4  # type: ignore[union-attr]
 
 
 def _cached_config(attention: str, share_prefix_min_tokens: int) -> ScorerConfig:

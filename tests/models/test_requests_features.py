@@ -12,6 +12,7 @@ from tolerances import softmax_bound
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models import Scorer, ScorerConfig, write_tiny_model
+from models.tiny import JUDGE_ONLY
 from schemas import ErrorCode, ScoreRequest
 
 QUERY = "Is the following answer helpful and honest?"
@@ -19,13 +20,37 @@ ITEMS = ("Yes, the library opens at nine o'clock.", "No.")
 LABELS = (40, 7, 300)
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma2", "qwen3_moe", "qwen3_5_text", "qwen3_next"])
+# Gemma 4's mixture-of-experts blocks beside its MLP (a variant of the tiny model): routing is HF's code.
+VARIANTS: dict[str, dict[str, object]] = {
+    "experts": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "llama",
+        "gemma2",
+        "smollm3",
+        "olmo2",
+        "olmo3",
+        "glm4",
+        "qwen3_moe",
+        "qwen3_5_text",
+        "qwen3_next",
+        *JUDGE_ONLY,
+        "gemma4_text+experts",
+    ],
+)
 def judge_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Gemma 2 caps its output logits as well as its attention logits; Qwen3-MoE's causal LM routes to
-    experts; Qwen3.5 and Qwen3-Next are hybrids (Gated DeltaNet layers), judged through their causal LMs."""
+    """Gemma 2 caps its output logits as well as its attention logits; the newer families (SmolLM3, OLMo 2
+    and 3, GLM-4), Qwen3-MoE's causal LM routing to experts, the hybrids Qwen3.5 and Qwen3-Next (Gated
+    DeltaNet layers) and Gemma 4's text model, a judge only, with their quirks (models/tiny.py)."""
+    architecture, _, variant = str(request.param).partition("+")
     return write_tiny_model(
-        tmp_path_factory.mktemp(f"judge-{request.param}"), request.param, seed=3, judge=True
-    )
+        tmp_path_factory.mktemp(f"judge-{architecture}{variant}"), architecture, seed=3, judge=True,
+        overrides=VARIANTS.get(variant),
+    )  # fmt: skip
 
 
 def _close(actual: np.ndarray, expected: np.ndarray, model_dir: Path, longest: int) -> None:

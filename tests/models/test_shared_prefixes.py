@@ -15,6 +15,7 @@ from scoring_testkit import (
     PackSpy,
     assert_forward_close,
     exact_attention,
+    hf_judge_reference,
     hf_reference,
     hidden_of,
     scores_of,
@@ -24,7 +25,7 @@ from tolerances import assert_within, attention_bound, sum_bound
 from models import Scorer, ScorerConfig, execute, plan
 from models.attention import attend_causal
 from models.packing import SharedPrefix, find_shared_prefixes, pack, packed_length, pool
-from models.tiny import CAUSAL, write_tiny_model
+from models.tiny import CAUSAL, JUDGE_ONLY, write_tiny_model
 from schemas import ScoreRequest
 
 # Token ids from 4 up (0..3 are special); the query is longer than the 16-token sliding windows of the
@@ -64,23 +65,49 @@ def test_each_item_scores_as_its_whole_prompt_in_hf(
         pytest.skip(
             "gemma2's attention logit softcap runs on the exact path only (the varlen kernel has none)"
         )
+    _scores_as_whole_prompts(model_dirs[architecture], attention, monkeypatch)
+
+
+@pytest.mark.parametrize("attention", ["reference", "varlen"])
+@pytest.mark.parametrize("architecture", JUDGE_ONLY)
+def test_a_judge_only_family_scores_each_item_as_its_whole_prompt(
+    architecture: str, attention: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 4's text model (a judge only): its shared key-value layers read keys an earlier layer computed
+    over the prefix and the suffix alike, its sliding layers' windows end inside the prefix."""
+    model_dir = write_tiny_model(tmp_path / architecture, architecture, seed=9)
+    _scores_as_whole_prompts(model_dir, attention, monkeypatch, labels=(40, 7, 300))
+
+
+def _scores_as_whole_prompts(
+    model_dir: Path, attention: str, monkeypatch: pytest.MonkeyPatch, labels: tuple[int, ...] | None = None
+) -> None:
+    """_requests() with shared prefixes (a judge's on `labels`) score as HF float32 on the whole prompts,
+    and each shared query runs once."""
     kernel = CpuVarlenKernelGqa() if attention == "varlen" else None
     config = ScorerConfig(
         device="cpu", attention=attention, varlen_kernel=kernel, share_prefix_min_tokens=MIN_TOKENS
     )
-    scorer = Scorer(model_dirs[architecture], config)
+    scorer = Scorer(model_dir, config)
+    requests = [
+        ScoreRequest(r.request_id, query=r.query, items=r.items, label_token_ids=labels,
+                     return_pooled_hidden_states=True)
+        for r in _requests()
+    ]  # fmt: skip
     spy = PackSpy(monkeypatch)
-    results = scorer.score(_requests())
+    results = scorer.score(requests)
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
-    reference = hf_reference(model_dirs[architecture], _whole_prompts())
-    # The engine (prefixes once, merged passes or gathered keys) and HF's padded whole prompts, both
-    # float32: the model's chain of sums for LONGEST keys, at the values' scale (forward_atol).
-    model = model_dirs[architecture]
+    if labels is None:
+        reference = hf_reference(model_dir, _whole_prompts())
+    else:
+        reference = hf_judge_reference(model_dir, _whole_prompts(), labels)
+    # The engine (prefixes once, merged passes or gathered keys) and HF's whole prompts, both float32: the
+    # model's chain of sums for LONGEST keys, at the values' scale (forward_atol).
     assert_forward_close(
-        np.concatenate([scores_of(r) for r in results]), reference.logits, model, longest=LONGEST
+        np.concatenate([scores_of(r) for r in results]), reference.logits, model_dir, longest=LONGEST
     )
     assert_forward_close(
-        np.concatenate([hidden_of(r) for r in results]), reference.hidden, model, longest=LONGEST
+        np.concatenate([hidden_of(r) for r in results]), reference.hidden, model_dir, longest=LONGEST
     )
     # The query ran once for the four items and the three responses, not seven times.
     whole = sum(len(p) for p in _whole_prompts())

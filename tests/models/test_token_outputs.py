@@ -19,7 +19,7 @@ from tolerances import forward_bound, forward_length, rounded_pair_tolerances
 from transformers import AutoModel, AutoModelForCausalLM
 
 from models import Scorer, ScorerConfig
-from models.tiny import CAUSAL, PRM_LABELS, PRM_SEPARATORS, write_tiny_model
+from models.tiny import DECODERS, JUDGE_ONLY, PRM_LABELS, PRM_SEPARATORS, write_tiny_model
 from schemas import ErrorCode, ScoreRequest, ScoreResult, decode_result, encode_result, result_size_bound
 
 QUERY = "Problem: count the boats on the river."
@@ -127,8 +127,11 @@ def _prompts(model_dir: Path, request: ScoreRequest) -> list[list[int]]:
     return [list(text(str(request.query or "") + str(item))["input_ids"]) for item in request.items]
 
 
-@pytest.mark.parametrize("kind", ["head", "lm"])
-@pytest.mark.parametrize("architecture", CAUSAL)
+# Every decoder family in both PRM layouts; a judge-only family (Gemma 4's text model) as a causal LM.
+@pytest.mark.parametrize(
+    ("architecture", "kind"),
+    [*((a, k) for a in DECODERS for k in ("head", "lm")), *((a, "lm") for a in JUDGE_ONLY)],
+)
 def test_process_rewards_at_every_step_match_hf(prm_root: str, architecture: str, kind: str) -> None:
     model_dir = _prm_dir(prm_root, architecture, kind)
     scorer = _scorer(model_dir)
@@ -151,7 +154,7 @@ def test_process_rewards_at_every_step_match_hf(prm_root: str, architecture: str
     assert len(result.scores[0]) == 2
 
 
-@pytest.mark.parametrize("architecture", CAUSAL)
+@pytest.mark.parametrize("architecture", DECODERS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_outputs_at_every_token_and_a_range_match_hf(prm_root: str, architecture: str, dtype: str) -> None:
     model_dir = _prm_dir(prm_root, architecture, "head")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from scoring_testkit import (
 )
 from tolerances import assert_within, attention_bound, merged_attention_bound
 
-from models import ModelLoadError, Scorer, ScorerConfig
+from models import ModelLoadError, Scorer, ScorerConfig, write_tiny_model
 from models.attention import (
     attend_causal,
     kernel_supports_gqa,
@@ -36,25 +37,38 @@ def _requests() -> list[ScoreRequest]:
 
 
 @pytest.mark.parametrize("kernel_type", [CpuVarlenKernel, CpuVarlenKernelGqa])
-@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3_text", "phi3"])
+@pytest.mark.parametrize(
+    "architecture", ["llama", "qwen3", "mistral", "gemma3_text", "phi3", "smollm3", "olmo2", "olmo3", "glm4"]
+)
 def test_varlen_wrapper_matches_reference_path(
     architecture: str, kernel_type: type[CpuVarlenKernel], model_dirs: dict[str, Path]
 ) -> None:
-    kernel = kernel_type()
-    varlen = Scorer(
-        model_dirs[architecture], ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel)
-    )
-    reference = Scorer(model_dirs[architecture], ScorerConfig(device="cpu", attention="reference"))
-    requests = _requests()
+    _varlen_matches_reference(model_dirs[architecture], kernel_type())
+
+
+@pytest.mark.parametrize("kernel_type", [CpuVarlenKernel, CpuVarlenKernelGqa])
+def test_varlen_wrapper_matches_reference_path_on_a_gemma4_judge(
+    kernel_type: type[CpuVarlenKernel], tmp_path: Path
+) -> None:
+    """Gemma 4's global layers: wider heads, one key-value head for four queries, keys that are the values."""
+    model_dir = write_tiny_model(tmp_path / "gemma4", "gemma4_text", seed=12)
+    _varlen_matches_reference(model_dir, kernel_type(), labels=(40, 7, 300))
+
+
+def _varlen_matches_reference(
+    model_dir: Path, kernel: CpuVarlenKernel, labels: tuple[int, ...] | None = None
+) -> None:
+    varlen = Scorer(model_dir, ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel))
+    reference = Scorer(model_dir, ScorerConfig(device="cpu", attention="reference"))
+    requests = [replace(r, label_token_ids=labels) for r in _requests()]
     for got, expected in zip(varlen.score(requests), reference.score(requests), strict=True):
         # Both paths run float32 attention per item, in other layouts and GEMM shapes: two float32
         # forwards, the model's chain of sums for prompts of up to 41 tokens (forward_atol).
-        model = model_dirs[architecture]
-        assert_forward_close(scores_of(got), scores_of(expected), model, longest=41)
-        assert_forward_close(hidden_of(got), hidden_of(expected), model, longest=41)
+        assert_forward_close(scores_of(got), scores_of(expected), model_dir, longest=41)
+        assert_forward_close(hidden_of(got), hidden_of(expected), model_dir, longest=41)
     assert kernel.calls, "the injected kernel was not used"
     if isinstance(kernel, CpuVarlenKernelGqa):
-        assert kernel.gqa_calls == len(kernel.calls)  # K/V kept their 2 heads: no repeat when the kernel can
+        assert kernel.gqa_calls == len(kernel.calls)  # K/V kept their heads: no repeat when the kernel can
 
 
 def test_gqa_support_detection() -> None:
