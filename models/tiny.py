@@ -31,6 +31,9 @@ JUDGE_ONLY = tuple(name for name in DECODER_MODEL_TYPES if name not in CLASSIFIE
 HYBRIDS = HYBRID_MODEL_TYPES
 # The decoders written as classifiers or judges alike (the hybrids among them).
 CAUSAL = DECODERS
+# The decoders that FP8 projections, LoRA adapters and the prefix cache serve: the hybrids refuse those at
+# start-up (their Gated DeltaNet layers have no such path).
+NON_HYBRID_DECODERS = tuple(name for name in DECODERS if name not in HYBRIDS)
 # Cross-encoders: bidirectional attention, a query/item pair template, a pooler or dense head chain.
 ENCODERS = ("bert", "roberta", "xlm-roberta", "deberta-v2", "modernbert")
 ARCHITECTURES = DECODERS + JUDGE_ONLY + ENCODERS

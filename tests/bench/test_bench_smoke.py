@@ -7,24 +7,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from scripts import ROOT
+from scripts import run_script as _run_script
 
 pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a process of its own
-
-
-def _run_script(args: list[str], out: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """A bench script run from the repository root, as on the GPU machine, its $OUT at `out`."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(out), "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, *args]
-    return subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
-    )
 
 
 def test_w1_fails_when_a_timed_path_is_wrong() -> None:
@@ -401,67 +391,3 @@ def test_capabilities_benchmark_quick_run_checks_steps_and_adapters_against_floa
     for count in (4, 16):
         check = report[f"adapters_{count}"]["check"]
         assert check["ok"] and check["adapter_effect"] > check["bound"]
-
-
-def test_moe_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) -> None:
-    """bench/moe.py on a tiny mixture of experts on the CPU: the packed Scorer and HF's padded forward timed
-    over the same stream, the packed results checked against HF float32 (its loop over experts), the
-    active parameters counted (a token multiplies 2 of the 8 experts of each sparse block)."""
-    proc = _run_script(["bench/moe.py", "--quick", "--repeats", "1"], tmp_path, 600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads((tmp_path / "moe-quick.json").read_text())
-    assert report["verdict"] == "ok" and report["vs_fp32"]["ok"] and report["vs_fp32"]["items"] == 8
-    assert set(report["runs"]) == {"packed", "hf_sdpa_padded32_sorted"}
-    shapes = report["shapes"]
-    hidden, width, layers = (
-        shapes["hidden_size"],
-        shapes["moe_intermediate_size"],
-        shapes["num_hidden_layers"],
-    )
-    idle = layers * (shapes["num_experts"] - shapes["num_experts_per_tok"]) * 3 * hidden * width
-    assert report["flops_per_token"]["dense"] == 2 * report["active_parameters"]
-    assert report["active_parameters"] > 0 and report["runs"]["packed"]["experts_path"] == "loop"
-    assert idle > report["active_parameters"]  # most of the tiny model's weights sit in idle experts
-
-
-@pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_next"])
-def test_hybrid_benchmark_quick_run_checks_what_it_timed(kind: str, tmp_path: Path) -> None:
-    """bench/hybrid.py on a tiny hybrid on the CPU: timed, its sample checked against HF float32, the report
-    written with its verdict."""
-    proc = _run_script(["bench/hybrid.py", "--quick", "--kind", kind], tmp_path, 600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads((tmp_path / "hybrid-quick.json").read_text())
-    assert report["verdict"] == "ok" and report["vs_float32"]["ok"]
-    assert report["linear_kernel"] == "torch" and report["tokens_per_s"] > 0
-    assert report["vs_float32"]["items"] == 12
-
-
-def test_vision_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) -> None:
-    """bench/vision.py on the tiny image-text model on the CPU: a mixed batch timed, images and tokens per
-    second reported, a sample of both kinds checked against HF float32."""
-    proc = _run_script(["bench/vision.py", "--quick"], tmp_path, 600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads((tmp_path / "vision-quick.json").read_text())
-    assert report["verdict"] == "ok" and report["vs_fp32"]["ok"]
-    assert report["images"] == report["requests"] // 2 and report["images_per_s"] > 0
-    assert report["vs_fp32"]["with_images"] == report["vs_fp32"]["requests"] // 2
-
-
-def test_headline_quick_run_gives_every_phase_a_verdict_and_its_rows(tmp_path: Path) -> None:
-    """bench/headline.py --quick on the CPU: every phase of the registry in the report, each timed and
-    checked against float32 (ok); none wrong, none raised, none skipped; the Markdown rows written beside
-    the report, one or more per phase."""
-    sys.path.insert(0, str(ROOT))
-    from bench.headline import PHASES
-
-    proc = _run_script(["bench/headline.py", "--quick"], tmp_path, 900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads((tmp_path / "headline-quick.json").read_text())
-    assert report["verdict"] == "ok"
-    assert list(report["phases"]) == [phase.name for phase in PHASES]
-    for name, phase in report["phases"].items():
-        assert phase["status"] == "ok", (name, phase)
-        assert phase["figures"] and all(c["ok"] for c in phase["checks"].values())
-    rows = (tmp_path / "headline-quick.md").read_text()
-    for phase in report["phases"].values():
-        assert f"| {phase['title']}" in rows

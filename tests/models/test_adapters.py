@@ -25,7 +25,7 @@ from scoring_testkit import (
 from transformers import AutoModelForSequenceClassification
 
 from models import ModelLoadError, Scorer, ScorerConfig
-from models.tiny import DECODERS
+from models.tiny import NON_HYBRID_DECODERS
 from schemas import ErrorCode, ScoreRequest, ScoreResult
 
 # Adapter name -> (rank, which projections, rsLoRA, its own trained head)
@@ -141,7 +141,7 @@ def _assert_equal_to_merged(
         assert_forward_close(hidden_of(result), reference.hidden, base_dir, longest=23)
 
 
-@pytest.mark.parametrize("architecture", DECODERS)
+@pytest.mark.parametrize("architecture", NON_HYBRID_DECODERS)
 def test_a_mixed_adapter_batch_equals_each_adapter_merged(
     model_dirs: dict[str, Path], adapter_root: str, architecture: str
 ) -> None:

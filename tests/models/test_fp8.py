@@ -62,7 +62,7 @@ from models.selfcheck import (
     _prepared_inputs,
     run_self_check,
 )
-from models.tiny import DECODERS, ENCODERS, write_tiny_model
+from models.tiny import ENCODERS, NON_HYBRID_DECODERS, write_tiny_model
 from schemas import ScoreRequest, ScoreResult
 
 # The prompts of several requests packed together, single- and multi-item, longer than the tiny sliding
@@ -253,7 +253,7 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
-@pytest.fixture(scope="module", params=DECODERS)
+@pytest.fixture(scope="module", params=NON_HYBRID_DECODERS)
 def decoder_dir(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     architecture = request.param
     return write_tiny_model(tmp_path_factory.mktemp(f"fp8-{architecture}"), architecture, 3, num_labels=2)
@@ -273,7 +273,7 @@ def _fp8_paths(model: torch.nn.Module) -> list[set[str]]:
     return [{name for name, m in layer.named_modules() if isinstance(m, Fp8Linear)} for layer in layers]
 
 
-@pytest.mark.parametrize("architecture", [*DECODERS, *ENCODERS])
+@pytest.mark.parametrize("architecture", [*NON_HYBRID_DECODERS, *ENCODERS])
 def test_attention_and_mlp_projections_are_told_apart_in_every_architecture(
     architecture: str, tmp_path: Path
 ) -> None:

@@ -28,7 +28,7 @@ from models import Scorer, ScorerConfig, execute
 from models.errors import ModelLoadError
 from models.layers import CompiledLayers
 from models.prefix_cache import CacheIO, PrefixCache
-from models.tiny import DECODERS, write_tiny_model
+from models.tiny import NON_HYBRID_DECODERS, write_tiny_model
 from schemas import ScoreRequest
 
 BLOCK = 8
@@ -44,7 +44,7 @@ def _requests(answers: range) -> list[ScoreRequest]:
 
 
 @pytest.mark.parametrize("attention", ["reference", "varlen"])
-@pytest.mark.parametrize("architecture", DECODERS)
+@pytest.mark.parametrize("architecture", NON_HYBRID_DECODERS)
 def test_answers_in_later_calls_reuse_the_prompt_and_score_as_their_whole_prompt(
     architecture: str, attention: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

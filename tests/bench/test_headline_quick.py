@@ -1,0 +1,33 @@
+"""The headline run's quick form on the CPU: every phase on tiny models, each checked against float32."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from scripts import ROOT
+from scripts import run_script as _run_script
+
+pytestmark = pytest.mark.slow  # the whole headline run in a process of its own
+
+
+def test_headline_quick_run_gives_every_phase_a_verdict_and_its_rows(tmp_path: Path) -> None:
+    """bench/headline.py --quick on the CPU: every phase of the registry in the report, each timed and
+    checked against float32 (ok); none wrong, none raised, none skipped; the Markdown rows written beside
+    the report, one or more per phase."""
+    sys.path.insert(0, str(ROOT))
+    from bench.headline import PHASES
+
+    proc = _run_script(["bench/headline.py", "--quick"], tmp_path, 900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "headline-quick.json").read_text())
+    assert report["verdict"] == "ok"
+    assert list(report["phases"]) == [phase.name for phase in PHASES]
+    for name, phase in report["phases"].items():
+        assert phase["status"] == "ok", (name, phase)
+        assert phase["figures"] and all(c["ok"] for c in phase["checks"].values())
+    rows = (tmp_path / "headline-quick.md").read_text()
+    for phase in report["phases"].values():
+        assert f"| {phase['title']}" in rows
