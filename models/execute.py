@@ -45,6 +45,7 @@ from models.pooled_rows import LastLayerAtPooledRows, last_layer_row_wise, padde
 from models.prefix_cache import CacheIO, PrefixCache
 from models.prepare import Prompt
 from models.tiles import RowTiles, rows_invariant
+from models.vision import ImageInputs
 
 if TYPE_CHECKING:
     from models.fused_mlp import FusedMlps
@@ -378,13 +379,13 @@ class Executor:
         shared: Sequence[SharedPrefix],
         positions: Sequence[Sequence[int]] | None = None,
         adapters: Sequence[int] | None = None,
-        images: Sequence[np.ndarray] | None = None,
+        images: Sequence[ImageInputs] | None = None,
         alone: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each prompt's pooled hidden state [N, H] (float32 for MEAN), the prefixes of `shared` once; and,
         with `positions` (per prompt, token positions), the hidden states at them [M, H], prompt by prompt
         (None without). `adapters`: each prompt's LoRA adapter index (-1: the base model). `images`: each
-        prompt's pixel values [images, 3, H, W] (image-text models, which run padded)."""
+        prompt's images (image-text models, which run padded)."""
         self.row_tokens = None
         if self._config.deterministic and self.row_tiles is None and not alone:
             # Every item alone: no result depends on what else shares the batch (kernels pick their tiling
@@ -593,7 +594,7 @@ class Executor:
         token_types: list[Prompt] | None,
         positions: Sequence[Sequence[int]] | None = None,
         adapters: Sequence[int] | None = None,
-        images: Sequence[np.ndarray] | None = None,
+        images: Sequence[ImageInputs] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Models whose attention cannot be packed: HF's own forward on a right-padded batch, then the same
         pooling as the packed path: [N, H] (float32 for MEAN); and the rows at `positions` [M, H]. `images`:
@@ -609,10 +610,14 @@ class Executor:
             mask[row, : len(prompt)] = 1
             if token_types is not None:
                 types[row, : len(prompt)] = token_types[row]
-        extra = {} if token_types is None else {"token_type_ids": torch.from_numpy(types).to(self.device)}
-        if images is not None and any(len(one) for one in images):
-            pixels = np.concatenate([one for one in images if len(one)])  # [images, 3, H, W]
-            extra["pixel_values"] = torch.from_numpy(pixels).to(self.device, self.dtype)
+        vision = self._loaded.vision
+        key = "token_type_ids" if vision is None else vision.family.token_types
+        extra = {} if token_types is None else {key: torch.from_numpy(types).to(self.device)}
+        if images is not None and vision is not None:
+            for name, array in vision.forward_images(images).items():
+                # Pixel values in the model's dtype; grids stay integers.
+                dtype = self.dtype if array.dtype.kind == "f" else None
+                extra[name] = torch.from_numpy(array).to(self.device, dtype)
         adapted: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if (chosen := self._adapted(adapters)) is not None and self.adapters is not None:
             rows = np.repeat(np.asarray(chosen, dtype=np.int64), width)  # every padded row of each prompt

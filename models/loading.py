@@ -15,6 +15,7 @@ from huggingface_hub.utils.tqdm import are_progress_bars_disabled, disable_progr
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PreTrainedModel,
@@ -28,7 +29,14 @@ from models.families import DECODER_MODEL_TYPES as DECODER_MODEL_TYPES
 from models.linear_attention import HYBRID_MODEL_TYPES
 from models.load_report import held_load_report, report_unused
 from models.packing import Pooling
-from models.vision import VISION_FAMILIES, VisionPrompts, check_vision_type, load_vision, plain_attention
+from models.vision import (
+    VISION_FAMILIES,
+    VisionPrompts,
+    check_vision_type,
+    is_vision_judge,
+    load_vision,
+    plain_attention,
+)
 
 # DECODER_MODEL_TYPES (models/families.py): model types whose packed forward is covered by tests against
 # HF's padded forward. Others may work, but an untested architecture must not silently return wrong scores,
@@ -116,6 +124,8 @@ def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, A
             f"model type {config.get('model_type')!r} is not supported: {UNSERVED[config['model_type']]}"
         )
     judge = is_judge(config)
+    if not config.get("auto_map"):  # a model's own code is its own (trust_remote_code, below)
+        check_vision_type(config.get("model_type"), judge)
     if is_process_reward_model(config):
         # Qwen2.5-Math-PRM's layout: transformers' own classes with its two-layer head; its remote code,
         # which only defines that head, is never run.
@@ -134,7 +144,6 @@ def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, A
                 "that code, so score-worker does so only with trust_remote_code set (only for code you trust)"
             )
         return config
-    check_vision_type(model_type)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -172,8 +181,11 @@ def step_separator(config: dict[str, Any]) -> int | str | None:
 
 
 def is_judge(config: dict[str, Any]) -> bool:
-    """A causal LM of a supported decoder type: scored by the logits of label tokens (label_token_ids)."""
+    """A causal LM of a supported decoder type, or an image-text family's generation model where it is
+    served as a judge: scored by the logits of label tokens (label_token_ids)."""
     architectures = [str(arch) for arch in config.get("architectures") or []]
+    if is_vision_judge(config.get("model_type"), architectures):
+        return True
     classifier = any(arch.endswith("ForSequenceClassification") for arch in architectures)
     causal = any(arch.endswith("ForCausalLM") for arch in architectures)
     return causal and not classifier and config.get("model_type") in DECODER_MODEL_TYPES
@@ -496,6 +508,8 @@ def _from_pretrained(
     try:
         with quiet_progress_bars():
             auto: Any = AutoModelForCausalLM if judge else AutoModelForSequenceClassification
+            if judge and str(config.get("model_type")) in VISION_FAMILIES:
+                auto = AutoModelForImageTextToText
             model, info = auto.from_pretrained(
                 str(model_dir),
                 dtype=dtype,

@@ -7,10 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from models.images import ImageError
-from models.vision import VisionPrompts
+from models.vision import ImageInputs, VisionPrompts
 from schemas import ErrorCode, ScoreRequest, TokenOutputs, Truncation
 from schemas._checks import Input
 
@@ -32,8 +30,8 @@ class PreparedRequest:
     # With token_outputs: per prompt, the positions read (step separators, or the token range), in order.
     positions: tuple[tuple[int, ...], ...] | None = None
     head_floats: int = 0  # floats per item of the extra heads the request names
-    # With images: per prompt, the pixel values [images, 3, H, W] of its image tokens, in their order.
-    pixel_values: tuple[np.ndarray, ...] | None = None
+    # With images: per prompt, its images as the model's forward takes them (models/vision.py).
+    pixel_values: tuple[ImageInputs, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -305,7 +303,7 @@ class PromptBuilder:
 
     def _build_images(
         self, request: ScoreRequest
-    ) -> tuple[tuple[Prompt, ...], tuple[Prompt, ...], tuple[np.ndarray, ...]]:
+    ) -> tuple[tuple[Prompt, ...], tuple[Prompt, ...], tuple[ImageInputs, ...]]:
         """Prompts holding the request's images: the conversation rendered by the chat template (its image
         parts become the processor's image marks), or the images' marks before each query and item; the
         model's processor turns marks into image tokens and images into pixel values."""

@@ -129,3 +129,80 @@ def write_tiny_vision_model(
     saved["architectures"] = ["Gemma3ForSequenceClassification"]
     config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     return target
+
+
+# Qwen2.5-VL's image marks: the processor expands each image pad between the begin and end marks into the
+# image's merged patches (one token per 2 x 2 patches), whose positions are 3-D (M-RoPE).
+QWEN_VL_TOKENS = {
+    "vision_start_token": "<|vision_start|>",
+    "vision_end_token": "<|vision_end|>",
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+}
+QWEN_PATCH = 4  # pixels a patch side; merged 2 x 2, so images are resized to multiples of 8 pixels
+# At most 96 patches, 24 image tokens an image; images of other shapes get other grids.
+QWEN_MAX_PIXELS = 32 * 48
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen2_5_vl_config(vocab_size: int, image_ids: dict[str, int]) -> Any:
+    """Qwen2.5-VL's config at a tiny size: head_dim 16 split 2 + 3 + 3 among M-RoPE's time, height and
+    width; a vision tower of one windowed and one full-attention block (window 2 x 2 merged patches)."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = {
+        "vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6, "initializer_range": 0.1, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+    }  # fmt: skip
+    vision = {
+        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "in_channels": 3,
+        "patch_size": QWEN_PATCH, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 16,
+        "fullatt_block_indexes": [1], "out_hidden_size": 32, "initializer_range": 0.1,
+    }  # fmt: skip
+    config = Qwen2_5_VLConfig(  # type: ignore[call-arg]  # the special ids: PretrainedConfig's kwargs
+        text_config=text, vision_config=vision, image_token_id=image_ids["image_token"],
+        video_token_id=image_ids["video_token"], vision_start_token_id=image_ids["vision_start_token"],
+        vision_end_token_id=image_ids["vision_end_token"], tie_word_embeddings=False,
+        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    )  # fmt: skip
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    return config
+
+
+def write_tiny_qwen_vl_judge(path: str | Path, seed: int = 0) -> Path:
+    """Write a random-weight Qwen2_5_VLForConditionalGeneration (a judge: scored on label tokens), its
+    tokenizer with the vision marks and a chat template that places image parts, and its image processor
+    (4-pixel patches, at most QWEN_MAX_PIXELS); deterministic from `seed`."""
+    from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessorPil
+
+    target = Path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(seed, architecture="qwen2")
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>", *QWEN_VL_TOKENS.values()])
+    image_ids = {name: int(tokenizer.token_to_id(text) or 0) for name, text in QWEN_VL_TOKENS.items()}
+    config = qwen2_5_vl_config(tokenizer.get_vocab_size(), image_ids)
+    with torch.random.fork_rng(devices=[]):  # seeded, the caller's RNG state kept
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    _fill_zero_initialised(model, seed)
+    with quiet_progress_bars():
+        model.save_pretrained(str(target))
+    specials = dict(zip(("pad_token", "unk_token", "bos_token", "eos_token"), SPECIAL_TOKENS, strict=True))
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer, **specials, model_max_length=512, chat_template=QWEN_VL_CHAT_TEMPLATE
+    )
+    fast.save_pretrained(str(target))
+    Qwen2VLImageProcessorPil(
+        patch_size=QWEN_PATCH, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=QWEN_MAX_PIXELS
+    ).save_pretrained(str(target))
+    settings = {"processor_class": "Qwen2_5_VLProcessor"}
+    (target / "processor_config.json").write_text(json.dumps(settings) + "\n")
+    return target

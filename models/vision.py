@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,35 +19,68 @@ from schemas import MAX_IMAGE_PIXELS, ErrorCode
 @dataclass(frozen=True)
 class VisionFamily:
     """What one family of image-text models needs beside its weights: transformers' classes of its processor
-    (built from the directory's own files, never a hub) and where its prompts mark an image."""
+    (built from the directory's own files, never a hub), where its prompts mark an image, and what its
+    forward takes beside the ids."""
 
+    # Module-qualified classes: the processor, and its image processor's Pillow backend (the same pixel
+    # values wherever torchvision is or is not installed).
     processor: str
-    # The Pillow backend: the same pixel values wherever torchvision is or is not installed.
     image_processor: str
-    # The processor's attribute holding the text that marks an image's place (expanded to its tokens).
+    # The text that marks an image's place (expanded to its tokens), from the processor's attributes.
     placeholder: str
+    # The processor's token types (1 at image tokens), under the name the model's forward takes them by.
+    token_types: str = "token_type_ids"
+    # The processor's per-image patch grid, which the forward needs beside the pixel values, if any.
+    grid: str | None = None
+    # Served as a judge (its *ForConditionalGeneration scored on label tokens), not as a classifier.
+    judge: bool = False
 
 
-# Families whose image-text classifier runs here, checked against HF float32 (tests/models/test_vision.py).
+# Families whose image-text models run here, checked against HF float32 (tests/models/test_vision.py,
+# tests/models/test_vision_judge.py). Qwen2.5-VL's forward derives its 3-D rotary positions (M-RoPE) from
+# the token types, each image's grid and the attention mask of the padded batch.
 VISION_FAMILIES = {
-    "gemma3": VisionFamily("Gemma3Processor", "Gemma3ImageProcessorPil", "boi_token"),
+    "gemma3": VisionFamily(
+        "transformers.Gemma3Processor", "transformers.Gemma3ImageProcessorPil", "{boi_token}"
+    ),
+    "qwen2_5_vl": VisionFamily(
+        "models.qwen_vl.ImageQwen2_5_VLProcessor",
+        "transformers.Qwen2VLImageProcessorPil",
+        "<|vision_start|>{image_token}<|vision_end|>",
+        token_types="mm_token_type_ids",
+        grid="image_grid_thw",
+        judge=True,
+    ),
 }
 # Families refused at start-up, each with its reason: scoring them wrong would be worse than not at all.
 REFUSED_VISION = {
-    "qwen2_5_vl": "its 3-D multimodal rotary positions (M-RoPE) are not computed by this worker yet",
-    "qwen3_vl": "its 3-D multimodal rotary positions (M-RoPE) are not computed by this worker yet",
-    "qwen2_vl": "its 3-D multimodal rotary positions (M-RoPE) are not computed by this worker yet",
+    "qwen3_vl": "its 3-D multimodal rotary positions (M-RoPE) are not checked in this worker yet",
+    "qwen2_vl": "its 3-D multimodal rotary positions (M-RoPE) are not checked in this worker yet",
 }
 
 
-def check_vision_type(model_type: object) -> None:
-    """ModelLoadError for a vision-language family this worker knows it cannot score."""
+def check_vision_type(model_type: object, judge: bool) -> None:
+    """ModelLoadError for a vision-language family this worker knows it cannot score, or one declared as a
+    classifier that is served as a judge only."""
     reason = REFUSED_VISION.get(str(model_type))
     if reason is not None:
         raise ModelLoadError(
             f"model type {model_type!r} (a vision-language model) is not supported: {reason}; supported "
             f"vision-language types: {', '.join(VISION_FAMILIES)}"
         )
+    family = VISION_FAMILIES.get(str(model_type))
+    if family is not None and family.judge and not judge:
+        raise ModelLoadError(
+            f"model type {model_type!r} is served as a judge only: its *ForConditionalGeneration scored on "
+            "label_token_ids (transformers has no sequence classifier for it)"
+        )
+
+
+def is_vision_judge(model_type: object, architectures: Sequence[str]) -> bool:
+    """An image-text family served as a judge, declared as its *ForConditionalGeneration."""
+    family = VISION_FAMILIES.get(str(model_type))
+    judge = family is not None and family.judge
+    return judge and any(arch.endswith("ForConditionalGeneration") for arch in architectures)
 
 
 def plain_attention(model_type: str) -> str:
@@ -57,13 +91,23 @@ def plain_attention(model_type: str) -> str:
 
 
 @dataclass(frozen=True)
+class ImageInputs:
+    """One prompt's images as its model's forward takes them: pixel values in the order its image tokens
+    come ([images, 3, H, W]; Qwen2.5-VL: [patches, channels x patch volume]) and, where the family has one,
+    each image's patch grid [images, 3] (time, height, width)."""
+
+    pixel_values: np.ndarray
+    grid: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
 class ImagePrompts:
     """A request's prompts with its images' tokens in place: token ids, token types (1 at image tokens),
-    and each prompt's pixel values [images, 3, H, W] in the order its image tokens come."""
+    and each prompt's images."""
 
     prompts: tuple[tuple[int, ...], ...]
     token_types: tuple[tuple[int, ...], ...]
-    pixel_values: tuple[np.ndarray, ...]
+    pixel_values: tuple[ImageInputs, ...]
 
 
 @dataclass(frozen=True)
@@ -72,6 +116,7 @@ class VisionPrompts:
 
     processor: Any
     placeholder: str
+    family: VisionFamily
     # The token the vision features replace, and its text: a prompt holds it only where the processor put
     # it for an image (one more, and the model's count of features and tokens would not match).
     image_token_id: int
@@ -96,7 +141,10 @@ class VisionPrompts:
     def encode(self, images: Sequence[bytes], texts: Sequence[str], special_tokens: bool) -> ImagePrompts:
         """Decode the images (ImageError for a bad one) and let the processor expand each text's image marks
         into image tokens and turn the images into pixel values. Every text holds every image."""
-        if any(self.image_token in text for text in texts):
+        # The image tokens the marks of its images hold (Qwen2.5-VL's mark is one; Gemma 3's holds none):
+        # any other is typed text.
+        expected = self.placeholders(len(images)).count(self.image_token)
+        if any(text.count(self.image_token) != expected for text in texts):
             raise ImageError(ErrorCode.INVALID_REQUEST, self._typed_token_sentence())
         decoded = [
             decode_image(data, f"images[{index}]", self.max_pixels) for index, data in enumerate(images)
@@ -108,12 +156,24 @@ class VisionPrompts:
             # the vision tower that runs once per prompt.
             encoded = self._process(text, decoded, special_tokens)
             prompts.append(tuple(int(token) for token in encoded["input_ids"][0]))
-            types.append(tuple(int(kind) for kind in encoded["token_type_ids"][0]))
-            if pixels is None:
-                pixels = np.ascontiguousarray(encoded["pixel_values"], dtype=np.float32)
+            types.append(tuple(int(kind) for kind in encoded[self.family.token_types][0]))
+            if pixels is None and "pixel_values" in encoded:
+                grid = None if self.family.grid is None else np.asarray(encoded[self.family.grid], np.int64)
+                pixels = ImageInputs(np.ascontiguousarray(encoded["pixel_values"], dtype=np.float32), grid)
         return ImagePrompts(
             tuple(prompts), tuple(types), (_NO_IMAGES if pixels is None else pixels,) * len(texts)
         )
+
+    def forward_images(self, images: Sequence[ImageInputs]) -> dict[str, np.ndarray]:
+        """A padded batch's images as the forward takes them: every prompt's pixel values (and grids) in
+        row order, the prompts without images skipped; empty when no prompt has any."""
+        held = [one for one in images if len(one.pixel_values)]
+        if not held:
+            return {}
+        out = {"pixel_values": np.concatenate([one.pixel_values for one in held])}
+        if self.family.grid is not None:
+            out[self.family.grid] = np.concatenate([one.grid for one in held if one.grid is not None])
+        return out
 
     def _process(self, text: str, images: list[Any], special_tokens: bool) -> Any:
         try:
@@ -131,8 +191,6 @@ class VisionPrompts:
 def load_vision(model_dir: Path, model_type: str, tokenizer: Any) -> VisionPrompts:
     """The processor of a vision-language directory, from its own files (preprocessor_config.json for the
     image processor, processor_config.json for the image token count) and the loaded tokenizer."""
-    import transformers
-
     family = VISION_FAMILIES[model_type]
     if tokenizer is None:
         raise ModelLoadError(
@@ -140,13 +198,11 @@ def load_vision(model_dir: Path, model_type: str, tokenizer: Any) -> VisionPromp
             "tokens in text, so the directory needs its tokenizer files"
         )
     try:
-        image_processor = getattr(transformers, family.image_processor).from_pretrained(str(model_dir))
+        image_processor = _class(family.image_processor).from_pretrained(str(model_dir))
         settings_path = model_dir / "processor_config.json"
         settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
         settings.pop("processor_class", None)
-        processor = getattr(transformers, family.processor)(
-            image_processor=image_processor, tokenizer=tokenizer, **settings
-        )
+        processor = _class(family.processor)(image_processor=image_processor, tokenizer=tokenizer, **settings)
     except (
         Exception
     ) as exc:  # a missing or unreadable preprocessor_config.json, tokenizer without image tokens
@@ -154,9 +210,17 @@ def load_vision(model_dir: Path, model_type: str, tokenizer: Any) -> VisionPromp
             f"cannot build the image processor of {str(model_dir)!r} ({type(exc).__name__}: {exc}); a "
             "vision-language directory needs its preprocessor_config.json and a tokenizer with image tokens"
         ) from exc
-    image_token = str(tokenizer.image_token)
+    # Gemma 3's tokenizer names its soft token (its processor's image_token is the begin mark); Qwen's
+    # tokenizers may name none, and its processor's image_token is the pad the features replace.
+    image_token = str(getattr(tokenizer, "image_token", None) or processor.image_token)
     image_token_id = int(tokenizer.convert_tokens_to_ids(image_token))
-    return VisionPrompts(processor, str(getattr(processor, family.placeholder)), image_token_id, image_token)
+    marks = {name: str(getattr(processor, name, "")) for name in ("boi_token", "image_token")}
+    return VisionPrompts(processor, family.placeholder.format(**marks), family, image_token_id, image_token)
+
+
+def _class(qualified: str) -> Any:
+    module, _, name = qualified.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 class _WithImages(Protocol):
@@ -164,13 +228,13 @@ class _WithImages(Protocol):
     def prompts(self) -> tuple[tuple[int, ...], ...]: ...
 
     @property
-    def pixel_values(self) -> tuple[np.ndarray, ...] | None: ...
+    def pixel_values(self) -> tuple[ImageInputs, ...] | None: ...
 
 
-_NO_IMAGES = np.zeros((0, 3, 1, 1), dtype=np.float32)
+_NO_IMAGES = ImageInputs(np.zeros((0, 3, 1, 1), dtype=np.float32))
 
 
-def batch_images(batch: Sequence[_WithImages]) -> list[np.ndarray] | None:
+def batch_images(batch: Sequence[_WithImages]) -> list[ImageInputs] | None:
     """Each prompt's pixel values across a batch of prepared requests (none for a text-only prompt), or None
     when no request of the batch has images."""
     if all(p.pixel_values is None for p in batch):

@@ -130,7 +130,8 @@ def forward_sums(model_dir: str | Path, longest: int, *, mean_pooled: bool = Fal
     end."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     if "vision_config" in config:  # an image-text model: its vision tower's sums come before the text's
-        return _vision_sums(config) + _config_sums(config["text_config"], longest, mean_pooled)
+        vision = _vision_sums(config) if "mm_tokens_per_image" in config else _qwen_vision_sums(model_dir)
+        return vision + _config_sums(config["text_config"], longest, mean_pooled)
     return _config_sums(config, longest, mean_pooled)
 
 
@@ -148,6 +149,24 @@ def _vision_sums(config: dict[str, Any]) -> list[int]:
     pooled = patches // config["mm_tokens_per_image"]
     ends = [width, width, pooled, width, width]
     return [vision["num_channels"] * vision["patch_size"] ** 2, *vision["num_hidden_layers"] * layer, *ends]
+
+
+def _qwen_vision_sums(model_dir: str | Path) -> list[int]:
+    """Qwen2.5-VL's vision tower, pixels to features: the patch embedding (channels * time * patch^2 terms),
+    then per block an RMS norm, the q/k/v projections, the scores (head_dim), the weighted sum over at most
+    all of an image's patches (the image processor's pixel limit over a patch's area), the output
+    projection, an RMS norm, gate/up and down; the merger's RMS norm and its two projections (merge^2
+    patches' widths, then that width again)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    vision = config["vision_config"]
+    processor = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+    width, inner, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    patches = processor["size"]["longest_edge"] // patch**2
+    head_dim = width // vision["num_heads"]
+    layer = [width, width, head_dim, patches, width, width, width, inner]
+    merged = width * vision["spatial_merge_size"] ** 2
+    embedding = vision["in_channels"] * vision["temporal_patch_size"] * patch**2
+    return [embedding, *vision["depth"] * layer, width, merged, merged]
 
 
 def _config_sums(config: dict[str, Any], longest: int, mean_pooled: bool) -> list[int]:

@@ -60,8 +60,9 @@ def png_claiming(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", data) + _chunk(b"IEND", b"")
 
 
-def _texts(request: ScoreRequest, processor: Any) -> tuple[list[str], bool]:
-    """Each item's prompt text as the contract defines it (schemas/README.md, Images)."""
+def item_texts(request: ScoreRequest, processor: Any, mark: str | None = None) -> tuple[list[str], bool]:
+    """Each item's prompt text as the contract defines it (schemas/README.md, Images), and whether the
+    tokenizer adds its special tokens; `mark` places an image (Gemma 3's begin mark by default)."""
     if request.messages is not None:
         turns = [m.as_template_turn() for m in request.messages]
         texts = [
@@ -71,7 +72,7 @@ def _texts(request: ScoreRequest, processor: Any) -> tuple[list[str], bool]:
             for item in request.items
         ]
         return texts, False
-    marks = processor.boi_token * len(request.images or ())
+    marks = (processor.boi_token if mark is None else mark) * len(request.images or ())
     return [marks + f"{request.query or ''}{item}" for item in request.items], True
 
 
@@ -86,7 +87,7 @@ def hf_alone(
     forward. Returns (scores [N, L], pooled hidden states [N, H], longest prompt)."""
     model, processor = reference
     images = [Image.open(io.BytesIO(data)).convert("RGB") for data in request.images or ()]
-    texts, specials = _texts(request, processor)
+    texts, specials = item_texts(request, processor)
     scores, hidden, longest = [], [], 0
     for text in texts:
         inputs = processor(
