@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from models import tiny
-from models.tiny_vision import write_tiny_vision_model
+from models.tiny_vision import write_tiny_qwen_vl_judge, write_tiny_vision_model
 
-VISION_ARCHITECTURES = ("gemma3",)
+VISION_ARCHITECTURES = ("gemma3", "qwen2_5_vl")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,8 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--images",
         action="store_true",
-        help="an image-text classifier with its processor (--architecture gemma3: Gemma 3's vision tower and "
-        "projector), scored on requests that carry images",
+        help="an image-text model with its processor, scored on requests that carry images (--architecture "
+        "gemma3: a classifier, Gemma 3's vision tower and projector; qwen2_5_vl: a judge, scored on "
+        "label_token_ids, Qwen2.5-VL's vision tower and merger)",
     )
 
 
@@ -25,12 +26,22 @@ def run(args: argparse.Namespace) -> int:
     """Write the tiny model; returns the process exit code."""
     vision = args.architecture in VISION_ARCHITECTURES
     if args.images != vision:
-        print("--images goes with --architecture gemma3 (the image-text model), and gemma3 with --images")
+        print(
+            "--images goes with --architecture gemma3 or qwen2_5_vl (the image-text models), and they with "
+            "--images"
+        )
         return 2
     if not vision:
         return tiny.run(args)
+    if args.architecture == "qwen2_5_vl":
+        if args.prm:
+            print("--prm is for text decoders; the Qwen2.5-VL model is a judge")
+            return 2
+        target = write_tiny_qwen_vl_judge(args.directory, args.seed)
+        print(f"wrote a tiny qwen2_5_vl image-text judge, seed {args.seed}, to {target}")
+        return 0
     if args.judge or args.prm:
-        print("--judge and --prm are for text decoders; the image-text model is a classifier")
+        print("--judge and --prm are for text decoders; the gemma3 image-text model is a classifier")
         return 2
     if args.num_labels < 1:
         print("--num-labels must be at least 1")

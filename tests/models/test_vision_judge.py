@@ -187,3 +187,19 @@ def test_a_qwen2_5_vl_classifier_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="judge only"):
         Scorer(tmp_path, ScorerConfig(device="cpu"))
+
+
+def test_make_tiny_model_writes_the_image_text_judge(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from worker import cli
+
+    target = tmp_path / "vl"
+    command = ["make-tiny-model", str(target), "--architecture", "qwen2_5_vl", "--images", "--seed", "3"]
+    assert cli.main(command) == 0
+    assert "image-text judge" in capsys.readouterr().out
+    scorer = Scorer(target, ScorerConfig(device="cpu"))
+    request = ScoreRequest("r", items=("a",), images=(encoded("PNG", 1),), label_token_ids=LABELS)
+    assert scorer.score([request])[0].ok
+    assert cli.main(["make-tiny-model", str(tmp_path / "x"), "--architecture", "qwen2_5_vl"]) == 2
+    assert cli.main([*command, "--prm", "head"]) == 2
