@@ -7,7 +7,7 @@ import argparse
 from models import tiny
 from models.tiny_vision import write_tiny_qwen_vl_judge, write_tiny_vision_model
 
-VISION_ARCHITECTURES = ("gemma3", "qwen2_5_vl")
+VISION_ARCHITECTURES = ("gemma3", "qwen2_5_vl", "qwen3_vl")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,8 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--images",
         action="store_true",
         help="an image-text model with its processor, scored on requests that carry images (--architecture "
-        "gemma3: a classifier, Gemma 3's vision tower and projector; qwen2_5_vl: a judge, scored on "
-        "label_token_ids, Qwen2.5-VL's vision tower and merger)",
+        "gemma3: a classifier, Gemma 3's vision tower and projector; qwen2_5_vl, qwen3_vl: judges, scored "
+        "on label_token_ids, with Qwen2.5-VL's or Qwen3-VL's vision tower and merger)",
     )
 
 
@@ -27,18 +27,18 @@ def run(args: argparse.Namespace) -> int:
     vision = args.architecture in VISION_ARCHITECTURES
     if args.images != vision:
         print(
-            "--images goes with --architecture gemma3 or qwen2_5_vl (the image-text models), and they with "
-            "--images"
+            f"--images goes with --architecture {', '.join(VISION_ARCHITECTURES)} (the image-text models), "
+            "and they with --images"
         )
         return 2
     if not vision:
         return tiny.run(args)
-    if args.architecture == "qwen2_5_vl":
+    if args.architecture != "gemma3":
         if args.prm:
-            print("--prm is for text decoders; the Qwen2.5-VL model is a judge")
+            print(f"--prm is for text decoders; the {args.architecture} model is a judge")
             return 2
-        target = write_tiny_qwen_vl_judge(args.directory, args.seed)
-        print(f"wrote a tiny qwen2_5_vl image-text judge, seed {args.seed}, to {target}")
+        target = write_tiny_qwen_vl_judge(args.directory, args.seed, args.architecture)
+        print(f"wrote a tiny {args.architecture} image-text judge, seed {args.seed}, to {target}")
         return 0
     if args.judge or args.prm:
         print("--judge and --prm are for text decoders; the gemma3 image-text model is a classifier")

@@ -150,37 +150,48 @@ QWEN_VL_CHAT_TEMPLATE = (
 )
 
 
-def qwen2_5_vl_config(vocab_size: int, image_ids: dict[str, int]) -> Any:
-    """Qwen2.5-VL's config at a tiny size: head_dim 16 split 2 + 3 + 3 among M-RoPE's time, height and
-    width; a vision tower of one windowed and one full-attention block (window 2 x 2 merged patches)."""
-    from transformers import Qwen2_5_VLConfig
+def qwen_vl_config(architecture: str, vocab_size: int, image_ids: dict[str, int]) -> Any:
+    """Qwen2.5-VL's or Qwen3-VL's config at a tiny size: head_dim 16 split 2 + 3 + 3 among M-RoPE's time,
+    height and width (Qwen3-VL interleaves them); Qwen2.5-VL's vision tower of one windowed and one
+    full-attention block (window 2 x 2 merged patches), Qwen3-VL's of two blocks, the first one's features
+    also added to the text model's first layer (deep-stack), learned positions on a 4 x 4 grid."""
+    from transformers import AutoConfig
 
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     text = {
         "vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 512,
         "rms_norm_eps": 1e-6, "initializer_range": 0.1, "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        "pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+        "rope_parameters": rope, "pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
     }  # fmt: skip
-    vision = {
+    vision: dict[str, Any] = {
         "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "in_channels": 3,
-        "patch_size": QWEN_PATCH, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 16,
-        "fullatt_block_indexes": [1], "out_hidden_size": 32, "initializer_range": 0.1,
+        "patch_size": QWEN_PATCH, "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 32,
+        "initializer_range": 0.1,
     }  # fmt: skip
-    config = Qwen2_5_VLConfig(  # type: ignore[call-arg]  # the special ids: PretrainedConfig's kwargs
-        text_config=text, vision_config=vision, image_token_id=image_ids["image_token"],
-        video_token_id=image_ids["video_token"], vision_start_token_id=image_ids["vision_start_token"],
-        vision_end_token_id=image_ids["vision_end_token"], tie_word_embeddings=False,
-        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    if architecture == "qwen2_5_vl":
+        vision.update(window_size=16, fullatt_block_indexes=[1])
+    else:
+        rope["mrope_interleaved"] = True
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
+    config = AutoConfig.for_model(
+        architecture, text_config=text, vision_config=vision, tie_word_embeddings=False,
+        **{f"{name}_id": image_ids[name] for name in QWEN_VL_TOKENS},
     )  # fmt: skip
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.architectures = [QWEN_VL_CLASSES[architecture]]
     return config
 
 
-def write_tiny_qwen_vl_judge(path: str | Path, seed: int = 0) -> Path:
-    """Write a random-weight Qwen2_5_VLForConditionalGeneration (a judge: scored on label tokens), its
-    tokenizer with the vision marks and a chat template that places image parts, and its image processor
-    (4-pixel patches, at most QWEN_MAX_PIXELS); deterministic from `seed`."""
+QWEN_VL_CLASSES = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+}
+
+
+def write_tiny_qwen_vl_judge(path: str | Path, seed: int = 0, architecture: str = "qwen2_5_vl") -> Path:
+    """Write a random-weight Qwen2.5-VL or Qwen3-VL generation model (a judge: scored on label tokens),
+    its tokenizer with the vision marks and a chat template that places image parts, and its image
+    processor (4-pixel patches, at most QWEN_MAX_PIXELS); deterministic from `seed`."""
     from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessorPil
 
     target = Path(path)
@@ -188,7 +199,7 @@ def write_tiny_qwen_vl_judge(path: str | Path, seed: int = 0) -> Path:
     tokenizer = train_tokenizer(seed, architecture="qwen2")
     tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>", *QWEN_VL_TOKENS.values()])
     image_ids = {name: int(tokenizer.token_to_id(text) or 0) for name, text in QWEN_VL_TOKENS.items()}
-    config = qwen2_5_vl_config(tokenizer.get_vocab_size(), image_ids)
+    config = qwen_vl_config(architecture, tokenizer.get_vocab_size(), image_ids)
     with torch.random.fork_rng(devices=[]):  # seeded, the caller's RNG state kept
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
@@ -203,6 +214,8 @@ def write_tiny_qwen_vl_judge(path: str | Path, seed: int = 0) -> Path:
     Qwen2VLImageProcessorPil(
         patch_size=QWEN_PATCH, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=QWEN_MAX_PIXELS
     ).save_pretrained(str(target))
-    settings = {"processor_class": "Qwen2_5_VLProcessor"}
+    settings = {
+        "processor_class": QWEN_VL_CLASSES[architecture].replace("ForConditionalGeneration", "Processor")
+    }
     (target / "processor_config.json").write_text(json.dumps(settings) + "\n")
     return target

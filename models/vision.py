@@ -51,10 +51,17 @@ VISION_FAMILIES = {
         grid="image_grid_thw",
         judge=True,
     ),
+    "qwen3_vl": VisionFamily(
+        "models.qwen_vl.ImageQwen3VLProcessor",
+        "transformers.Qwen2VLImageProcessorPil",
+        "<|vision_start|>{image_token}<|vision_end|>",
+        token_types="mm_token_type_ids",
+        grid="image_grid_thw",
+        judge=True,
+    ),
 }
 # Families refused at start-up, each with its reason: scoring them wrong would be worse than not at all.
 REFUSED_VISION = {
-    "qwen3_vl": "its 3-D multimodal rotary positions (M-RoPE) are not checked in this worker yet",
     "qwen2_vl": "its 3-D multimodal rotary positions (M-RoPE) are not checked in this worker yet",
 }
 

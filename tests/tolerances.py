@@ -131,8 +131,14 @@ def forward_sums(model_dir: str | Path, longest: int, *, mean_pooled: bool = Fal
     config = json.loads((Path(model_dir) / "config.json").read_text())
     if "vision_config" in config:  # an image-text model: its vision tower's sums come before the text's
         vision = _vision_sums(config) if "mm_tokens_per_image" in config else _qwen_vision_sums(model_dir)
-        return vision + _config_sums(config["text_config"], longest, mean_pooled)
+        text = config["text_config"]
+        # Qwen's image-text models run their text family's decoder (Qwen3-VL's with Qwen3's q/k norms).
+        text = {**text, "model_type": _TEXT_FAMILIES.get(text["model_type"], text["model_type"])}
+        return vision + _config_sums(text, longest, mean_pooled)
     return _config_sums(config, longest, mean_pooled)
+
+
+_TEXT_FAMILIES = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 
 
 def _vision_sums(config: dict[str, Any]) -> list[int]:
@@ -152,21 +158,25 @@ def _vision_sums(config: dict[str, Any]) -> list[int]:
 
 
 def _qwen_vision_sums(model_dir: str | Path) -> list[int]:
-    """Qwen2.5-VL's vision tower, pixels to features: the patch embedding (channels * time * patch^2 terms),
-    then per block an RMS norm, the q/k/v projections, the scores (head_dim), the weighted sum over at most
-    all of an image's patches (the image processor's pixel limit over a patch's area), the output
-    projection, an RMS norm, gate/up and down; the merger's RMS norm and its two projections (merge^2
-    patches' widths, then that width again)."""
+    """Qwen2.5-VL's and Qwen3-VL's vision towers, pixels to features: the patch embedding (channels * time *
+    patch^2 terms; Qwen3-VL's learned positions add a bilinear mix of 4), then per block a norm (Qwen2.5-VL
+    RMS, one sum of the width; Qwen3-VL LayerNorm, two), the q/k/v projections, the scores (head_dim), the
+    weighted sum over at most all of an image's patches (the image processor's pixel limit over a patch's
+    area), the output projection, a norm, the MLP (Qwen2.5-VL gate/up and down, Qwen3-VL two layers); the
+    merger's norm and its two projections (merge^2 patches' widths, then that width again)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     vision = config["vision_config"]
     processor = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
     width, inner, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
     patches = processor["size"]["longest_edge"] // patch**2
     head_dim = width // vision["num_heads"]
-    layer = [width, width, head_dim, patches, width, width, width, inner]
+    norm = [width] * (2 if config["model_type"] == "qwen3_vl" else 1)
+    layer = [*norm, width, head_dim, patches, width, *norm, width, inner]
     merged = width * vision["spatial_merge_size"] ** 2
-    embedding = vision["in_channels"] * vision["temporal_patch_size"] * patch**2
-    return [embedding, *vision["depth"] * layer, width, merged, merged]
+    embedding = [vision["in_channels"] * vision["temporal_patch_size"] * patch**2]
+    if config["model_type"] == "qwen3_vl":
+        embedding.append(4)
+    return [*embedding, *vision["depth"] * layer, *norm, merged, merged]
 
 
 def _config_sums(config: dict[str, Any], longest: int, mean_pooled: bool) -> list[int]:

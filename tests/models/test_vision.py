@@ -149,14 +149,8 @@ def test_image_marks_and_image_tokens_outside_images_are_refused(vision_scorer: 
     _assert_alike(as_sent, token_ids, vision_scorer)
 
 
-@pytest.mark.parametrize(
-    ("model_type", "architecture"),
-    [("qwen3_vl", "Qwen3VLForConditionalGeneration"), ("qwen2_vl", "Qwen2VLForConditionalGeneration")],
-)
-def test_unchecked_qwen_vision_language_models_are_refused_by_name(
-    tmp_path: Path, model_type: str, architecture: str
-) -> None:
-    config = {"model_type": model_type, "architectures": [architecture]}
+def test_qwen2_vl_is_refused_by_name(tmp_path: Path) -> None:
+    config = {"model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="M-RoPE"):
         Scorer(tmp_path, ScorerConfig(device="cpu"))

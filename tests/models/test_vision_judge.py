@@ -1,5 +1,5 @@
-"""Qwen2.5-VL as an image-text judge against HF float32: label-token logits at the last token, image and
-text requests mixed in one padded batch, its 3-D rotary positions (M-RoPE) derived by HF's own forward."""
+"""Qwen2.5-VL and Qwen3-VL as image-text judges against HF float32: label-token logits at the last token,
+image and text requests mixed in one padded batch, 3-D rotary positions (M-RoPE) from HF's own forward."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ LABELS = (7, 11, 30)  # token ids of the judge's label words (any of the tiny vo
 MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-@pytest.fixture(scope="module")
-def judge_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_qwen_vl_judge(tmp_path_factory.mktemp("tiny-qwen2_5_vl"), seed=5)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def judge_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    return write_tiny_qwen_vl_judge(tmp_path_factory.mktemp(f"tiny-{request.param}"), 5, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +40,13 @@ def reference(judge_dir: Path) -> tuple[Any, Any]:
     its processor (HF's, without the video half that needs torchvision) from the directory's own files."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
 
-    from models.qwen_vl import ImageQwen2_5_VLProcessor
+    from models import qwen_vl
 
     model = AutoModelForImageTextToText.from_pretrained(
         str(judge_dir), attn_implementation="eager", dtype=torch.float32
     ).eval()
-    processor = ImageQwen2_5_VLProcessor(
+    kind = "Qwen3VL" if model.config.model_type == "qwen3_vl" else "Qwen2_5_VL"
+    processor = getattr(qwen_vl, f"Image{kind}Processor")(
         image_processor=Qwen2VLImageProcessorPil.from_pretrained(str(judge_dir)),
         tokenizer=AutoTokenizer.from_pretrained(str(judge_dir)),
     )
@@ -189,17 +190,18 @@ def test_a_qwen2_5_vl_classifier_is_refused(tmp_path: Path) -> None:
         Scorer(tmp_path, ScorerConfig(device="cpu"))
 
 
+@pytest.mark.parametrize("architecture", ["qwen2_5_vl", "qwen3_vl"])
 def test_make_tiny_model_writes_the_image_text_judge(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], architecture: str
 ) -> None:
     from worker import cli
 
     target = tmp_path / "vl"
-    command = ["make-tiny-model", str(target), "--architecture", "qwen2_5_vl", "--images", "--seed", "3"]
+    command = ["make-tiny-model", str(target), "--architecture", architecture, "--images", "--seed", "3"]
     assert cli.main(command) == 0
     assert "image-text judge" in capsys.readouterr().out
     scorer = Scorer(target, ScorerConfig(device="cpu"))
     request = ScoreRequest("r", items=("a",), images=(encoded("PNG", 1),), label_token_ids=LABELS)
     assert scorer.score([request])[0].ok
-    assert cli.main(["make-tiny-model", str(tmp_path / "x"), "--architecture", "qwen2_5_vl"]) == 2
+    assert cli.main(["make-tiny-model", str(tmp_path / "x"), "--architecture", architecture]) == 2
     assert cli.main([*command, "--prm", "head"]) == 2
