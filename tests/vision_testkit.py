@@ -129,3 +129,76 @@ def image_and_text_requests() -> list[ScoreRequest]:
         ScoreRequest("text-chat", items=("yes",), messages=(ChatMessage("user", "Is it fine?"),),
                      return_pooled_hidden_states=True),
     ]  # fmt: skip
+
+
+# Qwen2.5-VL's and Qwen3-VL's image judges: token ids of the label words (any of the tiny vocabulary), and
+# the text that places an image.
+JUDGE_LABELS = (7, 11, 30)
+MARK_QWEN = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def load_judge_reference(judge_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """HF's generation model (eager attention: plain matmuls, independent of the SDPA path under test) and
+    its processor (HF's, without the video half that needs torchvision) from the directory's own files."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
+
+    from models import qwen_vl
+
+    model = AutoModelForImageTextToText.from_pretrained(
+        str(judge_dir), attn_implementation="eager", dtype=dtype
+    ).eval()
+    kind = "Qwen3VL" if model.config.model_type == "qwen3_vl" else "Qwen2_5_VL"
+    processor = getattr(qwen_vl, f"Image{kind}Processor")(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(str(judge_dir)),
+        tokenizer=AutoTokenizer.from_pretrained(str(judge_dir)),
+    )
+    return model, processor
+
+
+def judge_alone(
+    reference: tuple[Any, Any], request: ScoreRequest, dtype: torch.dtype = torch.float32
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """HF on each item alone, unpadded (in the reference's `dtype`): the processor's ids, token types, pixel
+    values and grids, the model's own forward (its M-RoPE positions from them). Returns (the label tokens'
+    logits at the last token [N, L], with apply_softmax their softmax; the final-norm hidden states there
+    [N, H]; the longest prompt)."""
+    model, processor = reference
+    images = [Image.open(io.BytesIO(data)).convert("RGB") for data in request.images or ()]
+    texts, specials = item_texts(request, processor, MARK_QWEN)
+    scores, hidden, longest = [], [], 0
+    for text in texts:
+        inputs = processor(
+            text=[text], images=[images] if images else None, add_special_tokens=specials, return_tensors="pt"
+        )
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        with torch.inference_mode():
+            out = model(**inputs, output_hidden_states=True)
+        logits = out.logits[0, -1, list(request.label_token_ids or ())].double()
+        scores.append((logits.softmax(-1) if request.apply_softmax else logits).numpy())
+        hidden.append(out.hidden_states[-1][0, -1].float().numpy())
+        longest = max(longest, int(inputs["input_ids"].shape[1]))
+    return np.stack(scores), np.stack(hidden), longest
+
+
+def judge_requests() -> list[ScoreRequest]:
+    chat = ChatMessage(
+        "user", (ContentPart("image"), ContentPart("text", "Which fits? "), ContentPart("image"))
+    )
+    return [
+        ScoreRequest(
+            "picture-query", items=("a cat", " a dog on a mat"), query="Which animal? ",
+            images=(encoded("PNG", 1),), label_token_ids=JUDGE_LABELS, return_pooled_hidden_states=True,
+        ),
+        ScoreRequest("text-only", items=("The quick brown fox", "jumps"), label_token_ids=JUDGE_LABELS,
+                     return_pooled_hidden_states=True),
+        ScoreRequest(
+            "chat-two-images", items=("the left one", "neither"),
+            messages=(ChatMessage("system", "Judge."), chat),
+            # Other shapes, other grids: 40 x 12 and 64 x 48 pixels resize to different patch grids.
+            images=(encoded("JPEG", 2, (40, 12)), encoded("WEBP", 3, (64, 48))),
+            label_token_ids=JUDGE_LABELS, apply_softmax=True, return_pooled_hidden_states=True,
+        ),
+        ScoreRequest("text-chat", items=("yes",), messages=(ChatMessage("user", "Is it fine?"),),
+                     label_token_ids=JUDGE_LABELS[:2], apply_softmax=True),
+    ]  # fmt: skip

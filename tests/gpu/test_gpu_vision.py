@@ -5,7 +5,6 @@ Marked `gpu` and skipped without a CUDA device (tests/models/test_vision.py is t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +31,6 @@ def vision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(vision_dir: Path) -> tuple[Any, Any]:
     return load_reference(vision_dir)
-
-
-@pytest.fixture
-def strict_float32() -> Iterator[None]:
-    """Float32 products rounded as float32 (no TF32: the patch embedding is a convolution, which cuDNN
-    would otherwise run in TF32, 10 bits of mantissa), so the float32 bound below holds."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _scored(scorer: Scorer) -> list[tuple[np.ndarray, np.ndarray]]:

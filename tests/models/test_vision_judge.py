@@ -14,14 +14,19 @@ import torch
 from PIL import Image
 from scoring_testkit import hidden_of, scores_of
 from tolerances import forward_atol
-from vision_testkit import encoded, item_texts
+from vision_testkit import (
+    JUDGE_LABELS,
+    MARK_QWEN,
+    encoded,
+    item_texts,
+    judge_alone,
+    judge_requests,
+    load_judge_reference,
+)
 
 from models import ModelLoadError, Scorer, ScorerConfig
 from models.tiny_vision import QWEN_VL_TOKENS, write_tiny_qwen_vl_judge
-from schemas import ChatMessage, ContentPart, ErrorCode, ScoreRequest, ScoreResult
-
-LABELS = (7, 11, 30)  # token ids of the judge's label words (any of the tiny vocabulary)
-MARK = "<|vision_start|><|image_pad|><|vision_end|>"
+from schemas import ErrorCode, ScoreRequest, ScoreResult
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
@@ -36,65 +41,7 @@ def judge(judge_dir: Path) -> Scorer:
 
 @pytest.fixture(scope="module")
 def reference(judge_dir: Path) -> tuple[Any, Any]:
-    """HF's generation model (eager attention: plain matmuls, independent of the SDPA path under test) and
-    its processor (HF's, without the video half that needs torchvision) from the directory's own files."""
-    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
-
-    from models import qwen_vl
-
-    model = AutoModelForImageTextToText.from_pretrained(
-        str(judge_dir), attn_implementation="eager", dtype=torch.float32
-    ).eval()
-    kind = "Qwen3VL" if model.config.model_type == "qwen3_vl" else "Qwen2_5_VL"
-    processor = getattr(qwen_vl, f"Image{kind}Processor")(
-        image_processor=Qwen2VLImageProcessorPil.from_pretrained(str(judge_dir)),
-        tokenizer=AutoTokenizer.from_pretrained(str(judge_dir)),
-    )
-    return model, processor
-
-
-def hf_alone(reference: tuple[Any, Any], request: ScoreRequest) -> tuple[np.ndarray, np.ndarray, int]:
-    """HF float32 on each item alone, unpadded: the processor's ids, token types, pixel values and grids,
-    the model's own forward (its M-RoPE positions from them). Returns (the label tokens' logits at the last
-    token [N, L], with apply_softmax their softmax; the final-norm hidden states there [N, H]; longest)."""
-    model, processor = reference
-    images = [Image.open(io.BytesIO(data)).convert("RGB") for data in request.images or ()]
-    texts, specials = item_texts(request, processor, MARK)
-    scores, hidden, longest = [], [], 0
-    for text in texts:
-        inputs = processor(
-            text=[text], images=[images] if images else None, add_special_tokens=specials, return_tensors="pt"
-        )
-        with torch.inference_mode():
-            out = model(**inputs, output_hidden_states=True)
-        logits = out.logits[0, -1, list(request.label_token_ids or ())].double()
-        scores.append((logits.softmax(-1) if request.apply_softmax else logits).numpy())
-        hidden.append(out.hidden_states[-1][0, -1].numpy())
-        longest = max(longest, int(inputs["input_ids"].shape[1]))
-    return np.stack(scores), np.stack(hidden), longest
-
-
-def _requests() -> list[ScoreRequest]:
-    chat = ChatMessage(
-        "user", (ContentPart("image"), ContentPart("text", "Which fits? "), ContentPart("image"))
-    )
-    return [
-        ScoreRequest(
-            "picture-query", items=("a cat", " a dog on a mat"), query="Which animal? ",
-            images=(encoded("PNG", 1),), label_token_ids=LABELS, return_pooled_hidden_states=True,
-        ),
-        ScoreRequest("text-only", items=("The quick brown fox", "jumps"), label_token_ids=LABELS,
-                     return_pooled_hidden_states=True),
-        ScoreRequest(
-            "chat-two-images", items=("the left one", "neither"),
-            messages=(ChatMessage("system", "Judge."), chat),
-            # Other shapes, other grids: 40 x 12 and 64 x 48 pixels resize to different patch grids.
-            images=(encoded("JPEG", 2, (40, 12)), encoded("WEBP", 3, (64, 48))),
-            label_token_ids=LABELS, apply_softmax=True, return_pooled_hidden_states=True,
-        ),
-        ScoreRequest("text-chat", items=("yes",), messages=(ChatMessage("user", "Is it fine?"),),
-                     label_token_ids=LABELS[:2], apply_softmax=True),
-    ]  # fmt: skip
+    return load_judge_reference(judge_dir)
 
 
 def _assert_matches(result: Any, expected: tuple[np.ndarray, np.ndarray, int], judge_dir: Path) -> None:
@@ -111,25 +58,25 @@ def _assert_matches(result: Any, expected: tuple[np.ndarray, np.ndarray, int], j
 
 
 def test_mixed_batch_matches_hf_float32(judge: Scorer, reference: Any, judge_dir: Path) -> None:
-    requests = _requests()
+    requests = judge_requests()
     results = judge.score(requests)
     for request, result in zip(requests, results, strict=True):
-        _assert_matches(result, hf_alone(reference, request), judge_dir)
+        _assert_matches(result, judge_alone(reference, request), judge_dir)
     assert results[0].pooled_hidden_states is not None and results[3].pooled_hidden_states is None
     # Softmax over the labels where asked: each item's probabilities sum to one.
     np.testing.assert_allclose(scores_of(results[2]).sum(-1), 1.0, atol=1e-6)
 
 
 def test_each_request_alone_matches_hf(judge: Scorer, reference: Any, judge_dir: Path) -> None:
-    for request in _requests()[::2]:
-        _assert_matches(judge.score([request])[0], hf_alone(reference, request), judge_dir)
+    for request in judge_requests()[::2]:
+        _assert_matches(judge.score([request])[0], judge_alone(reference, request), judge_dir)
 
 
 def test_the_deterministic_setting_scores_item_by_item(reference: Any, judge_dir: Path) -> None:
     scorer = Scorer(judge_dir, ScorerConfig(device="cpu", deterministic=True))
-    requests = _requests()
+    requests = judge_requests()
     for request, result in zip(requests, scorer.score(requests), strict=True):
-        _assert_matches(result, hf_alone(reference, request), judge_dir)
+        _assert_matches(result, judge_alone(reference, request), judge_dir)
 
 
 def test_image_positions_are_3d(judge: Scorer, reference: Any, judge_dir: Path) -> None:
@@ -137,21 +84,23 @@ def test_image_positions_are_3d(judge: Scorer, reference: Any, judge_dir: Path) 
     past the image's largest side, not one a token: with 1-D positions the scores differ by far more than
     the tolerance, so the comparisons above would see an M-RoPE left out."""
     model, processor = reference
-    request = _requests()[0]
-    expected, _, longest = hf_alone(reference, request)
-    texts, _ = item_texts(request, processor, MARK)
+    request = judge_requests()[0]
+    expected, _, longest = judge_alone(reference, request)
+    texts, _ = item_texts(request, processor, MARK_QWEN)
     images = [Image.open(io.BytesIO(data)).convert("RGB") for data in request.images or ()]
     inputs = processor(text=texts[:1], images=[images], return_tensors="pt")
     flat = torch.arange(inputs["input_ids"].shape[1]).view(1, 1, -1).expand(3, 1, -1)
     with torch.inference_mode():
         out = model(**inputs, position_ids=flat)
-    flat_scores = out.logits[0, -1, list(LABELS)].double().numpy()
+    flat_scores = out.logits[0, -1, list(JUDGE_LABELS)].double().numpy()
     assert np.abs(flat_scores - expected[0]).max() > 10 * forward_atol(judge_dir, expected, longest=longest)
 
 
 def test_the_images_change_the_scores(judge: Scorer, judge_dir: Path) -> None:
     requests = [
-        ScoreRequest(f"r{seed}", items=("a cat",), images=(encoded("PNG", seed),), label_token_ids=LABELS)
+        ScoreRequest(
+            f"r{seed}", items=("a cat",), images=(encoded("PNG", seed),), label_token_ids=JUDGE_LABELS
+        )
         for seed in (1, 2)
     ]
     first, second = (scores_of(result) for result in judge.score(requests))
@@ -170,7 +119,7 @@ def test_typed_image_pads_are_refused(judge: Scorer) -> None:
         ScoreRequest("pad-in-text", items=(f"a {pad} b",)),
         ScoreRequest("good", items=("a cat",), images=(encoded("PNG", 2),)),
     ]
-    *refused, good = judge.score([replace(one, label_token_ids=LABELS) for one in requests])
+    *refused, good = judge.score([replace(one, label_token_ids=JUDGE_LABELS) for one in requests])
     for result in refused:
         assert result.error is not None and result.error.code is ErrorCode.INVALID_REQUEST, result
     assert good.ok, good.error
@@ -201,7 +150,7 @@ def test_make_tiny_model_writes_the_image_text_judge(
     assert cli.main(command) == 0
     assert "image-text judge" in capsys.readouterr().out
     scorer = Scorer(target, ScorerConfig(device="cpu"))
-    request = ScoreRequest("r", items=("a",), images=(encoded("PNG", 1),), label_token_ids=LABELS)
+    request = ScoreRequest("r", items=("a",), images=(encoded("PNG", 1),), label_token_ids=JUDGE_LABELS)
     assert scorer.score([request])[0].ok
     assert cli.main(["make-tiny-model", str(tmp_path / "x"), "--architecture", architecture]) == 2
     assert cli.main([*command, "--prm", "head"]) == 2
