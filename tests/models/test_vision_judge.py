@@ -110,19 +110,31 @@ def test_the_images_change_the_scores(judge: Scorer, judge_dir: Path) -> None:
     assert np.abs(first - second).max() > 10 * forward_atol(judge_dir, first, longest=longest)
 
 
-def test_typed_image_pads_are_refused(judge: Scorer) -> None:
+def test_typed_image_pads_are_refused_and_token_ids_taken_as_sent(judge: Scorer) -> None:
     """An image pad in the text would take no image (and break the model's count of features and tokens):
-    its request's error; the good request beside it scores."""
+    its request's error; the good request beside it scores as alone. Token ids are taken as sent: beside
+    an image request they split the batch, and both score as alone."""
     pad = QWEN_VL_TOKENS["image_token"]
+    pad_id = judge.model.tokenizer.convert_tokens_to_ids(pad)
     requests = [
         ScoreRequest("pad-with-image", items=(f"a {pad}",), images=(encoded("PNG", 1),)),
         ScoreRequest("pad-in-text", items=(f"a {pad} b",)),
         ScoreRequest("good", items=("a cat",), images=(encoded("PNG", 2),)),
+        ScoreRequest("token-ids", items=((5, pad_id, 7),)),
     ]
-    *refused, good = judge.score([replace(one, label_token_ids=JUDGE_LABELS) for one in requests])
+    requests = [replace(one, label_token_ids=JUDGE_LABELS) for one in requests]
+    *refused, good, as_sent = judge.score(requests)
     for result in refused:
         assert result.error is not None and result.error.code is ErrorCode.INVALID_REQUEST, result
-    assert good.ok, good.error
+    for got, request in ((good, requests[2]), (as_sent, requests[3])):
+        alone = judge.score([request])[0]
+        assert got.ok and alone.ok, (got.error, alone.error)
+        prepared = judge.prepare(request)
+        assert not isinstance(prepared, ScoreResult)
+        # The same float32 sums in a batch and alone, in other orders (forward_bound).
+        want = scores_of(alone)
+        atol = forward_atol(Path(judge.hf_model.name_or_path), want, longest=len(prepared.prompts[0]))
+        np.testing.assert_allclose(scores_of(got), want, atol=atol, rtol=0)
 
 
 def test_requests_without_label_tokens_are_refused(judge: Scorer) -> None:
