@@ -166,3 +166,12 @@ def test_make_tiny_model_writes_the_image_text_judge(
     assert scorer.score([request])[0].ok
     assert cli.main(["make-tiny-model", str(tmp_path / "x"), "--architecture", architecture]) == 2
     assert cli.main([*command, "--prm", "head"]) == 2
+
+
+def test_the_start_up_self_check_passes(judge: Scorer) -> None:
+    """The worker's start-up check (text prompts through the engine and through HF's own forward) accepts
+    the judge: its label logits agree within the check's float32 bound."""
+    from models.selfcheck import run_self_check
+
+    report = run_self_check(judge)
+    assert report.items > 0 and report.max_score_diff <= report.score_bound
