@@ -37,8 +37,8 @@ class VisionFamily:
 
 
 # Families whose image-text models run here, checked against HF float32 (tests/models/test_vision.py,
-# tests/models/test_vision_judge.py). Qwen2.5-VL's forward derives its 3-D rotary positions (M-RoPE) from
-# the token types, each image's grid and the attention mask of the padded batch.
+# tests/models/test_vision_judge.py). Qwen2.5-VL's and Qwen3-VL's forwards derive their 3-D rotary positions
+# (M-RoPE) from the token types, each image's grid and the attention mask of the padded batch.
 VISION_FAMILIES = {
     "gemma3": VisionFamily(
         "transformers.Gemma3Processor", "transformers.Gemma3ImageProcessorPil", "{boi_token}"
@@ -100,7 +100,7 @@ def plain_attention(model_type: str) -> str:
 @dataclass(frozen=True)
 class ImageInputs:
     """One prompt's images as its model's forward takes them: pixel values in the order its image tokens
-    come ([images, 3, H, W]; Qwen2.5-VL: [patches, channels x patch volume]) and, where the family has one,
+    come ([images, 3, H, W]; the Qwens: [patches, channels x patch volume]) and, where the family has one,
     each image's patch grid [images, 3] (time, height, width)."""
 
     pixel_values: np.ndarray
