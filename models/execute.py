@@ -26,9 +26,8 @@ from models.layers import (
     traced_graphs,
     transformer_layers,
 )
-from models.linear_attention import PackedLinearAttention
 from models.loading import LoadedModel, head_name
-from models.moe import MoeBlocks, unsupported
+from models.mechanisms import linear_layers, moe_blocks
 from models.packing import (
     KeyLayout,
     PackedBatch,
@@ -79,9 +78,9 @@ class Executor:
         # Read once: the worker's prepare thread asks while the model thread runs, and a transformers
         # config's attribute lookup costs tens of microseconds.
         self.sliding_window = sliding_window(text_config)
-        self.moe_blocks = self._moe_blocks()
+        self.moe_blocks = moe_blocks(loaded)
         # Gated DeltaNet layers on the packed path (models/linear_attention.py); None: the model has none.
-        self.linear_layers = self._linear_layers()
+        self.linear_layers = linear_layers(loaded, config, device, attention)
         if config.quantization == "fp8":
             self._quantize_fp8()
         self.adapters = self._load_adapters()
@@ -123,63 +122,6 @@ class Executor:
             )
         elif config.cuda_graphs == "on":
             log.info("%s takes the %s path, which CUDA graphs cannot record", loaded.name, attention)
-
-    def _moe_blocks(self) -> MoeBlocks | None:
-        """The model's sparse mixture-of-experts blocks with the packed forward (models/moe.py), or None
-        where it has none (or runs padded, HF's own forward); ModelLoadError where a block cannot take it."""
-        if not self._loaded.packable:
-            return None
-        blocks = MoeBlocks.of(decoder_layers(self._loaded.base))
-        if blocks is None:
-            return None
-        why = unsupported(blocks.blocks)
-        if why is not None:
-            raise ModelLoadError(f"{self._loaded.name}: {why}")
-        log.info(
-            "%s: %d mixture-of-experts blocks run as grouped expert products", self._loaded.name, len(blocks)
-        )
-        return blocks
-
-    def _linear_layers(self) -> PackedLinearAttention | None:
-        """The packed forward of the model's Gated DeltaNet layers, or None without such layers; settings the
-        family cannot serve are refused (ModelLoadError) or turned off, each with its reason in the log."""
-        loaded, config = self._loaded, self._config
-        linear = PackedLinearAttention.of(loaded.base, self.device) if loaded.packable else None
-        if linear is None:
-            return None
-        refused = {
-            "quantization='fp8'": config.quantization == "fp8",
-            "adapters": bool(config.adapter_dirs),
-            "prefix_cache_mib": bool(config.prefix_cache_mib),
-            "tensor_parallel": config.tensor_parallel > 1,
-        }
-        for setting, asked in refused.items():
-            if asked:
-                raise ModelLoadError(
-                    f"{setting}: {loaded.name}'s Gated DeltaNet layers are not served with it (their "
-                    "projections, recurrent state and sharding have no path of their own there yet)"
-                )
-        turned_off = [
-            name
-            for name, on in (
-                ("compiled layers", config.resolve_compile(self.attention, self.device)),
-                ("CUDA graphs", config.resolve_graphs(self.device, self.attention)),
-                ("the last layer at the pooled rows", config.last_layer_pooled_rows),
-            )
-            if on
-        ]
-        if turned_off:
-            log.info(
-                "%s: %s stay off (the Gated DeltaNet layers read their sequence bounds on the host)",
-                loaded.name, ", ".join(turned_off),
-            )  # fmt: skip
-        log.info(
-            "%s: %d Gated DeltaNet layers run packed on the %s kernels",
-            loaded.name,
-            len(linear),
-            linear.kernel,
-        )
-        return linear
 
     def _quantize_fp8(self) -> None:
         """Swap the layers' projections for FP8 ones, or refuse to load (ModelLoadError)."""

@@ -249,7 +249,7 @@ def test_tensor_parallelism_is_refused(hybrid_dir: Path) -> None:
 
 
 def test_compiled_layers_stay_off_with_a_reason(hybrid_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="models.execute"):
+    with caplog.at_level(logging.INFO, logger="models.mechanisms"):
         scorer = Scorer(hybrid_dir, ScorerConfig(device="cpu", compile="on"))
     assert not scorer.executor.compiled and scorer.executor.graphs is None
     assert "compiled layers" in caplog.text and "stay off" in caplog.text
