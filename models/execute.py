@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from models.adapters import AdapterSet, load_adapters
+from models.checkpoint_heads import head_name
 from models.config import ScorerConfig
 from models.errors import ModelLoadError
 from models.fp8 import fp8_supported, quantize_layers
@@ -26,7 +27,7 @@ from models.layers import (
     traced_graphs,
     transformer_layers,
 )
-from models.loading import LoadedModel, head_name
+from models.loading import LoadedModel
 from models.mechanisms import linear_layers, moe_blocks
 from models.packing import (
     KeyLayout,

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from models.checkpoint_heads import ACTIVATIONS, mlp_from_tensors
 from models.errors import ModelLoadError
-from models.loading import _ACTIVATIONS, mlp_from_tensors
 from models.prepare import PreparedRequest
 from models.transfer import item_ranges, to_host_async
 
@@ -36,7 +36,7 @@ def read_head(name: str, directory: Path, hidden_size: int) -> nn.Module:
     config = json.loads(config_path.read_text()) if config_path.is_file() else {"type": "linear"}
     if config.get("type") == "linear" and set(weights) <= {"weight", "bias"} and "weight" in weights:
         layers: list[nn.Module] = [_linear(weights)]
-    elif config.get("type") == "mlp" and config.get("activation") in _ACTIVATIONS:
+    elif config.get("type") == "mlp" and config.get("activation") in ACTIVATIONS:
         stray = [
             key
             for key in weights

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,16 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 from transformers.utils.import_utils import is_accelerate_available
 
+from models.checkpoint_heads import (
+    ACTIVATIONS,
+    adapt_head,
+    checkpoint_keys,
+    encoder_head,
+    find_head,
+    head_name,
+    mlp_head,
+    read_value_head,
+)
 from models.errors import ModelLoadError
 from models.families import CLASSIFIER_MODEL_TYPES, UNSERVED, check_config
 from models.families import DECODER_MODEL_TYPES as DECODER_MODEL_TYPES
@@ -191,147 +200,22 @@ def is_judge(config: dict[str, Any]) -> bool:
     return causal and not classifier and config.get("model_type") in DECODER_MODEL_TYPES
 
 
-def head_name(model: nn.Module) -> str:
-    """The attribute holding the classification head of a *ForSequenceClassification model."""
-    for name in ("score", "classifier"):
-        if isinstance(getattr(model, name, None), nn.Module):
-            return name
-    raise ModelLoadError(f"{type(model).__name__} has no `score` or `classifier` head module")
-
-
-def find_head(model: nn.Module) -> nn.Module:
-    """The classification head of a *ForSequenceClassification model (`score` on HF decoders)."""
-    head: nn.Module = getattr(model, head_name(model))
-    return head
-
-
-def _checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """Which safetensors file holds each tensor of a checkpoint, single-file or sharded (headers only)."""
-    from safetensors import safe_open
-
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return {key: model_dir / name for key, name in weight_map.items()}
-    files: dict[str, Path] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as checkpoint:
-            files.update(dict.fromkeys(checkpoint.keys(), path))
-    return files
-
-
-def _read_checkpoint_tensor(model_dir: Path, key: str) -> torch.Tensor:
-    """One tensor of a safetensors checkpoint, read without loading the rest."""
-    from safetensors import safe_open
-
-    path = _checkpoint_files(model_dir).get(key)
-    if path is None:
-        raise ModelLoadError(f"{key} is not in the checkpoint of {str(model_dir)!r}")
-    with safe_open(str(path), framework="pt") as checkpoint:
-        tensor: torch.Tensor = checkpoint.get_tensor(key)
-    return tensor
-
-
-# Heads other than HF's own, declared in config.json as {"score_worker_head": {"type": ..., ...}}
-# (docs/models.md). A head's shape cannot be guessed safely from its weights (the activation is not in
-# them), so anything but a plain linear head must be declared.
-_ACTIVATIONS: dict[str, type[nn.Module]] = {
-    "relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU, "sigmoid": nn.Sigmoid,
-}  # fmt: skip
-
-
 def declared_head(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The head declared in config.json, checked: {"type": "mlp", "activation": one of _ACTIVATIONS}."""
+    """The head declared in config.json, checked: {"type": "mlp", "activation": one of ACTIVATIONS}."""
     declared = config.get("score_worker_head")
     if declared is None:
         return {"type": "mlp", "activation": "relu"} if is_process_reward_model(config) else None
     if not isinstance(declared, dict) or declared.get("type") != "mlp":
         raise ModelLoadError(
             f'score_worker_head in config.json is {declared!r}; declare {{"type": "mlp", "activation": '
-            f'"relu"}} (activations: {", ".join(_ACTIVATIONS)}) or remove it for the model\'s own head'
+            f'"relu"}} (activations: {", ".join(ACTIVATIONS)}) or remove it for the model\'s own head'
         )
-    if declared.get("activation") not in _ACTIVATIONS:
+    if declared.get("activation") not in ACTIVATIONS:
         raise ModelLoadError(
             f"score_worker_head.activation is {declared.get('activation')!r}; use one of "
-            f"{', '.join(_ACTIVATIONS)}"
+            f"{', '.join(ACTIVATIONS)}"
         )
     return declared
-
-
-def _mlp_head(model_dir: Path, name: str, activation: str, keys: set[str]) -> nn.Sequential:
-    """`name`.0, `name`.2, ... linear layers (nn.Sequential's numbering) of the checkpoint, with the
-    activation between them."""
-    return mlp_from_tensors(
-        functools.partial(_read_checkpoint_tensor, model_dir), keys, f"{name}.", activation,
-        "score_worker_head declares an MLP but the checkpoint",
-    )  # fmt: skip
-
-
-def mlp_from_tensors(
-    read: Callable[[str], torch.Tensor], keys: Iterable[str], prefix: str, activation: str, where: str
-) -> nn.Sequential:
-    """`prefix`0, `prefix`2, ... linear layers (nn.Sequential's numbering; `read` gives a tensor by key,
-    `keys` are all there are), with the activation between them; ModelLoadError saying `where` when there
-    are fewer than two or their widths do not chain."""
-    indices = sorted(
-        {
-            int(key.removeprefix(prefix).split(".")[0])
-            for key in keys
-            if key.startswith(prefix) and key.endswith(".weight")
-        }
-    )
-    if len(indices) < 2:
-        raise ModelLoadError(
-            f"{where} has {len(indices)} linear layer(s) under {prefix!r}; an MLP head has {prefix}0.weight, "
-            f"{prefix}2.weight, ... (nn.Sequential's names)"
-        )
-    key_set = set(keys)
-    layers: list[nn.Module] = []
-    width: int | None = None
-    for position, index in enumerate(indices):
-        weight = read(f"{prefix}{index}.weight")
-        if width is not None and weight.shape[1] != width:
-            raise ModelLoadError(f"{prefix}{index}.weight takes {weight.shape[1]} inputs, not {width}")
-        bias_key = f"{prefix}{index}.bias"
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias_key in key_set)
-        with torch.no_grad():
-            linear.weight.copy_(weight)
-            if linear.bias is not None:
-                linear.bias.copy_(read(bias_key))
-        layers.append(linear)
-        if position < len(indices) - 1:
-            layers.append(_ACTIVATIONS[activation]())
-        width = weight.shape[0]
-    return nn.Sequential(*layers)
-
-
-def _adapt_head(model: PreTrainedModel, model_dir: Path, unexpected: Sequence[str]) -> None:
-    """Load every head weight of the checkpoint into the head, or refuse the model.
-
-    HF's decoder classifiers build a bias-free linear `score`; reward checkpoints trained with a biased head
-    carry `score.bias`, which HF drops with a log line, silently shifting every score. A bias is loaded into
-    the head; any other head weight HF did not use means a head shape we do not know, and is fatal.
-    """
-    name = head_name(model)
-    extra = sorted(key for key in unexpected if key.split(".", 1)[0] == name)
-    if not extra:
-        return
-    head = getattr(model, name)
-    if extra == [f"{name}.bias"] and isinstance(head, nn.Linear) and head.bias is None:
-        bias = _read_checkpoint_tensor(model_dir, f"{name}.bias")
-        if tuple(bias.shape) == (head.out_features,):
-            biased = nn.Linear(head.in_features, head.out_features, bias=True)
-            biased.to(device=head.weight.device, dtype=head.weight.dtype)
-            with torch.no_grad():
-                biased.weight.copy_(head.weight)
-                biased.bias.copy_(bias.to(head.weight.dtype))
-            setattr(model, name, biased)
-            return
-    raise ModelLoadError(
-        f"The checkpoint in {str(model_dir)!r} has head weights the model's own head does not use "
-        f"({', '.join(extra[:5])}); its scores would be wrong. score-worker loads a linear head with or "
-        "without a bias; convert other heads to that form."
-    )
 
 
 def _load_tokenizer(model_dir: Path, trust_remote_code: bool, *, encoder: bool) -> Any | None:
@@ -451,13 +335,13 @@ def load_model(
         remote_code=remote_code,
         safetensors_only=_safetensors_only(model_dir, allow_pickle_weights),
     )
-    value_head = _value_head(model_dir, model) if judge else None
+    value_head = read_value_head(model_dir, model) if judge else None
     if value_head is not None:
         # A reward model after all: its score is the value head at the last token, not label logits.
         judge = False
         value_head.to(device=device, dtype=dtype)
     elif not judge:
-        _adapt_head(model, model_dir, info.get("unexpected_keys") or ())
+        adapt_head(model, model_dir, info.get("unexpected_keys") or ())
     module: nn.Module = model  # PreTrainedModel.to's decorator hides Module.to's signature from mypy
     module.to(device).eval()
     base, embeddings = _base_and_embeddings(model)
@@ -527,7 +411,7 @@ def _from_pretrained(
     if declared is not None and not judge:
         # HF built its own linear head and reports its weights missing: the declared head replaces it.
         name = head_name(model)
-        head = _mlp_head(model_dir, name, declared["activation"], _checkpoint_keys(model_dir))
+        head = mlp_head(model_dir, name, declared["activation"], checkpoint_keys(model_dir))
         setattr(model, name, head.to(dtype=dtype))
         info["missing_keys"] = [k for k in info.get("missing_keys") or () if not k.startswith(f"{name}.")]
         info["unexpected_keys"] = [
@@ -570,39 +454,10 @@ def _final_softcap(model: PreTrainedModel) -> float | None:
     return float(cap) if cap else None
 
 
-# TRL's value-head reward models (AutoModelForCausalLMWithValueHead) save a causal LM plus this linear head.
-VALUE_HEAD_KEYS = ("v_head.summary.weight", "v_head.summary.bias")
-
-
-def _checkpoint_keys(model_dir: Path) -> set[str]:
-    """Tensor names of a safetensors checkpoint, read from the index or the file headers only."""
-    return set(_checkpoint_files(model_dir))
-
-
-def _value_head(model_dir: Path, model: PreTrainedModel) -> nn.Linear | None:
-    """The checkpoint's TRL value head as a linear layer [H] -> [1], or None when it has none."""
-    keys = _checkpoint_keys(model_dir)
-    if VALUE_HEAD_KEYS[0] not in keys:
-        return None
-    weight = _read_checkpoint_tensor(model_dir, VALUE_HEAD_KEYS[0])
-    hidden = int(model.config.get_text_config().hidden_size)
-    if tuple(weight.shape) != (1, hidden):
-        raise ModelLoadError(
-            f"the value head in {str(model_dir)!r} has shape {tuple(weight.shape)}, not (1, {hidden}); "
-            "score-worker loads TRL's single-output value head"
-        )
-    head = nn.Linear(hidden, 1, bias=VALUE_HEAD_KEYS[1] in keys)
-    with torch.no_grad():
-        head.weight.copy_(weight)
-        if head.bias is not None:
-            head.bias.copy_(_read_checkpoint_tensor(model_dir, VALUE_HEAD_KEYS[1]))
-    return head
-
-
 def _head(model: PreTrainedModel, judge: bool, encoder: bool) -> nn.Module:
     if judge:
         return _judge_head(model)
-    return _encoder_head(model) if encoder else find_head(model)
+    return encoder_head(model) if encoder else find_head(model)
 
 
 def _judge_head(model: PreTrainedModel) -> nn.Module:
@@ -615,54 +470,6 @@ def _judge_head(model: PreTrainedModel) -> nn.Module:
 def _default_pooling(config: dict[str, Any]) -> Pooling:
     """Encoders pool their first token, except where the config says otherwise (ModernBERT's mean)."""
     return "mean" if config.get("classifier_pooling") == "mean" else "cls"
-
-
-class EncoderHead(nn.Module):
-    """An encoder classifier's chain after pooling, fed one pooled row per item: [N, H] -> [N, labels].
-
-    HF's BERT and DeBERTa poolers (dense + activation) and RoBERTa's classification head (dense + tanh +
-    projection) read the first token of a [B, L, H] sequence: each pooled row is handed over as a sequence
-    of that one token. ModernBERT's head (dense + activation + norm) reads the pooled rows themselves.
-    """
-
-    def __init__(
-        self,
-        pooler: nn.Module | None,
-        pooler_reads_sequence: bool,
-        classifier: nn.Module,
-        classifier_reads_sequence: bool,
-    ):
-        super().__init__()
-        self.pooler = pooler
-        self.pooler_reads_sequence = pooler_reads_sequence
-        self.classifier = classifier
-        self.classifier_reads_sequence = classifier_reads_sequence
-
-    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        rows = pooled  # [N, H]
-        if self.pooler is not None:
-            rows = self.pooler(rows.unsqueeze(1) if self.pooler_reads_sequence else rows)
-        if self.classifier_reads_sequence:
-            return self.classifier(rows.unsqueeze(1))  # type: ignore[no-any-return]
-        return self.classifier(rows)  # type: ignore[no-any-return]
-
-
-def _encoder_head(model: PreTrainedModel) -> nn.Module:
-    base = getattr(model, model.base_model_prefix)
-    classifier = find_head(model)
-    # BERT's pooler sits in the base model, DeBERTa's beside it, ModernBERT's dense head beside it too;
-    # RoBERTa classifiers are built without one (their classification head does it all).
-    for owner, name, reads_sequence in (
-        (base, "pooler", True),
-        (model, "pooler", True),
-        (model, "head", False),
-    ):
-        module = getattr(owner, name, None)
-        if isinstance(module, nn.Module) and module is not classifier:
-            return EncoderHead(module, reads_sequence, classifier, False)
-    return EncoderHead(
-        None, False, classifier, classifier_reads_sequence=not isinstance(classifier, nn.Linear)
-    )
 
 
 def _pad_token_id(model: PreTrainedModel) -> int | None:

@@ -37,17 +37,16 @@ from models.families import family, tensor_parallel_refusal
 
 if TYPE_CHECKING:
     from models.fp8 import Fp8Selection
+from models.checkpoint_heads import checkpoint_files, find_head
 from models.layers import decoder_layers
 from models.loading import (
     DECODER_MODEL_TYPES,
     LoadedModel,
     _base_and_embeddings,
-    _checkpoint_files,
     _load_tokenizer,
     _pad_token_id,
     _positions,
     declared_head,
-    find_head,
     is_judge,
     packable,
     quiet_progress_bars,
@@ -413,7 +412,7 @@ ValueOf = Callable[[str, Cut, nn.Parameter], torch.Tensor]  # a parameter's valu
 
 def checkpoint_values(model_dir: Path) -> ValueOf:
     """Values read from the checkpoint's safetensors files, this rank's slices only."""
-    files = _checkpoint_files(model_dir)
+    files = checkpoint_files(model_dir)
     return lambda name, cut, param: _read(files, cut)
 
 
