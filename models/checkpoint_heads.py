@@ -31,13 +31,19 @@ def find_head(model: nn.Module) -> nn.Module:
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """Which safetensors file holds each tensor of a checkpoint, single-file or sharded (headers only)."""
+    """Which safetensors file holds each tensor of a checkpoint, single-file or sharded (headers only), a
+    value head's file beside it included."""
     from safetensors import safe_open
 
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return {key: model_dir / name for key, name in weight_map.items()}
+        listed = {key: model_dir / name for key, name in weight_map.items()}
+        beside = model_dir / VALUE_HEAD_FILE  # not in the index: the model's own loader never reads it
+        if beside.is_file():
+            with safe_open(str(beside), framework="pt") as checkpoint:
+                listed.update(dict.fromkeys(checkpoint.keys(), beside))
+        return listed
     files: dict[str, Path] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as checkpoint:
@@ -143,6 +149,10 @@ def adapt_head(model: PreTrainedModel, model_dir: Path, unexpected: Sequence[str
 
 # TRL's value-head reward models (AutoModelForCausalLMWithValueHead) save a causal LM plus this linear head.
 VALUE_HEAD_KEYS = ("v_head.summary.weight", "v_head.summary.bias")
+# LLaMA-Factory's (and so Skywork-VL-Reward's) layout: the same tensors in a file of their own beside the
+# model's, which the model's index does not list; its pickled form is refused rather than passed over.
+VALUE_HEAD_FILE = "value_head.safetensors"
+_PICKLED_VALUE_HEAD = "value_head.bin"
 
 
 def checkpoint_keys(model_dir: Path) -> set[str]:
@@ -150,11 +160,31 @@ def checkpoint_keys(model_dir: Path) -> set[str]:
     return set(checkpoint_files(model_dir))
 
 
-def read_value_head(model_dir: Path, model: PreTrainedModel) -> nn.Linear | None:
-    """The checkpoint's TRL value head as a linear layer [H] -> [1], or None when it has none."""
+def read_value_head(model_dir: Path, model: PreTrainedModel, judge: bool) -> nn.Linear | None:
+    """The checkpoint's TRL value head as a linear layer [H] -> [1] (from its tensors or the
+    value_head.safetensors beside them), or None when it has none. ModelLoadError for value-head tensors of
+    another shape or name (an MLP value head), for one beside a classifier's own head (`judge` False: which
+    head scores would be a guess), and for a pickled value_head.bin."""
+    if (model_dir / _PICKLED_VALUE_HEAD).is_file():
+        raise ModelLoadError(
+            f"{str(model_dir)!r} holds its value head as a pickle ({_PICKLED_VALUE_HEAD}), which the worker "
+            f"does not open; save its tensors ({', '.join(VALUE_HEAD_KEYS)}) as {VALUE_HEAD_FILE}"
+        )
     keys = checkpoint_keys(model_dir)
-    if VALUE_HEAD_KEYS[0] not in keys:
+    found = sorted(key for key in keys if key.startswith("v_head."))
+    if not found:
         return None
+    unknown = [key for key in found if key not in VALUE_HEAD_KEYS]
+    if unknown or VALUE_HEAD_KEYS[0] not in keys or not judge:
+        why = (
+            f"tensors score-worker does not know ({', '.join(unknown[:5])})"
+            if unknown or VALUE_HEAD_KEYS[0] not in keys
+            else f"a value head beside {type(model).__name__}'s own head, so which one scores is unclear"
+        )
+        raise ModelLoadError(
+            f"the checkpoint in {str(model_dir)!r} has {why}; score-worker loads TRL's linear value head "
+            f"({', '.join(VALUE_HEAD_KEYS)}) on a causal LM or an image-text generation model"
+        )
     weight = read_checkpoint_tensor(model_dir, VALUE_HEAD_KEYS[0])
     hidden = int(model.config.get_text_config().hidden_size)
     if tuple(weight.shape) != (1, hidden):

@@ -335,7 +335,7 @@ def load_model(
         remote_code=remote_code,
         safetensors_only=_safetensors_only(model_dir, allow_pickle_weights),
     )
-    value_head = read_value_head(model_dir, model) if judge else None
+    value_head = read_value_head(model_dir, model, judge)
     if value_head is not None:
         # A reward model after all: its score is the value head at the last token, not label logits.
         judge = False
