@@ -203,3 +203,11 @@ def test_make_tiny_model_writes_the_qwen3_5_classifier(tmp_path: Path, capsys: A
     scorer = Scorer(target, ScorerConfig(device="cpu"))
     result = scorer.score([ScoreRequest("r", items=("a",), images=(encoded("PNG", 1),))])[0]
     assert result.ok and len(result.scores[0]) == 3, result.error
+
+
+def test_qwen3_5_refuses_fp8_projections(tmp_path: Path) -> None:
+    """Qwen3.5's image-text model runs HF's own Gated DeltaNet layers, whose projections the FP8 swap was
+    never checked against: refused at start-up, as on the packed path."""
+    model_dir = write_tiny_qwen_vl_judge(tmp_path / "fp8", 7, "qwen3_5")
+    with pytest.raises(ModelLoadError, match=r"quantization='fp8'.*Gated DeltaNet"):
+        Scorer(model_dir, ScorerConfig(device="cpu", quantization="fp8"))
