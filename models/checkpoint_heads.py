@@ -160,30 +160,21 @@ def checkpoint_keys(model_dir: Path) -> set[str]:
     return set(checkpoint_files(model_dir))
 
 
-def read_value_head(model_dir: Path, model: PreTrainedModel, judge: bool) -> nn.Linear | None:
-    """The checkpoint's TRL value head as a linear layer [H] -> [1] (from its tensors or the
-    value_head.safetensors beside them), or None when it has none. ModelLoadError for value-head tensors of
-    another shape or name (an MLP value head), for one beside a classifier's own head (`judge` False: which
-    head scores would be a guess), and for a pickled value_head.bin."""
-    if (model_dir / _PICKLED_VALUE_HEAD).is_file():
-        raise ModelLoadError(
-            f"{str(model_dir)!r} holds its value head as a pickle ({_PICKLED_VALUE_HEAD}), which the worker "
-            f"does not open; save its tensors ({', '.join(VALUE_HEAD_KEYS)}) as {VALUE_HEAD_FILE}"
-        )
+def read_value_head(model_dir: Path, model: PreTrainedModel) -> nn.Linear | None:
+    """A causal LM's or an image-text judge's TRL value head as a linear layer [H] -> [1] (from its tensors
+    or the value_head.safetensors beside them), or None when it has none. ModelLoadError for value-head
+    tensors of another name (an MLP value head) or shape, and for a pickled value_head.bin."""
+    _refuse_pickled_value_head(model_dir)
     keys = checkpoint_keys(model_dir)
     found = sorted(key for key in keys if key.startswith("v_head."))
     if not found:
         return None
     unknown = [key for key in found if key not in VALUE_HEAD_KEYS]
-    if unknown or VALUE_HEAD_KEYS[0] not in keys or not judge:
-        why = (
-            f"tensors score-worker does not know ({', '.join(unknown[:5])})"
-            if unknown or VALUE_HEAD_KEYS[0] not in keys
-            else f"a value head beside {type(model).__name__}'s own head, so which one scores is unclear"
-        )
+    if unknown or VALUE_HEAD_KEYS[0] not in keys:
         raise ModelLoadError(
-            f"the checkpoint in {str(model_dir)!r} has {why}; score-worker loads TRL's linear value head "
-            f"({', '.join(VALUE_HEAD_KEYS)}) on a causal LM or an image-text generation model"
+            f"the checkpoint in {str(model_dir)!r} has value-head tensors score-worker does not know "
+            f"({', '.join((unknown or found)[:5])}); it loads TRL's linear value head "
+            f"({', '.join(VALUE_HEAD_KEYS)})"
         )
     weight = read_checkpoint_tensor(model_dir, VALUE_HEAD_KEYS[0])
     hidden = int(model.config.get_text_config().hidden_size)
@@ -198,6 +189,29 @@ def read_value_head(model_dir: Path, model: PreTrainedModel, judge: bool) -> nn.
         if head.bias is not None:
             head.bias.copy_(read_checkpoint_tensor(model_dir, VALUE_HEAD_KEYS[1]))
     return head
+
+
+def refuse_value_head(model_dir: Path, model: PreTrainedModel, unexpected: Sequence[str]) -> None:
+    """ModelLoadError for a value head beside a classifier's own head, which would be passed over: v_head.*
+    tensors none of the model's modules took (a directory's own code may hold a v_head of its own), or a
+    value-head file beside the checkpoint."""
+    _refuse_pickled_value_head(model_dir)
+    unused = [key for key in unexpected if key.startswith("v_head.")]
+    if unused or (model_dir / VALUE_HEAD_FILE).is_file():
+        where = ", ".join(unused[:2]) or VALUE_HEAD_FILE
+        raise ModelLoadError(
+            f"the checkpoint in {str(model_dir)!r} has a value head ({where}) "
+            f"beside {type(model).__name__}'s own head, so which one scores is unclear; score-worker loads "
+            "TRL's value head on a causal LM or an image-text generation model"
+        )
+
+
+def _refuse_pickled_value_head(model_dir: Path) -> None:
+    if (model_dir / _PICKLED_VALUE_HEAD).is_file():
+        raise ModelLoadError(
+            f"{str(model_dir)!r} holds a value head as a pickle ({_PICKLED_VALUE_HEAD}), which the worker "
+            f"does not open; save its tensors ({', '.join(VALUE_HEAD_KEYS)}) as {VALUE_HEAD_FILE}"
+        )
 
 
 class EncoderHead(nn.Module):

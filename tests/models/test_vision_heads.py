@@ -162,9 +162,13 @@ def test_a_pickled_value_head_is_refused(tmp_path: Path) -> None:
         Scorer(model_dir, ScorerConfig(device="cpu"))
 
 
-def test_a_value_head_beside_a_classifier_is_refused(tmp_path: Path) -> None:
-    model_dir = add_value_head(write_tiny_qwen_vl_judge(tmp_path / "both", 7, "qwen3_5", num_labels=1), 3)
-    with pytest.raises(ModelLoadError, match="which one scores"):
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_value_head_beside_a_classifier_is_refused(tmp_path: Path, beside: bool) -> None:
+    """A classifier scores with its own head: a value head in its tensors or beside them would be passed
+    over, and which head the checkpoint meant is unknown."""
+    classifier = write_tiny_qwen_vl_judge(tmp_path / "both", 7, "qwen3_5", num_labels=1)
+    model_dir = add_value_head(classifier, 3, beside=beside)
+    with pytest.raises(ModelLoadError, match="beside Qwen3_5ForSequenceClassification's own head"):
         Scorer(model_dir, ScorerConfig(device="cpu"))
 
 
@@ -205,9 +209,27 @@ def test_make_tiny_model_writes_the_qwen3_5_classifier(tmp_path: Path, capsys: A
     assert result.ok and len(result.scores[0]) == 3, result.error
 
 
-def test_qwen3_5_refuses_fp8_projections(tmp_path: Path) -> None:
-    """Qwen3.5's image-text model runs HF's own Gated DeltaNet layers, whose projections the FP8 swap was
-    never checked against: refused at start-up, as on the packed path."""
-    model_dir = write_tiny_qwen_vl_judge(tmp_path / "fp8", 7, "qwen3_5")
-    with pytest.raises(ModelLoadError, match=r"quantization='fp8'.*Gated DeltaNet"):
-        Scorer(model_dir, ScorerConfig(device="cpu", quantization="fp8"))
+@pytest.mark.parametrize(("setting", "value"), [("quantization", "fp8"), ("adapters", "a=/nonexistent")])
+def test_qwen3_5_refuses_fp8_and_adapters(tmp_path: Path, setting: str, value: object) -> None:
+    """Qwen3.5's image-text model runs HF's own Gated DeltaNet layers, whose projections the FP8 and LoRA
+    swaps were never checked against: refused at start-up, as on the packed path."""
+    model_dir = write_tiny_qwen_vl_judge(tmp_path / "refused", 7, "qwen3_5")
+    with pytest.raises(ModelLoadError, match=rf"{setting}.*Gated DeltaNet layers are not served"):
+        Scorer(model_dir, ScorerConfig(device="cpu", **{setting: value}))
+
+
+def test_hf_gated_deltanet_runs_its_torch_functions_where_the_packed_path_would() -> None:
+    """plain_kernels: HF's torch functions for a hybrid in float32 (any device) and on the CPU (where
+    transformers 5.17 would call Triton), flash-linear-attention only where resolve_kernel picks it; no
+    swap for a model without Gated DeltaNet layers."""
+    from transformers import Qwen3_5TextConfig, Qwen3Config
+
+    from models.linear_attention import hf_torch_functions, plain_kernels, resolve_kernel
+
+    hybrid = Qwen3_5TextConfig(num_hidden_layers=4)
+    for device, dtype in (("cpu", torch.float32), ("cpu", torch.bfloat16), ("cuda", torch.float32)):
+        assert plain_kernels(hybrid, torch.device(device), dtype) is hf_torch_functions
+    half_on_cuda = plain_kernels(hybrid, torch.device("cuda"), torch.bfloat16)
+    fla = resolve_kernel(torch.device("cuda"), torch.bfloat16) == "fla"
+    assert (half_on_cuda is not hf_torch_functions) == fla
+    assert plain_kernels(Qwen3Config(), torch.device("cpu"), torch.float32) is not hf_torch_functions
