@@ -1,4 +1,4 @@
-"""A tiny random-weight Gemma 3 image-text classifier with its processor, built locally (tests, demos)."""
+"""Tiny random-weight image-text models (Gemma 3, the Qwens) with their processors, built locally."""
 
 from __future__ import annotations
 
