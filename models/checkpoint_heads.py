@@ -31,13 +31,19 @@ def find_head(model: nn.Module) -> nn.Module:
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """Which safetensors file holds each tensor of a checkpoint, single-file or sharded (headers only)."""
+    """Which safetensors file holds each tensor of a checkpoint, single-file or sharded (headers only), a
+    value head's file beside it included."""
     from safetensors import safe_open
 
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return {key: model_dir / name for key, name in weight_map.items()}
+        listed = {key: model_dir / name for key, name in weight_map.items()}
+        beside = model_dir / VALUE_HEAD_FILE  # not in the index: the model's own loader never reads it
+        if beside.is_file():
+            with safe_open(str(beside), framework="pt") as checkpoint:
+                listed.update(dict.fromkeys(checkpoint.keys(), beside))
+        return listed
     files: dict[str, Path] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as checkpoint:
@@ -143,6 +149,10 @@ def adapt_head(model: PreTrainedModel, model_dir: Path, unexpected: Sequence[str
 
 # TRL's value-head reward models (AutoModelForCausalLMWithValueHead) save a causal LM plus this linear head.
 VALUE_HEAD_KEYS = ("v_head.summary.weight", "v_head.summary.bias")
+# LLaMA-Factory's (and so Skywork-VL-Reward's) layout: the same tensors in a file of their own beside the
+# model's, which the model's index does not list; its pickled form is refused rather than passed over.
+VALUE_HEAD_FILE = "value_head.safetensors"
+_PICKLED_VALUE_HEAD = "value_head.bin"
 
 
 def checkpoint_keys(model_dir: Path) -> set[str]:
@@ -151,10 +161,21 @@ def checkpoint_keys(model_dir: Path) -> set[str]:
 
 
 def read_value_head(model_dir: Path, model: PreTrainedModel) -> nn.Linear | None:
-    """The checkpoint's TRL value head as a linear layer [H] -> [1], or None when it has none."""
+    """A causal LM's or an image-text judge's TRL value head as a linear layer [H] -> [1] (from its tensors
+    or the value_head.safetensors beside them), or None when it has none. ModelLoadError for value-head
+    tensors of another name (an MLP value head) or shape, and for a pickled value_head.bin."""
+    _refuse_pickled_value_head(model_dir)
     keys = checkpoint_keys(model_dir)
-    if VALUE_HEAD_KEYS[0] not in keys:
+    found = sorted(key for key in keys if key.startswith("v_head."))
+    if not found:
         return None
+    unknown = [key for key in found if key not in VALUE_HEAD_KEYS]
+    if unknown or VALUE_HEAD_KEYS[0] not in keys:
+        raise ModelLoadError(
+            f"the checkpoint in {str(model_dir)!r} has value-head tensors score-worker does not know "
+            f"({', '.join((unknown or found)[:5])}); it loads TRL's linear value head "
+            f"({', '.join(VALUE_HEAD_KEYS)})"
+        )
     weight = read_checkpoint_tensor(model_dir, VALUE_HEAD_KEYS[0])
     hidden = int(model.config.get_text_config().hidden_size)
     if tuple(weight.shape) != (1, hidden):
@@ -168,6 +189,29 @@ def read_value_head(model_dir: Path, model: PreTrainedModel) -> nn.Linear | None
         if head.bias is not None:
             head.bias.copy_(read_checkpoint_tensor(model_dir, VALUE_HEAD_KEYS[1]))
     return head
+
+
+def refuse_value_head(model_dir: Path, model: PreTrainedModel, unexpected: Sequence[str]) -> None:
+    """ModelLoadError for a value head beside a classifier's own head, which would be passed over: v_head.*
+    tensors none of the model's modules took (a directory's own code may hold a v_head of its own), or a
+    value-head file beside the checkpoint."""
+    _refuse_pickled_value_head(model_dir)
+    unused = [key for key in unexpected if key.startswith("v_head.")]
+    if unused or (model_dir / VALUE_HEAD_FILE).is_file():
+        where = ", ".join(unused[:2]) or VALUE_HEAD_FILE
+        raise ModelLoadError(
+            f"the checkpoint in {str(model_dir)!r} has a value head ({where}) "
+            f"beside {type(model).__name__}'s own head, so which one scores is unclear; score-worker loads "
+            "TRL's value head on a causal LM or an image-text generation model"
+        )
+
+
+def _refuse_pickled_value_head(model_dir: Path) -> None:
+    if (model_dir / _PICKLED_VALUE_HEAD).is_file():
+        raise ModelLoadError(
+            f"{str(model_dir)!r} holds a value head as a pickle ({_PICKLED_VALUE_HEAD}), which the worker "
+            f"does not open; save its tensors ({', '.join(VALUE_HEAD_KEYS)}) as {VALUE_HEAD_FILE}"
+        )
 
 
 class EncoderHead(nn.Module):

@@ -27,6 +27,7 @@ from models.layers import (
     traced_graphs,
     transformer_layers,
 )
+from models.linear_attention import plain_kernels
 from models.loading import LoadedModel
 from models.mechanisms import linear_layers, moe_blocks
 from models.packing import (
@@ -82,6 +83,7 @@ class Executor:
         self.moe_blocks = moe_blocks(loaded)
         # Gated DeltaNet layers on the packed path (models/linear_attention.py); None: the model has none.
         self.linear_layers = linear_layers(loaded, config, device, attention)
+        self._plain_kernels = plain_kernels(text_config, device, dtype)  # HF's own Gated DeltaNet, padded
         if config.quantization == "fp8":
             self._quantize_fp8()
         self.adapters = self._load_adapters()
@@ -565,7 +567,7 @@ class Executor:
         if (chosen := self._adapted(adapters)) is not None and self.adapters is not None:
             rows = np.repeat(np.asarray(chosen, dtype=np.int64), width)  # every padded row of each prompt
             adapted = self.adapters.active(torch.from_numpy(rows).to(self.device))
-        with adapted:
+        with adapted, self._plain_kernels():
             output = self._loaded.base(
                 input_ids=torch.from_numpy(ids).to(self.device),
                 attention_mask=torch.from_numpy(mask).to(self.device),

@@ -23,7 +23,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -99,6 +99,16 @@ def hf_torch_functions() -> Iterator[None]:
     finally:
         for module, function, current in swapped:
             setattr(module, function, current)
+
+
+def plain_kernels(text_config: Any, device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
+    """The context HF's own forward of a model runs in on the plain path (Qwen3.5's image-text model, whose
+    Gated DeltaNet layers are HF's there): HF's torch functions wherever resolve_kernel picks the torch path
+    (float32, whose Triton products may round to TF32; the CPU, where transformers 5.17 would still call
+    Triton), else flash-linear-attention's, as HF's decorators put them; nothing to swap without them."""
+    if is_hybrid(text_config) and resolve_kernel(device, dtype) == "torch":
+        return hf_torch_functions
+    return contextlib.nullcontext
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from models.checkpoint_heads import (
     head_name,
     mlp_head,
     read_value_head,
+    refuse_value_head,
 )
 from models.errors import ModelLoadError
 from models.families import CLASSIFIER_MODEL_TYPES, UNSERVED, check_config
@@ -341,6 +342,7 @@ def load_model(
         judge = False
         value_head.to(device=device, dtype=dtype)
     elif not judge:
+        refuse_value_head(model_dir, model, info.get("unexpected_keys") or ())
         adapt_head(model, model_dir, info.get("unexpected_keys") or ())
     module: nn.Module = model  # PreTrainedModel.to's decorator hides Module.to's signature from mypy
     module.to(device).eval()

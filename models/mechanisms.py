@@ -11,7 +11,7 @@ import torch
 from models.config import ScorerConfig
 from models.errors import ModelLoadError
 from models.layers import decoder_layers
-from models.linear_attention import PackedLinearAttention
+from models.linear_attention import PackedLinearAttention, is_hybrid
 from models.loading import LoadedModel
 from models.moe import MoeBlocks, unsupported
 
@@ -38,21 +38,22 @@ def linear_layers(
 ) -> PackedLinearAttention | None:
     """The packed forward of the model's Gated DeltaNet layers, or None without such layers; settings the
     family cannot serve are refused (ModelLoadError) or turned off, each with its reason in the log."""
-    linear = PackedLinearAttention.of(loaded.base, device) if loaded.packable else None
-    if linear is None:
-        return None
     refused = {
         "quantization='fp8'": config.quantization == "fp8",
         "adapters": bool(config.adapter_dirs),
         "prefix_cache_mib": bool(config.prefix_cache_mib),
         "tensor_parallel": config.tensor_parallel > 1,
     }
-    for setting, asked in refused.items():
-        if asked:
-            raise ModelLoadError(
-                f"{setting}: {loaded.name}'s Gated DeltaNet layers are not served with it (their "
-                "projections, recurrent state and sharding have no path of their own there yet)"
-            )
+    if not loaded.packable:
+        # Qwen3.5's image-text model: HF's own layers on the padded batch, whose projections the FP8 and
+        # LoRA swaps were never checked against.
+        if is_hybrid(loaded.model.config.get_text_config()):
+            _refuse(loaded, {key: refused[key] for key in ("quantization='fp8'", "adapters")})
+        return None
+    linear = PackedLinearAttention.of(loaded.base, device)
+    if linear is None:
+        return None
+    _refuse(loaded, refused)
     turned_off = [
         name
         for name, on in (
@@ -71,3 +72,13 @@ def linear_layers(
         "%s: %d Gated DeltaNet layers run packed on the %s kernels", loaded.name, len(linear), linear.kernel
     )
     return linear
+
+
+def _refuse(loaded: LoadedModel, settings: dict[str, bool]) -> None:
+    """ModelLoadError for the first of `settings` asked for, which the Gated DeltaNet layers do not take."""
+    for setting, asked in settings.items():
+        if asked:
+            raise ModelLoadError(
+                f"{setting}: {loaded.name}'s Gated DeltaNet layers are not served with it (their "
+                "projections, recurrent state and sharding have no path of their own there yet)"
+            )

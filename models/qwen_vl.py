@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's and Qwen3-VL's own processors for images alone: their video half needs torchvision."""
+"""The Qwen VL processors (Qwen3.5 ships Qwen3-VL's) for images alone: their video half needs torchvision."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import argparse
 from models import tiny
 from models.tiny_vision import write_tiny_qwen_vl_judge, write_tiny_vision_model
 
-VISION_ARCHITECTURES = ("gemma3", "qwen2_5_vl", "qwen3_vl")
+VISION_ARCHITECTURES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="an image-text model with its processor, scored on requests that carry images (--architecture "
         "gemma3: a classifier, Gemma 3's vision tower and projector; qwen2_5_vl, qwen3_vl: judges, scored "
-        "on label_token_ids, with Qwen2.5-VL's or Qwen3-VL's vision tower and merger)",
+        "on label_token_ids, with Qwen2.5-VL's or Qwen3-VL's vision tower and merger; qwen3_5: Qwen3-VL's "
+        "tower before Qwen3.5's hybrid text model, a judge with --judge, else a classifier of --num-labels)",
     )
 
 
@@ -37,6 +38,16 @@ def run(args: argparse.Namespace) -> int:
         if args.prm:
             print(f"--prm is for text decoders; the {args.architecture} model is a judge")
             return 2
+        if args.architecture == "qwen3_5" and not args.judge:
+            if args.num_labels < 1:
+                print("--num-labels must be at least 1")
+                return 2
+            target = write_tiny_qwen_vl_judge(
+                args.directory, args.seed, "qwen3_5", num_labels=args.num_labels
+            )
+            labels = f"{args.num_labels} label(s)"
+            print(f"wrote a tiny qwen3_5 image-text classifier ({labels}), seed {args.seed}, to {target}")
+            return 0
         target = write_tiny_qwen_vl_judge(args.directory, args.seed, args.architecture)
         print(f"wrote a tiny {args.architecture} image-text judge, seed {args.seed}, to {target}")
         return 0

@@ -1,4 +1,4 @@
-"""A tiny random-weight Gemma 3 image-text classifier with its processor, built locally (tests, demos)."""
+"""Tiny random-weight image-text models (Gemma 3, the Qwens) with their processors, built locally."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from models.tiny import (
     PAD_ID,
     SPECIAL_TOKENS,
     _fill_zero_initialised,
+    _hybrid_fields,
     tiny_config,
     train_tokenizer,
 )
@@ -171,9 +172,15 @@ def qwen_vl_config(architecture: str, vocab_size: int, image_ids: dict[str, int]
     }  # fmt: skip
     if architecture == "qwen2_5_vl":
         vision.update(window_size=16, fullatt_block_indexes=[1])
-    else:
+    elif architecture == "qwen3_vl":
         rope["mrope_interleaved"] = True
         vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
+    else:
+        # Qwen3.5: the hybrid text model (models/tiny.py's Gated DeltaNet layers, full attention every fourth
+        # layer) whose rotary covers half of head_dim 32, its 8 frequencies split 2 + 3 + 3 interleaved.
+        rope.update(mrope_interleaved=True, partial_rotary_factor=0.5)
+        text.update({**_hybrid_fields("qwen3_5_text"), "head_dim": 32, "rope_parameters": rope})
+        vision.update(num_position_embeddings=16)
     config = AutoConfig.for_model(
         architecture, text_config=text, vision_config=vision, tie_word_embeddings=False,
         **{f"{name}_id": image_ids[name] for name in QWEN_VL_TOKENS},
@@ -185,13 +192,17 @@ def qwen_vl_config(architecture: str, vocab_size: int, image_ids: dict[str, int]
 QWEN_VL_CLASSES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
 }
 
 
-def write_tiny_qwen_vl_judge(path: str | Path, seed: int = 0, architecture: str = "qwen2_5_vl") -> Path:
-    """Write a random-weight Qwen2.5-VL or Qwen3-VL generation model (a judge: scored on label tokens),
-    its tokenizer with the vision marks and a chat template that places image parts, and its image
-    processor (4-pixel patches, at most QWEN_MAX_PIXELS); deterministic from `seed`."""
+def write_tiny_qwen_vl_judge(
+    path: str | Path, seed: int = 0, architecture: str = "qwen2_5_vl", *, num_labels: int | None = None
+) -> Path:
+    """Write a random-weight Qwen2.5-VL, Qwen3-VL or Qwen3.5 generation model (a judge: scored on label
+    tokens) or, with `num_labels`, Qwen3.5's image-text classifier; its tokenizer with the vision marks and
+    a chat template that places image parts, and its image processor (4-pixel patches, at most
+    QWEN_MAX_PIXELS); deterministic from `seed`."""
     from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessorPil
 
     target = Path(path)
@@ -200,9 +211,15 @@ def write_tiny_qwen_vl_judge(path: str | Path, seed: int = 0, architecture: str 
     tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>", *QWEN_VL_TOKENS.values()])
     image_ids = {name: int(tokenizer.token_to_id(text) or 0) for name, text in QWEN_VL_TOKENS.items()}
     config = qwen_vl_config(architecture, tokenizer.get_vocab_size(), image_ids)
+    auto: Any = AutoModelForImageTextToText
+    if num_labels is not None:
+        config.num_labels, auto = num_labels, AutoModelForSequenceClassification
+        config.architectures = [
+            QWEN_VL_CLASSES[architecture].replace("ConditionalGeneration", "SequenceClassification")
+        ]
     with torch.random.fork_rng(devices=[]):  # seeded, the caller's RNG state kept
         torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        model = auto.from_config(config, dtype=torch.float32)
     _fill_zero_initialised(model, seed)
     with quiet_progress_bars():
         model.save_pretrained(str(target))
@@ -214,8 +231,30 @@ def write_tiny_qwen_vl_judge(path: str | Path, seed: int = 0, architecture: str 
     Qwen2VLImageProcessorPil(
         patch_size=QWEN_PATCH, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=QWEN_MAX_PIXELS
     ).save_pretrained(str(target))
-    settings = {
-        "processor_class": QWEN_VL_CLASSES[architecture].replace("ForConditionalGeneration", "Processor")
+    # Qwen3.5 ships Qwen3-VL's processor.
+    processor = {"qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(architecture, "Qwen3VLProcessor")
+    (target / "processor_config.json").write_text(json.dumps({"processor_class": processor}) + "\n")
+    return target
+
+
+def add_value_head(model_dir: str | Path, seed: int = 0, *, beside: bool = False) -> Path:
+    """Give a tiny checkpoint a random value head, `v_head.summary.weight` [1, H] and its bias: in its own
+    safetensors file (TRL's tensors in a checkpoint, as AutoModelForCausalLMWithValueHead saves them) or,
+    `beside`, in value_head.safetensors next to the model's files (Skywork-VL-Reward's and LLaMA-Factory's
+    layout); so it is a reward model scored by that head."""
+    from safetensors.torch import load_file, save_file
+
+    target = Path(model_dir)
+    config = json.loads((target / "config.json").read_text())
+    hidden = int((config.get("text_config") or config)["hidden_size"])
+    generator = torch.Generator().manual_seed(seed)
+    head = {
+        "v_head.summary.weight": torch.randn(1, hidden, generator=generator) / hidden**0.5,
+        "v_head.summary.bias": torch.randn(1, generator=generator),
     }
-    (target / "processor_config.json").write_text(json.dumps(settings) + "\n")
+    if beside:
+        save_file(head, str(target / "value_head.safetensors"), metadata={"format": "pt"})
+    else:
+        weights = load_file(str(target / "model.safetensors"))
+        save_file({**weights, **head}, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,33 +32,38 @@ class VisionFamily:
     token_types: str = "token_type_ids"
     # The processor's per-image patch grid, which the forward needs beside the pixel values, if any.
     grid: str | None = None
-    # Served as a judge (its *ForConditionalGeneration scored on label tokens), not as a classifier.
+    # Served as a judge (its *ForConditionalGeneration scored on label tokens).
     judge: bool = False
+    # Served as a classifier (its *ForSequenceClassification, which takes the pixel values).
+    classifier: bool = True
 
+
+# The Qwens' image-text judges: each image's pad between its begin and end marks, modality token types and
+# patch grids beside the pixel values; transformers has no classifier for Qwen2.5-VL or Qwen3-VL.
+_QWEN_JUDGE = VisionFamily(
+    "models.qwen_vl.ImageQwen2_5_VLProcessor",
+    "transformers.Qwen2VLImageProcessorPil",
+    "<|vision_start|>{image_token}<|vision_end|>",
+    token_types="mm_token_type_ids",
+    grid="image_grid_thw",
+    judge=True,
+    classifier=False,
+)
+_QWEN3_VL = replace(_QWEN_JUDGE, processor="models.qwen_vl.ImageQwen3VLProcessor")
 
 # Families whose image-text models run here, checked against HF float32 (tests/models/test_vision.py,
-# tests/models/test_vision_judge.py). Qwen2.5-VL's and Qwen3-VL's forwards derive their 3-D rotary positions
-# (M-RoPE) from the token types, each image's grid and the attention mask of the padded batch.
+# test_vision_judge.py, test_vision_heads.py). The Qwens' forwards derive their 3-D rotary positions (M-RoPE)
+# from the token types, each image's grid and the attention mask of the padded batch.
 VISION_FAMILIES = {
     "gemma3": VisionFamily(
         "transformers.Gemma3Processor", "transformers.Gemma3ImageProcessorPil", "{boi_token}"
     ),
-    "qwen2_5_vl": VisionFamily(
-        "models.qwen_vl.ImageQwen2_5_VLProcessor",
-        "transformers.Qwen2VLImageProcessorPil",
-        "<|vision_start|>{image_token}<|vision_end|>",
-        token_types="mm_token_type_ids",
-        grid="image_grid_thw",
-        judge=True,
-    ),
-    "qwen3_vl": VisionFamily(
-        "models.qwen_vl.ImageQwen3VLProcessor",
-        "transformers.Qwen2VLImageProcessorPil",
-        "<|vision_start|>{image_token}<|vision_end|>",
-        token_types="mm_token_type_ids",
-        grid="image_grid_thw",
-        judge=True,
-    ),
+    "qwen2_5_vl": _QWEN_JUDGE,
+    "qwen3_vl": _QWEN3_VL,
+    # Qwen3.5: Qwen3-VL's processor and vision tower before the hybrid text model (Gated DeltaNet layers,
+    # causal, so a right-padded row's real tokens never see its padding). transformers has its classifier
+    # too (Qwen3_5ForSequenceClassification passes the pixel values to the whole model).
+    "qwen3_5": replace(_QWEN3_VL, classifier=True),
 }
 # Families refused at start-up, each with its reason: scoring them wrong would be worse than not at all.
 REFUSED_VISION = {
@@ -76,7 +81,7 @@ def check_vision_type(model_type: object, judge: bool) -> None:
             f"vision-language types: {', '.join(VISION_FAMILIES)}"
         )
     family = VISION_FAMILIES.get(str(model_type))
-    if family is not None and family.judge and not judge:
+    if family is not None and not family.classifier and not judge:
         raise ModelLoadError(
             f"model type {model_type!r} is served as a judge only: its *ForConditionalGeneration scored on "
             "label_token_ids (transformers has no sequence classifier for it)"

@@ -158,23 +158,25 @@ def _vision_sums(config: dict[str, Any]) -> list[int]:
 
 
 def _qwen_vision_sums(model_dir: str | Path) -> list[int]:
-    """Qwen2.5-VL's and Qwen3-VL's vision towers, pixels to features: the patch embedding (channels * time *
-    patch^2 terms; Qwen3-VL's learned positions add a bilinear mix of 4), then per block a norm (Qwen2.5-VL
-    RMS, one sum of the width; Qwen3-VL LayerNorm, two), the q/k/v projections, the scores (head_dim), the
-    weighted sum over at most all of an image's patches (the image processor's pixel limit over a patch's
-    area), the output projection, a norm, the MLP (Qwen2.5-VL gate/up and down, Qwen3-VL two layers); the
-    merger's norm and its two projections (merge^2 patches' widths, then that width again)."""
+    """Qwen2.5-VL's and Qwen3-VL's vision towers (Qwen3.5's is Qwen3-VL's), pixels to features: the patch
+    embedding (channels * time * patch^2 terms; Qwen3-VL's learned positions add a bilinear mix of 4), then
+    per block a norm (Qwen2.5-VL RMS, one sum of the width; Qwen3-VL LayerNorm, two), the q/k/v
+    projections, the scores (head_dim), the weighted sum over at most all of an image's patches (the image
+    processor's pixel limit over a patch's area), the output projection, a norm, the MLP (Qwen2.5-VL
+    gate/up and down, Qwen3-VL two layers); the merger's norm and its two projections (merge^2 patches'
+    widths, then that width again)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     vision = config["vision_config"]
     processor = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
     width, inner, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
     patches = processor["size"]["longest_edge"] // patch**2
     head_dim = width // vision["num_heads"]
-    norm = [width] * (2 if config["model_type"] == "qwen3_vl" else 1)
+    qwen3 = config["model_type"] in ("qwen3_vl", "qwen3_5")  # Qwen3.5's tower is Qwen3-VL's
+    norm = [width] * (2 if qwen3 else 1)
     layer = [*norm, width, head_dim, patches, width, *norm, width, inner]
     merged = width * vision["spatial_merge_size"] ** 2
     embedding = [vision["in_channels"] * vision["temporal_patch_size"] * patch**2]
-    if config["model_type"] == "qwen3_vl":
+    if qwen3:
         embedding.append(4)
     return [*embedding, *vision["depth"] * layer, *norm, merged, merged]
 

@@ -138,16 +138,23 @@ MARK_QWEN = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def load_judge_reference(judge_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """HF's generation model (eager attention: plain matmuls, independent of the SDPA path under test) and
-    its processor (HF's, without the video half that needs torchvision) from the directory's own files."""
-    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
+    """HF's generation model, or its classifier where the directory holds one (eager attention: plain
+    matmuls, independent of the SDPA path under test), and its processor (HF's, without the video half that
+    needs torchvision) from the directory's own files."""
+    from transformers import (
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        Qwen2VLImageProcessorPil,
+    )
 
     from models import qwen_vl
 
-    model = AutoModelForImageTextToText.from_pretrained(
-        str(judge_dir), attn_implementation="eager", dtype=dtype
-    ).eval()
-    kind = "Qwen3VL" if model.config.model_type == "qwen3_vl" else "Qwen2_5_VL"
+    config = json.loads((judge_dir / "config.json").read_text())
+    classifier = any(arch.endswith("ForSequenceClassification") for arch in config["architectures"])
+    auto: Any = AutoModelForSequenceClassification if classifier else AutoModelForImageTextToText
+    model = auto.from_pretrained(str(judge_dir), attn_implementation="eager", dtype=dtype).eval()
+    kind = "Qwen2_5_VL" if model.config.model_type == "qwen2_5_vl" else "Qwen3VL"  # Qwen3.5: Qwen3-VL's
     processor = getattr(qwen_vl, f"Image{kind}Processor")(
         image_processor=Qwen2VLImageProcessorPil.from_pretrained(str(judge_dir)),
         tokenizer=AutoTokenizer.from_pretrained(str(judge_dir)),
@@ -155,13 +162,33 @@ def load_judge_reference(judge_dir: Path, dtype: torch.dtype = torch.float32) ->
     return model, processor
 
 
+def value_head_of(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The directory's TRL value head (weight [1, H], bias [1]), from its checkpoint or the
+    value_head.safetensors beside it; None without one."""
+    from safetensors.torch import load_file
+
+    for name in ("value_head.safetensors", "model.safetensors"):
+        if (model_dir / name).is_file():
+            tensors = load_file(str(model_dir / name))
+            if "v_head.summary.weight" in tensors:
+                return tensors["v_head.summary.weight"], tensors["v_head.summary.bias"]
+    return None
+
+
 def judge_alone(
-    reference: tuple[Any, Any], request: ScoreRequest, dtype: torch.dtype = torch.float32
+    reference: tuple[Any, Any],
+    request: ScoreRequest,
+    dtype: torch.dtype = torch.float32,
+    value_head: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """HF on each item alone, unpadded (in the reference's `dtype`): the processor's ids, token types, pixel
-    values and grids, the model's own forward (its M-RoPE positions from them). Returns (the label tokens'
-    logits at the last token [N, L], with apply_softmax their softmax; the final-norm hidden states there
-    [N, H]; the longest prompt)."""
+    values and grids, the model's own forward (its M-RoPE positions from them; a hybrid's Gated DeltaNet
+    layers in HF's own torch functions). Returns (the scores: a judge's label-token logits at the last token,
+    with apply_softmax their softmax; a classifier's logits; with `value_head`, that head on the last token's
+    final-norm state, as TRL applies it; the final-norm hidden states at the last token [N, H]; the longest
+    prompt)."""
+    from models.linear_attention import hf_torch_functions
+
     model, processor = reference
     images = [Image.open(io.BytesIO(data)).convert("RGB") for data in request.images or ()]
     texts, specials = item_texts(request, processor, MARK_QWEN)
@@ -172,11 +199,18 @@ def judge_alone(
         )
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-        with torch.inference_mode():
+        with torch.inference_mode(), hf_torch_functions():
             out = model(**inputs, output_hidden_states=True)
-        logits = out.logits[0, -1, list(request.label_token_ids or ())].double()
-        scores.append((logits.softmax(-1) if request.apply_softmax else logits).numpy())
-        hidden.append(out.hidden_states[-1][0, -1].float().numpy())
+        last = out.hidden_states[-1][0, -1]
+        if value_head is not None:
+            weight, bias = value_head
+            scores.append((last.float() @ weight.T.float() + bias.float()).double().numpy())
+        elif out.logits.dim() == 2:  # a classifier's logits at its pooled token
+            scores.append(out.logits[0].double().numpy())
+        else:
+            logits = out.logits[0, -1, list(request.label_token_ids or ())].double()
+            scores.append((logits.softmax(-1) if request.apply_softmax else logits).numpy())
+        hidden.append(last.float().numpy())
         longest = max(longest, int(inputs["input_ids"].shape[1]))
     return np.stack(scores), np.stack(hidden), longest
 

@@ -1,5 +1,6 @@
-"""Qwen2.5-VL and Qwen3-VL as image-text judges against HF float32: label-token logits at the last token,
-image and text requests mixed in one padded batch, 3-D rotary positions (M-RoPE) from HF's own forward."""
+"""Qwen2.5-VL, Qwen3-VL and Qwen3.5 as image-text judges against HF float32: label-token logits at the last
+token, image and text requests mixed in one padded batch, 3-D rotary positions (M-RoPE) from HF's own forward
+(Qwen3.5's Gated DeltaNet layers in it too, so right padding must not reach a shorter row's real tokens)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from models.tiny_vision import QWEN_VL_TOKENS, write_tiny_qwen_vl_judge
 from schemas import ErrorCode, ScoreRequest, ScoreResult
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def judge_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     return write_tiny_qwen_vl_judge(tmp_path_factory.mktemp(f"tiny-{request.param}"), 5, request.param)
 
@@ -151,14 +152,16 @@ def test_a_qwen2_5_vl_classifier_is_refused(tmp_path: Path) -> None:
         Scorer(tmp_path, ScorerConfig(device="cpu"))
 
 
-@pytest.mark.parametrize("architecture", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("architecture", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_make_tiny_model_writes_the_image_text_judge(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], architecture: str
 ) -> None:
     from worker import cli
 
     target = tmp_path / "vl"
-    command = ["make-tiny-model", str(target), "--architecture", architecture, "--images", "--seed", "3"]
+    command = [
+        "make-tiny-model", str(target), "--architecture", architecture, "--images", "--seed", "3", "--judge",
+    ]  # fmt: skip
     assert cli.main(command) == 0
     assert "image-text judge" in capsys.readouterr().out
     scorer = Scorer(target, ScorerConfig(device="cpu"))
