@@ -142,10 +142,11 @@ def live_vision_worker(  # the same with a tiny image-text model
     yield from serving(kafka_bootstrap, write_tiny_vision_model(tmp_path_factory.mktemp("vision"), seed=1))
 
 
-def serving(kafka_bootstrap: str, model_dir: Path) -> Iterator[LiveWorker]:
-    """A worker of `model_dir` on its own topics, run in a thread until the generator is closed."""
+def serving(kafka_bootstrap: str, model_dir: Path, **overrides: Any) -> Iterator[LiveWorker]:
+    """A worker of `model_dir` on its own topics (and settings `overrides`), run in a thread until the
+    generator is closed."""
     names = Names.unique("client")
-    settings = fast_settings(kafka_bootstrap, model_dir, names)
+    settings = fast_settings(kafka_bootstrap, model_dir, names, **overrides)
     asyncio.run(ensure_topics(settings))  # the client needs the results topic before the worker is up
     worker = ScoreWorker(settings, Scorer(model_dir, ScorerConfig(device="cpu")))
     errors: list[BaseException] = []

@@ -1,0 +1,264 @@
+"""`score-worker gateway` against a real broker and a real worker with a tiny model: every route's answer
+against the same request sent over Kafka through ScoreClient, in each reference's field names and order;
+and what a caller sees when the body, the key, the deadline or the workers fail."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+from conftest import serving
+from gateway_kit import KEYS, RunningGateway, auth, gateway_settings, serving_gateway
+from worker_testkit import LiveWorker, Names, client_kwargs
+
+from schemas import ScoreRequest, ScoreResult
+from worker.client import ScoreClient, new_request_id
+from worker.topics import create_missing_topics
+
+# The worker lets any topic with ".gw-" in its name be a reply topic (its default allows score.results.*,
+# and these tests run on topics of their own names).
+PATTERN = r".+\.gw-.+"
+QUERY = "Is this answer helpful? "
+ITEMS = ["Yes, it explains the steps.", "No.", "It depends on the question asked."]
+
+
+@pytest.fixture(scope="module")
+def worker(kafka_bootstrap: str, tiny_llama_dir: Path) -> Iterator[LiveWorker]:
+    yield from serving(kafka_bootstrap, tiny_llama_dir, reply_topic_pattern=PATTERN)
+
+
+@pytest.fixture(scope="module")
+def gateway(worker: LiveWorker) -> Iterator[RunningGateway]:
+    settings = gateway_settings(
+        worker.bootstrap, worker.names, gateway_max_items=16, gateway_max_body_bytes=65536
+    )
+    with serving_gateway(settings) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(gateway: RunningGateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, headers=auth(), timeout=60) as client:
+        for _ in range(200):  # the first probe tells the gateway a worker answers
+            if client.get("/health").status_code == 200:
+                break
+            asyncio.run(asyncio.sleep(0.1))
+        yield client
+
+
+def direct(worker: LiveWorker, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
+    """The same requests over Kafka through ScoreClient, read from the shared results topic."""
+
+    async def run() -> list[ScoreResult]:
+        kwargs = client_kwargs(worker.bootstrap)
+        bootstrap = kwargs.pop("bootstrap_servers")
+        async with ScoreClient(
+            bootstrap, requests_topic=worker.names.requests, results_topic=worker.names.results,
+            kafka_options=kwargs,
+        ) as client:  # fmt: skip
+            return await client.score(requests, timeout=60)
+
+    return asyncio.run(run())
+
+
+def one(worker: LiveWorker, **fields: Any) -> ScoreResult:
+    (result,) = direct(worker, [ScoreRequest(request_id=new_request_id(), **fields)])
+    assert result.error is None, result.error
+    return result
+
+
+def sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+# Two float64 evaluations of the same logistic function (the gateway's and this one) differ by at most a few
+# units in the last place of a float64: 1e-12 relative is far above that, far below any wrong score.
+CLOSE = 1e-12
+
+
+def test_sglang_score_matches_the_client_scores_and_hidden_states(
+    worker: LiveWorker, http: httpx.Client
+) -> None:
+    body = {"query": QUERY, "items": ITEMS, "return_pooled_hidden_states": True, "model": "any"}
+    answer = http.post("/v1/score", json=body)
+    assert answer.status_code == 200, answer.text
+    got = answer.json()
+    assert list(got) == ["scores", "pooled_hidden_states", "model", "usage", "object"]
+    expected = one(worker, query=QUERY, items=tuple(ITEMS), return_pooled_hidden_states=True)
+    assert got["scores"] == [list(row) for row in expected.scores]  # the same floats, through JSON exactly
+    assert expected.pooled_hidden_states is not None
+    assert got["pooled_hidden_states"] == [t.to_numpy().tolist() for t in expected.pooled_hidden_states]
+    assert got["object"] == "scoring" and got["model"] == expected.model
+    assert got["usage"]["prompt_tokens"] == expected.prompt_tokens == got["usage"]["total_tokens"]
+    encoded = http.post("/v1/score", json={**body, "encoding_format": "base64"}).json()
+    for text, tensor in zip(encoded["pooled_hidden_states"], expected.pooled_hidden_states, strict=True):
+        decoded = np.frombuffer(base64.b64decode(text), dtype="<f4")
+        np.testing.assert_array_equal(decoded, tensor.to_numpy())
+    plain = http.post("/v1/score", json={"items": [[5, 6, 7], [8, 9]], "query": [1, 2, 3]}).json()
+    tokens = one(worker, query=(1, 2, 3), items=((5, 6, 7), (8, 9)))
+    assert plain["scores"] == [list(row) for row in tokens.scores] and plain["pooled_hidden_states"] is None
+
+
+def test_msgpack_answers_carry_the_same_values(http: httpx.Client) -> None:
+    body = {"query": QUERY, "items": ITEMS}
+    as_json = http.post("/v1/score", json=body).json()
+    packed = http.post(
+        "/v1/score", content=msgpack.packb(body),
+        headers={"content-type": "application/msgpack", "accept": "application/x-msgpack"},
+    )  # fmt: skip
+    assert packed.headers["content-type"] == "application/msgpack"
+    assert msgpack.unpackb(packed.content)["scores"] == as_json["scores"]
+
+
+def test_vllm_classify_and_pooling(worker: LiveWorker, http: httpx.Client) -> None:
+    expected = one(worker, items=tuple(ITEMS), return_pooled_hidden_states=True)
+    got = http.post("/classify", json={"model": "m", "input": ITEMS}).json()
+    assert list(got) == ["id", "object", "created", "model", "data", "usage"] and got["id"].startswith(
+        "classify-"
+    )
+    for index, (entry, row) in enumerate(zip(got["data"], expected.scores, strict=True)):
+        assert list(entry) == ["index", "label", "probs", "num_classes"]
+        assert entry["index"] == index and entry["label"] == "LABEL_0" and entry["num_classes"] == 1
+        assert entry["probs"][0] == pytest.approx(sigmoid(row[0]), rel=CLOSE)
+    raw = http.post("/classify", json={"input": ITEMS[0], "use_activation": False}).json()
+    assert raw["data"][0]["probs"] == list(expected.scores[0])
+    pooled = http.post("/pooling", json={"input": ITEMS}).json()
+    assert pooled["id"].startswith("pool-") and [d["object"] for d in pooled["data"]] == ["pooling"] * 3
+    assert expected.pooled_hidden_states is not None
+    assert [d["data"] for d in pooled["data"]] == [
+        t.to_numpy().tolist() for t in expected.pooled_hidden_states
+    ]
+    tokens = expected.prompt_tokens
+    usage = {
+        "prompt_tokens": tokens,
+        "total_tokens": tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
+    assert pooled["usage"] == usage
+
+
+def test_vllm_score_one_to_many_and_pairs(worker: LiveWorker, http: httpx.Client) -> None:
+    fan = http.post("/score", json={"text_1": QUERY, "text_2": ITEMS}).json()
+    expected = one(worker, query=QUERY, items=tuple(ITEMS))
+    assert [d["index"] for d in fan["data"]] == [0, 1, 2] and fan["data"][0]["object"] == "score"
+    for entry, row in zip(fan["data"], expected.scores, strict=True):
+        assert entry["score"] == pytest.approx(sigmoid(row[0]), rel=CLOSE)
+    firsts = ["a question ", "another one "]
+    pairs = http.post("/score", json={"queries": firsts, "documents": ITEMS[:2]}).json()
+    for entry, first, second in zip(pairs["data"], firsts, ITEMS[:2], strict=True):
+        row = one(worker, query=first, items=(second,)).scores[0]
+        assert entry["score"] == pytest.approx(sigmoid(row[0]), rel=CLOSE)
+    mismatched = http.post("/score", json={"text_1": firsts, "text_2": ITEMS})
+    assert mismatched.status_code == 400 and mismatched.json()["error"]["code"] == "INVALID_REQUEST"
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/v2/rerank"])
+def test_rerank_ranks_documents_by_score(worker: LiveWorker, http: httpx.Client, path: str) -> None:
+    documents: list[Any] = [ITEMS[0], {"text": ITEMS[1]}, ITEMS[2]]
+    got = http.post(path, json={"query": QUERY, "documents": documents, "top_n": 2}).json()
+    assert list(got) == ["id", "model", "usage", "results"]
+    scores = [sigmoid(row[0]) for row in one(worker, query=QUERY, items=tuple(ITEMS)).scores]
+    order = sorted(range(3), key=lambda i: -scores[i])[:2]
+    assert [r["index"] for r in got["results"]] == order
+    for result in got["results"]:
+        assert list(result) == ["index", "document", "relevance_score"]
+        assert result["document"] == {"text": ITEMS[result["index"]]}
+        assert result["relevance_score"] == pytest.approx(scores[result["index"]], rel=CLOSE)
+    bare = http.post(path, json={"query": QUERY, "documents": ITEMS, "return_documents": False}).json()
+    assert len(bare["results"]) == 3 and all("document" not in r for r in bare["results"])
+
+
+def test_openrlhf_get_reward(worker: LiveWorker, http: httpx.Client) -> None:
+    texts = [QUERY + item for item in ITEMS]
+    got = http.post(
+        "/get_reward", json={"query": texts, "prompts": [QUERY] * 3, "labels": ["", "", ""]}
+    ).json()
+    expected = [row[0] for row in one(worker, items=tuple(texts)).scores]
+    assert got == {"rewards": expected, "scores": expected, "extra_logs": {}}
+
+
+def test_models_health_and_metrics(worker: LiveWorker, gateway: RunningGateway, http: httpx.Client) -> None:
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == one(worker, items=("x",)).model
+    assert http.get("/health").status_code == 200
+    text = httpx.get(f"{gateway.url}/metrics").text  # open to scrapers: no key
+    assert 'score_gateway_requests_total{route="sglang_score",status="200"}' in text
+    assert "score_gateway_request_seconds_bucket" in text and "score_gateway_kafka_waiting" in text
+
+
+def _error(answer: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert answer.status_code == status, answer.text
+    error: dict[str, Any] = answer.json()["error"]
+    assert error["code"] == code, error
+    return error
+
+
+def test_bodies_keys_and_limits_are_refused_with_stable_codes(
+    gateway: RunningGateway, http: httpx.Client
+) -> None:
+    _error(http.post("/v1/score", content=b"{not json"), 400, "MALFORMED_MESSAGE")
+    _error(http.post("/v1/score", json=[1, 2]), 400, "INVALID_REQUEST")
+    _error(http.post("/v1/score", json={"query": QUERY}), 400, "INVALID_REQUEST")
+    _error(http.post("/v1/score", json={"items": ["a", [1, 2]]}), 400, "INVALID_REQUEST")
+    _error(http.post("/v1/score", content=b" " * 70_000), 413, "BODY_TOO_LARGE")
+    _error(http.post("/v1/score", json={"items": ["a"] * 17}), 413, "BODY_TOO_LARGE")
+    # The worker's own refusal comes back with its code: a classifier scores with its head, not label ids.
+    _error(
+        http.post("/v1/score", json={"items": ["a"], "label_token_ids": [1]}), 400, "LABEL_IDS_NOT_SUPPORTED"
+    )
+    with httpx.Client(base_url=gateway.url) as anonymous:
+        for headers in ({}, auth("wrong"), {"Authorization": KEYS[0]}):
+            refused = anonymous.post("/v1/score", json={"items": ["a"]}, headers=headers)
+            error = _error(refused, 401, "UNAUTHORIZED")
+            assert refused.headers["www-authenticate"] == "Bearer" and "wrong" not in str(error)
+        assert anonymous.post("/v1/score", json={"items": ["a"]}, headers=auth(KEYS[0])).status_code == 200
+    _error(http.get("/v2/nothing"), 404, "NOT_FOUND")
+
+
+def test_a_call_past_its_deadline_is_504(http: httpx.Client) -> None:
+    answer = http.post("/v1/score", json={"items": ITEMS}, headers={"x-request-timeout": "0.001"})
+    # The worker answers EXPIRED for a request fetched after its deadline, unless the gateway's wait ended
+    # first: either way the call is over, and says so.
+    assert answer.status_code == 504 and answer.json()["error"]["code"] in ("EXPIRED", "DEADLINE_EXCEEDED")
+    _error(
+        http.post("/v1/score", json={"items": ITEMS}, headers={"x-request-timeout": "soon"}),
+        400,
+        "INVALID_REQUEST",
+    )
+
+
+def test_too_many_waiting_calls_get_429(gateway: RunningGateway, http: httpx.Client) -> None:
+    bridge = gateway.gateway.bridge
+    bridge.waiting += gateway.settings.gateway_max_calls  # as if that many calls were waiting on Kafka
+    try:
+        answer = http.post("/v1/score", json={"items": ["a"]})
+    finally:
+        bridge.waiting -= gateway.settings.gateway_max_calls
+    _error(answer, 429, "TOO_MANY_CALLS")
+    assert answer.headers["retry-after"] == "1"
+
+
+def test_without_a_worker_health_and_calls_are_503(kafka_bootstrap: str) -> None:
+    names = Names.unique("gateway-idle")
+    kwargs = client_kwargs(kafka_bootstrap)
+    asyncio.run(create_missing_topics(kwargs, [names.requests, names.results], 1, 1))
+    settings = gateway_settings(kafka_bootstrap, names, gateway_probe_interval_s=0.3)
+    with serving_gateway(settings) as running, httpx.Client(base_url=running.url, headers=auth()) as http:
+        assert http.get("/health").status_code == 503
+        for _ in range(100):  # the first probe goes unanswered after one interval
+            if running.gateway.bridge.answering is False:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        answer = http.post("/v1/score", json={"items": ["a"]})
+        _error(answer, 503, "NO_WORKER")
+        assert answer.headers["retry-after"] == "1"
+        _error(http.get("/health"), 503, "NO_WORKER")
