@@ -33,6 +33,7 @@ class RunningGateway:
     gateway: Gateway
     url: str
     settings: GatewaySettings
+    server: uvicorn.Server
 
 
 def gateway_settings(bootstrap: str, names: Names, **overrides: Any) -> GatewaySettings:
@@ -66,7 +67,7 @@ def serving_gateway(settings: GatewaySettings) -> Iterator[RunningGateway]:
         assert time.monotonic() < deadline, "the gateway did not start within 60 s"
         time.sleep(0.05)
     try:
-        yield RunningGateway(gateway, f"http://127.0.0.1:{settings.gateway_port}", settings)
+        yield RunningGateway(gateway, f"http://127.0.0.1:{settings.gateway_port}", settings, server)
     finally:
         server.should_exit = True
         thread.join(timeout=60)

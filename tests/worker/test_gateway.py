@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import math
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -210,7 +212,7 @@ def test_bodies_keys_and_limits_are_refused_with_stable_codes(
     _error(http.post("/v1/score", json={"query": QUERY}), 400, "INVALID_REQUEST")
     _error(http.post("/v1/score", json={"items": ["a", [1, 2]]}), 400, "INVALID_REQUEST")
     _error(http.post("/v1/score", content=b" " * 70_000), 413, "BODY_TOO_LARGE")
-    _error(http.post("/v1/score", json={"items": ["a"] * 17}), 413, "BODY_TOO_LARGE")
+    _error(http.post("/v1/score", json={"items": ["a"] * 17}), 413, "TOO_MANY_ITEMS")
     # The worker's own refusal comes back with its code: a classifier scores with its head, not label ids.
     _error(
         http.post("/v1/score", json={"items": ["a"], "label_token_ids": [1]}), 400, "LABEL_IDS_NOT_SUPPORTED"
@@ -262,3 +264,33 @@ def test_without_a_worker_health_and_calls_are_503(kafka_bootstrap: str) -> None
         _error(answer, 503, "NO_WORKER")
         assert answer.headers["retry-after"] == "1"
         _error(http.get("/health"), 503, "NO_WORKER")
+
+
+def test_after_shutdown_begins_calls_in_flight_are_answered_and_new_ones_refused(
+    kafka_bootstrap: str,
+) -> None:
+    """What SIGTERM does (uvicorn's handler sets should_exit): listening stops at once, a call already in
+    flight still gets its answer (here its deadline, no worker being there), then the gateway stops."""
+    names = Names.unique("gateway-drain")
+    asyncio.run(create_missing_topics(client_kwargs(kafka_bootstrap), [names.requests, names.results], 1, 1))
+    settings = gateway_settings(kafka_bootstrap, names, gateway_probe_interval_s=30.0)
+    answers: list[httpx.Response] = []
+    with serving_gateway(settings) as running:
+
+        def call() -> None:
+            timeout = {"x-request-timeout": "2"}
+            answers.append(
+                httpx.post(f"{running.url}/v1/score", json={"items": ["a"]}, headers={**auth(), **timeout})
+            )
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        while running.gateway.bridge.waiting == 0:  # the call is on Kafka
+            time.sleep(0.01)
+        running.server.should_exit = True
+        time.sleep(0.5)  # uvicorn looks at should_exit every 0.1 s, then closes its listening socket
+        with pytest.raises(httpx.ConnectError):
+            httpx.post(f"{running.url}/v1/score", json={"items": ["a"]}, headers=auth())
+        caller.join(timeout=30)
+    (answer,) = answers
+    _error(answer, 504, "DEADLINE_EXCEEDED")

@@ -8,10 +8,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from schemas import ResultStatus, SchemaError, ScoreRequest, ScoreResult
+from schemas import ErrorCode, ResultStatus, SchemaError, ScoreRequest, ScoreResult
 from worker.client import new_request_id
 from worker.gateway.bridge import KafkaBridge
-from worker.gateway.errors import GatewayCode, GatewayError, invalid, status_of
+from worker.gateway.errors import GatewayError, invalid, status_of
 
 Body = dict[str, Any]
 
@@ -43,7 +43,7 @@ class Call:
     def check_count(self, count: int, field: str) -> None:
         if count > self.max_items:
             raise GatewayError(
-                413, GatewayCode.BODY_TOO_LARGE,
+                413, ErrorCode.TOO_MANY_ITEMS.value,
                 f"{field} has {count} entries; send at most {self.max_items} in one call", param=field,
             )  # fmt: skip
 

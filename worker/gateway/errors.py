@@ -13,7 +13,6 @@ class GatewayCode(StrEnum):
     UNAUTHORIZED = "UNAUTHORIZED"
     NOT_FOUND = "NOT_FOUND"
     BODY_TOO_LARGE = "BODY_TOO_LARGE"
-    UNSUPPORTED_MEDIA_TYPE = "UNSUPPORTED_MEDIA_TYPE"
     TOO_MANY_CALLS = "TOO_MANY_CALLS"
     NO_WORKER = "NO_WORKER"
     BROKER_UNAVAILABLE = "BROKER_UNAVAILABLE"
@@ -54,7 +53,6 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     413: "RequestTooLargeError",
-    415: "UnsupportedMediaTypeError",
     429: "RateLimitError",
     500: "InternalServerError",
     502: "BadGatewayError",
