@@ -209,6 +209,8 @@ def test_bodies_keys_and_limits_are_refused_with_stable_codes(
 ) -> None:
     _error(http.post("/v1/score", content=b"{not json"), 400, "MALFORMED_MESSAGE")
     _error(http.post("/v1/score", json=[1, 2]), 400, "INVALID_REQUEST")
+    not_msgpack = http.post("/v1/score", content=b"\xc1", headers={"content-type": "application/msgpack"})
+    assert "FormatError" in _error(not_msgpack, 400, "MALFORMED_MESSAGE")["message"]
     _error(http.post("/v1/score", json={"query": QUERY}), 400, "INVALID_REQUEST")
     _error(http.post("/v1/score", json={"items": ["a", [1, 2]]}), 400, "INVALID_REQUEST")
     _error(http.post("/v1/score", content=b" " * 70_000), 413, "BODY_TOO_LARGE")

@@ -52,8 +52,9 @@ def parse_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
         body = msgpack.unpackb(raw, raw=False) if wants_msgpack(content_type) else orjson.loads(raw)
     except (orjson.JSONDecodeError, ValueError, msgpack.UnpackException) as error:
         kind = "msgpack" if wants_msgpack(content_type) else "JSON"
+        why = str(error) or type(error).__name__
         raise GatewayError(
-            400, ErrorCode.MALFORMED_MESSAGE.value, f"the body is not valid {kind}: {error}"
+            400, ErrorCode.MALFORMED_MESSAGE.value, f"the body is not valid {kind}: {why}"
         ) from None
     if not isinstance(body, dict):
         raise invalid(f"the body must be an object, not {type(body).__name__}")
