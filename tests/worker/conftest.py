@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from brokers import BrokerPool, OwnBroker, own_broker_of
 from fault_kit.workers import Spawn, WorkerProcess
+from secure_proxy import Pki, make_test_pki
 from worker_testkit import LiveWorker, Names, fast_settings
 
 from models import Scorer, ScorerConfig
@@ -166,6 +167,15 @@ def serving(kafka_bootstrap: str, model_dir: Path, **overrides: Any) -> Iterator
         thread.join(timeout=60)
     assert not thread.is_alive(), "the worker did not stop"
     assert not errors, errors
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """Certificates for the TLS tests (a CA, a server and a client certificate, decoys), made once."""
+    try:
+        return make_test_pki(tmp_path_factory.mktemp("pki"))
+    except FileNotFoundError as exc:
+        pytest.skip(f"no certificates for the TLS tests: {exc}")
 
 
 @pytest.fixture(scope="module")

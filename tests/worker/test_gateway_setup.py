@@ -10,20 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 from gateway_kit import gateway_settings, serving_gateway
-from secure_proxy import Pki, make_test_pki
+from secure_proxy import Pki
 from worker_testkit import Names, client_kwargs
 
 from worker.cli import EXIT_USAGE, main
 from worker.environment import GatewaySettings
 from worker.topics import create_missing_topics
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    try:
-        return make_test_pki(tmp_path_factory.mktemp("pki"))
-    except FileNotFoundError as exc:
-        pytest.skip(f"no certificates for the HTTPS test: {exc}")
 
 
 def test_https_and_keys_from_a_file(kafka_bootstrap: str, pki: Pki, tmp_path: Path) -> None:
