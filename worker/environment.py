@@ -97,7 +97,9 @@ class GatewaySettings(ClientEnvironment):
     )
     gateway_max_items: int = Field(4096, ge=1, description="most items (inputs, documents) in one call (413)")
     gateway_max_calls: int = Field(
-        1024, ge=1, description="most calls waiting on Kafka at once; more get 429 with Retry-After"
+        1024,
+        ge=1,
+        description="most calls in flight at once (read, waiting on Kafka, answered); more get 429",
     )
     gateway_timeout_s: float = Field(
         60.0, gt=0, description="longest a call waits for its result (504 after); a client may ask for less"

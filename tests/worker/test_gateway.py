@@ -240,13 +240,12 @@ def test_a_call_past_its_deadline_is_504(http: httpx.Client) -> None:
     )
 
 
-def test_too_many_waiting_calls_get_429(gateway: RunningGateway, http: httpx.Client) -> None:
-    bridge = gateway.gateway.bridge
-    bridge.waiting += gateway.settings.gateway_max_calls  # as if that many calls were waiting on Kafka
+def test_too_many_calls_in_flight_get_429(gateway: RunningGateway, http: httpx.Client) -> None:
+    gateway.gateway.in_flight += gateway.settings.gateway_max_calls  # as if that many calls were in flight
     try:
         answer = http.post("/v1/score", json={"items": ["a"]})
     finally:
-        bridge.waiting -= gateway.settings.gateway_max_calls
+        gateway.gateway.in_flight -= gateway.settings.gateway_max_calls
     _error(answer, 429, "TOO_MANY_CALLS")
     assert answer.headers["retry-after"] == "1"
 

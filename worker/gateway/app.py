@@ -20,7 +20,7 @@ from schemas import ErrorCode
 from worker.environment import GatewaySettings
 from worker.gateway import openrlhf, rerank, sglang, vllm
 from worker.gateway.bodies import parse_body, read_body, render
-from worker.gateway.bridge import KafkaBridge
+from worker.gateway.bridge import RETRY_AFTER_S, KafkaBridge
 from worker.gateway.calls import Body, Call
 from worker.gateway.errors import GatewayCode, GatewayError
 from worker.gateway.metrics import GatewayMetrics
@@ -52,17 +52,24 @@ class Gateway:
         self.bridge = KafkaBridge(settings, self.metrics, kafka_options)
         self._keys = tuple(key.encode() for key in settings.api_keys())
         self._labels = tuple(label.strip() for label in settings.gateway_labels.split(",") if label.strip())
+        # Calls being read, waiting on Kafka or answered: with the body cap, this bounds the gateway's memory.
+        self.in_flight = 0
 
     def endpoint(self, route: str, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         """The HTTP endpoint of one scoring handler, counted in the metrics under `route`."""
 
         async def serve(request: Request) -> Response:
             started = time.perf_counter()
-            self.metrics.in_flight.inc()
-            try:
-                response = await self._answer(request, handler)
-            finally:
-                self.metrics.in_flight.dec()
+            if self.in_flight >= self.settings.gateway_max_calls:  # refused before its body is read
+                response = error_response(self._too_many(), request.headers.get("accept"))
+            else:
+                self.in_flight += 1
+                self.metrics.in_flight.inc()
+                try:
+                    response = await self._answer(request, handler)
+                finally:
+                    self.in_flight -= 1
+                    self.metrics.in_flight.dec()
             self.metrics.observe(route, response.status_code, time.perf_counter() - started)
             return response
 
@@ -82,6 +89,12 @@ class Gateway:
             log.exception("a call to %s failed", request.url.path)
             failure = GatewayError(500, ErrorCode.INTERNAL_ERROR.value, "the gateway failed on this call")
             return error_response(failure, accept)
+
+    def _too_many(self) -> GatewayError:
+        return GatewayError(
+            429, GatewayCode.TOO_MANY_CALLS,
+            f"{self.in_flight} calls are already in flight (gateway_max_calls); retry later", RETRY_AFTER_S,
+        )  # fmt: skip
 
     def authorize(self, request: Request) -> None:
         """Nothing to check without keys; else the Bearer key must be one of them (compared in constant

@@ -50,7 +50,6 @@ class KafkaBridge:
             reply_topic=self.reply_topic,
             compression=settings.requests_compression,
         )
-        self._max_calls = settings.gateway_max_calls
         self._probe_interval = settings.gateway_probe_interval_s
         self._metrics = metrics
         self.waiting = 0
@@ -80,12 +79,6 @@ class KafkaBridge:
                 "no worker answers on the requests topic; retry later",
                 RETRY_AFTER_S,
             )
-        if self.waiting >= self._max_calls:
-            raise GatewayError(
-                429, GatewayCode.TOO_MANY_CALLS,
-                f"{self.waiting} calls are already waiting for results (gateway_max_calls); retry later",
-                RETRY_AFTER_S,
-            )  # fmt: skip
         self.waiting += 1
         self._metrics.waiting.inc()
         try:
