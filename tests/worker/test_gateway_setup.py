@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -56,3 +58,17 @@ def test_the_command_refuses_bad_settings_before_it_starts(
     err = capsys.readouterr().err
     assert "SCORE_WORKER_GATEWAY_PORT" in err and "secret-never-shown" not in err
     assert GatewaySettings().api_keys() == {"secret-never-shown"}
+
+
+def test_the_gateway_loads_no_model_library() -> None:
+    """The `gateway` install has no torch: the command and its application must not import it, nor
+    transformers (import-linter keeps the gateway off `models`, this checks what actually loads)."""
+    heavy = ("torch", "transformers", "tokenizers", "models.engine")
+    code = (
+        "import sys, worker.cli, worker.gateway.app, worker.gateway.command; "
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert loaded.stdout.strip() == "[]"
