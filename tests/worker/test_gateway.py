@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import math
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -18,8 +21,8 @@ import msgpack
 import numpy as np
 import pytest
 from conftest import serving
-from gateway_kit import KEYS, RunningGateway, auth, gateway_settings, serving_gateway
-from worker_testkit import LiveWorker, Names, client_kwargs
+from gateway_kit import KEYS, RunningGateway, auth, free_port, gateway_settings, serving_gateway
+from worker_testkit import LiveWorker, Names, client_kwargs, own_cluster_security, settings_env
 
 from schemas import ScoreRequest, ScoreResult
 from worker.client import ScoreClient, new_request_id
@@ -295,3 +298,38 @@ def test_after_shutdown_begins_calls_in_flight_are_answered_and_new_ones_refused
         caller.join(timeout=30)
     (answer,) = answers
     _error(answer, 504, "DEADLINE_EXCEEDED")
+
+
+def test_the_command_serves_until_sigterm(worker: LiveWorker, tmp_path: Path) -> None:
+    """`score-worker gateway` as its own process, set from the environment: it answers, and SIGTERM ends it
+    as uvicorn ends (the calls in flight answered, then the signal's own exit), without the key in its
+    logs."""
+    port = free_port()
+    values = {
+        "bootstrap_servers": worker.bootstrap, "requests_topic": worker.names.requests,
+        "results_topic": worker.names.results, "gateway_api_keys": KEYS[0], "gateway_port": port,
+        "gateway_host": "127.0.0.1", **own_cluster_security(worker.bootstrap),
+    }  # fmt: skip
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "worker", "gateway"], env=settings_env(values), stderr=out
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        answer = None
+        for _ in range(300):
+            try:
+                answer = httpx.post(f"{url}/v1/score", json={"items": ITEMS}, headers=auth(KEYS[0]))
+                break
+            except httpx.ConnectError:
+                time.sleep(0.1)
+        assert answer is not None and answer.status_code == 200, answer
+        assert answer.json()["scores"] == [list(row) for row in one(worker, items=tuple(ITEMS)).scores]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        process.kill()
+        process.wait()
+    logged = log.read_text()
+    assert "Finished server process" in logged and KEYS[0] not in logged, logged

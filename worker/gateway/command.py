@@ -60,7 +60,7 @@ def build_settings(args: argparse.Namespace) -> GatewaySettings:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT: uvicorn then stops accepting connections, answers the calls in flight
-    (up to the call timeout) and the Kafka client stops last."""
+    (up to the call timeout), the Kafka client stops last, and uvicorn ends the process by the signal."""
     try:
         settings = build_settings(args)
         security = security_from_environment().kafka_security_kwargs()
