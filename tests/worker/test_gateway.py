@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import math
 import signal
 import subprocess
 import sys
@@ -22,9 +21,10 @@ import numpy as np
 import pytest
 from conftest import serving
 from gateway_kit import KEYS, RunningGateway, auth, free_port, gateway_settings, serving_gateway
+from tolerances import assert_scored_alike, forward_atol
 from worker_testkit import LiveWorker, Names, client_kwargs, own_cluster_security, settings_env
 
-from schemas import ScoreRequest, ScoreResult
+from schemas import ResultStatus, ScoreRequest, ScoreResult, Tensor
 from worker.client import ScoreClient, new_request_id
 from worker.topics import create_missing_topics
 
@@ -74,19 +74,43 @@ def direct(worker: LiveWorker, requests: Sequence[ScoreRequest]) -> list[ScoreRe
     return asyncio.run(run())
 
 
-def one(worker: LiveWorker, **fields: Any) -> ScoreResult:
-    (result,) = direct(worker, [ScoreRequest(request_id=new_request_id(), **fields)])
+def one(worker: LiveWorker, **fields: Any) -> tuple[ScoreRequest, ScoreResult]:
+    """A request sent directly, and its result."""
+    request = ScoreRequest(request_id=new_request_id(), **fields)
+    (result,) = direct(worker, [request])
     assert result.error is None, result.error
-    return result
+    return request, result
 
 
-def sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x))
+def assert_alike(
+    worker: LiveWorker, request: ScoreRequest, expected: ScoreResult, scores: Any, states: Any = None
+) -> None:
+    """The gateway's scores (and hidden states) against the direct result of the same request: two forward
+    passes of the worker, perhaps in other batches, so within the project's float32 bound of one forward
+    against another (tests/tolerances.py). The gateway itself changes no value: its JSON and base64 carry
+    float32 values exactly (test_gateway_units.py)."""
+    pooled = None
+    if states is not None:
+        pooled = tuple(Tensor.from_numpy(np.asarray(state, dtype=np.float32)) for state in states)
+    got = ScoreResult(request.request_id, ResultStatus.OK, tuple(map(tuple, scores)), pooled)
+    assert_scored_alike(got, expected, worker.scorer, [request])
 
 
-# Two float64 evaluations of the same logistic function (the gateway's and this one) differ by at most a few
-# units in the last place of a float64: 1e-12 relative is far above that, far below any wrong score.
-CLOSE = 1e-12
+def sigmoid_atol(worker: LiveWorker, request: ScoreRequest, logits: Any) -> float:
+    """How far probabilities through the logistic function may lie from those of the direct logits: its
+    slope is at most 1/4, so logits within the forward bound give probabilities within a quarter of it;
+    1e-12 more for two float64 evaluations of the function (a few ulps apart)."""
+    model_dir = Path(worker.scorer.hf_model.name_or_path)
+    longest = max(len(prompt) for prompt in worker.scorer.prepare(request).prompts)
+    return forward_atol(model_dir, np.asarray(logits, dtype=np.float64), longest=longest) / 4 + 1e-12
+
+
+def assert_sigmoid_alike(worker: LiveWorker, request: ScoreRequest, logits: Any, probs: Any) -> None:
+    values = np.asarray(logits, dtype=np.float64)
+    atol = sigmoid_atol(worker, request, values)
+    np.testing.assert_allclose(
+        np.asarray(probs, dtype=np.float64), 1 / (1 + np.exp(-values)), atol=atol, rtol=0
+    )
 
 
 def test_sglang_score_matches_the_client_scores_and_hidden_states(
@@ -97,51 +121,64 @@ def test_sglang_score_matches_the_client_scores_and_hidden_states(
     assert answer.status_code == 200, answer.text
     got = answer.json()
     assert list(got) == ["scores", "pooled_hidden_states", "model", "usage", "object"]
-    expected = one(worker, query=QUERY, items=tuple(ITEMS), return_pooled_hidden_states=True)
-    assert got["scores"] == [list(row) for row in expected.scores]  # the same floats, through JSON exactly
-    assert expected.pooled_hidden_states is not None
-    assert got["pooled_hidden_states"] == [t.to_numpy().tolist() for t in expected.pooled_hidden_states]
+    request, expected = one(worker, query=QUERY, items=tuple(ITEMS), return_pooled_hidden_states=True)
+    assert_alike(worker, request, expected, got["scores"], got["pooled_hidden_states"])
     assert got["object"] == "scoring" and got["model"] == expected.model
     assert got["usage"]["prompt_tokens"] == expected.prompt_tokens == got["usage"]["total_tokens"]
     encoded = http.post("/v1/score", json={**body, "encoding_format": "base64"}).json()
-    for text, tensor in zip(encoded["pooled_hidden_states"], expected.pooled_hidden_states, strict=True):
-        decoded = np.frombuffer(base64.b64decode(text), dtype="<f4")
-        np.testing.assert_array_equal(decoded, tensor.to_numpy())
+    states = [np.frombuffer(base64.b64decode(text), dtype="<f4") for text in encoded["pooled_hidden_states"]]
+    assert_alike(worker, request, expected, encoded["scores"], states)
     plain = http.post("/v1/score", json={"items": [[5, 6, 7], [8, 9]], "query": [1, 2, 3]}).json()
-    tokens = one(worker, query=(1, 2, 3), items=((5, 6, 7), (8, 9)))
-    assert plain["scores"] == [list(row) for row in tokens.scores] and plain["pooled_hidden_states"] is None
+    assert_alike(worker, *one(worker, query=(1, 2, 3), items=((5, 6, 7), (8, 9))), plain["scores"])
+    assert plain["pooled_hidden_states"] is None
 
 
-def test_msgpack_answers_carry_the_same_values(http: httpx.Client) -> None:
-    body = {"query": QUERY, "items": ITEMS}
-    as_json = http.post("/v1/score", json=body).json()
+def test_concurrent_calls_each_get_their_own_results(worker: LiveWorker, gateway: RunningGateway) -> None:
+    """Calls in flight together share one reply topic: each answer is its own request's, by id."""
+    texts = [f"answer number {index} " * (1 + index % 3) for index in range(40)]
+
+    async def calls() -> list[Any]:
+        async with httpx.AsyncClient(base_url=gateway.url, headers=auth(), timeout=60) as client:
+            answers = await asyncio.gather(*(client.post("/get_reward", json={"query": [t]}) for t in texts))
+        return [answer.json()["rewards"][0] for answer in answers]
+
+    requests = [ScoreRequest(request_id=new_request_id(), items=(text,)) for text in texts]
+    for request, expected, reward in zip(
+        requests, direct(worker, requests), asyncio.run(calls()), strict=True
+    ):
+        assert_alike(worker, request, expected, [[reward]])
+
+
+def test_msgpack_bodies_both_ways(worker: LiveWorker, http: httpx.Client) -> None:
+    body = {"query": QUERY, "items": ITEMS, "return_pooled_hidden_states": True}
     packed = http.post(
         "/v1/score", content=msgpack.packb(body),
         headers={"content-type": "application/msgpack", "accept": "application/x-msgpack"},
     )  # fmt: skip
     assert packed.headers["content-type"] == "application/msgpack"
-    assert msgpack.unpackb(packed.content)["scores"] == as_json["scores"]
+    got = msgpack.unpackb(packed.content)
+    assert list(got) == ["scores", "pooled_hidden_states", "model", "usage", "object"]
+    request, expected = one(worker, query=QUERY, items=tuple(ITEMS), return_pooled_hidden_states=True)
+    assert_alike(worker, request, expected, got["scores"], got["pooled_hidden_states"])
 
 
 def test_vllm_classify_and_pooling(worker: LiveWorker, http: httpx.Client) -> None:
-    expected = one(worker, items=tuple(ITEMS), return_pooled_hidden_states=True)
+    request, expected = one(worker, items=tuple(ITEMS))
     got = http.post("/classify", json={"model": "m", "input": ITEMS}).json()
-    assert list(got) == ["id", "object", "created", "model", "data", "usage"] and got["id"].startswith(
-        "classify-"
-    )
-    for index, (entry, row) in enumerate(zip(got["data"], expected.scores, strict=True)):
+    assert list(got) == ["id", "object", "created", "model", "data", "usage"]
+    assert got["id"].startswith("classify-") and got["usage"]["prompt_tokens"] == expected.prompt_tokens
+    for index, entry in enumerate(got["data"]):
         assert list(entry) == ["index", "label", "probs", "num_classes"]
         assert entry["index"] == index and entry["label"] == "LABEL_0" and entry["num_classes"] == 1
-        assert entry["probs"][0] == pytest.approx(sigmoid(row[0]), rel=CLOSE)
-    raw = http.post("/classify", json={"input": ITEMS[0], "use_activation": False}).json()
-    assert raw["data"][0]["probs"] == list(expected.scores[0])
+    logits = [row[0] for row in expected.scores]
+    assert_sigmoid_alike(worker, request, logits, [entry["probs"][0] for entry in got["data"]])
+    raw = http.post("/classify", json={"input": ITEMS, "use_activation": False}).json()
+    assert_alike(worker, request, expected, [entry["probs"] for entry in raw["data"]])
     pooled = http.post("/pooling", json={"input": ITEMS}).json()
     assert pooled["id"].startswith("pool-") and [d["object"] for d in pooled["data"]] == ["pooling"] * 3
-    assert expected.pooled_hidden_states is not None
-    assert [d["data"] for d in pooled["data"]] == [
-        t.to_numpy().tolist() for t in expected.pooled_hidden_states
-    ]
-    tokens = expected.prompt_tokens
+    hidden, with_states = one(worker, items=tuple(ITEMS), return_pooled_hidden_states=True)
+    assert_alike(worker, hidden, with_states, with_states.scores, [d["data"] for d in pooled["data"]])
+    tokens = with_states.prompt_tokens
     usage = {
         "prompt_tokens": tokens,
         "total_tokens": tokens,
@@ -153,15 +190,15 @@ def test_vllm_classify_and_pooling(worker: LiveWorker, http: httpx.Client) -> No
 
 def test_vllm_score_one_to_many_and_pairs(worker: LiveWorker, http: httpx.Client) -> None:
     fan = http.post("/score", json={"text_1": QUERY, "text_2": ITEMS}).json()
-    expected = one(worker, query=QUERY, items=tuple(ITEMS))
+    request, expected = one(worker, query=QUERY, items=tuple(ITEMS))
     assert [d["index"] for d in fan["data"]] == [0, 1, 2] and fan["data"][0]["object"] == "score"
-    for entry, row in zip(fan["data"], expected.scores, strict=True):
-        assert entry["score"] == pytest.approx(sigmoid(row[0]), rel=CLOSE)
+    logits = [row[0] for row in expected.scores]
+    assert_sigmoid_alike(worker, request, logits, [entry["score"] for entry in fan["data"]])
     firsts = ["a question ", "another one "]
     pairs = http.post("/score", json={"queries": firsts, "documents": ITEMS[:2]}).json()
     for entry, first, second in zip(pairs["data"], firsts, ITEMS[:2], strict=True):
-        row = one(worker, query=first, items=(second,)).scores[0]
-        assert entry["score"] == pytest.approx(sigmoid(row[0]), rel=CLOSE)
+        pair, result = one(worker, query=first, items=(second,))
+        assert_sigmoid_alike(worker, pair, [result.scores[0][0]], [entry["score"]])
     mismatched = http.post("/score", json={"text_1": firsts, "text_2": ITEMS})
     assert mismatched.status_code == 400 and mismatched.json()["error"]["code"] == "INVALID_REQUEST"
 
@@ -171,13 +208,19 @@ def test_rerank_ranks_documents_by_score(worker: LiveWorker, http: httpx.Client,
     documents: list[Any] = [ITEMS[0], {"text": ITEMS[1]}, ITEMS[2]]
     got = http.post(path, json={"query": QUERY, "documents": documents, "top_n": 2}).json()
     assert list(got) == ["id", "model", "usage", "results"]
-    scores = [sigmoid(row[0]) for row in one(worker, query=QUERY, items=tuple(ITEMS)).scores]
-    order = sorted(range(3), key=lambda i: -scores[i])[:2]
-    assert [r["index"] for r in got["results"]] == order
-    for result in got["results"]:
+    results = got["results"]
+    assert len(results) == 2 and len({r["index"] for r in results}) == 2
+    relevance = [r["relevance_score"] for r in results]
+    assert relevance == sorted(relevance, reverse=True)
+    request, expected = one(worker, query=QUERY, items=tuple(ITEMS))
+    logits = [row[0] for row in expected.scores]
+    left_out = ({0, 1, 2} - {r["index"] for r in results}).pop()
+    assert_sigmoid_alike(worker, request, [logits[r["index"]] for r in results], relevance)
+    # The document left out ranks below those kept, up to the bound of two forward passes.
+    assert 1 / (1 + np.exp(-logits[left_out])) <= min(relevance) + sigmoid_atol(worker, request, logits)
+    for result in results:
         assert list(result) == ["index", "document", "relevance_score"]
         assert result["document"] == {"text": ITEMS[result["index"]]}
-        assert result["relevance_score"] == pytest.approx(scores[result["index"]], rel=CLOSE)
     bare = http.post(path, json={"query": QUERY, "documents": ITEMS, "return_documents": False}).json()
     assert len(bare["results"]) == 3 and all("document" not in r for r in bare["results"])
 
@@ -187,13 +230,15 @@ def test_openrlhf_get_reward(worker: LiveWorker, http: httpx.Client) -> None:
     got = http.post(
         "/get_reward", json={"query": texts, "prompts": [QUERY] * 3, "labels": ["", "", ""]}
     ).json()
-    expected = [row[0] for row in one(worker, items=tuple(texts)).scores]
-    assert got == {"rewards": expected, "scores": expected, "extra_logs": {}}
+    assert list(got) == ["rewards", "scores", "extra_logs"]
+    assert got["scores"] == got["rewards"] and got["extra_logs"] == {}
+    request, expected = one(worker, items=tuple(texts))
+    assert_alike(worker, request, expected, [[reward] for reward in got["rewards"]])
 
 
 def test_models_health_and_metrics(worker: LiveWorker, gateway: RunningGateway, http: httpx.Client) -> None:
     models = http.get("/v1/models").json()
-    assert models["object"] == "list" and models["data"][0]["id"] == one(worker, items=("x",)).model
+    assert models["object"] == "list" and models["data"][0]["id"] == one(worker, items=("x",))[1].model
     assert http.get("/health").status_code == 200
     text = httpx.get(f"{gateway.url}/metrics").text  # open to scrapers: no key
     assert 'score_gateway_requests_total{route="sglang_score",status="200"}' in text
@@ -325,7 +370,7 @@ def test_the_command_serves_until_sigterm(worker: LiveWorker, tmp_path: Path) ->
             except httpx.ConnectError:
                 time.sleep(0.1)
         assert answer is not None and answer.status_code == 200, answer
-        assert answer.json()["scores"] == [list(row) for row in one(worker, items=tuple(ITEMS)).scores]
+        assert_alike(worker, *one(worker, items=tuple(ITEMS)), answer.json()["scores"])
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == -signal.SIGTERM
     finally:
