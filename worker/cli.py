@@ -49,6 +49,10 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
         "run Apache Kafka from its jars (Java, no Docker): one node or several",
     ),
     "produce-samples": ("worker.sample_producer", "send a steady trickle of mixed sample requests"),
+    "gateway": (
+        "worker.gateway.command",
+        "HTTP front door: SGLang, vLLM, rerank and OpenRLHF calls as requests on Kafka",
+    ),
 }
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2

@@ -41,6 +41,13 @@ def _topic_name(value: str) -> str:
     return value
 
 
+def existing_file(value: Path | None) -> Path | None:
+    """A settings validator: a path that is set must name a file."""
+    if value is not None and not value.is_file():
+        raise ValueError(f"file {str(value)!r} does not exist")
+    return value
+
+
 # A setting that names a topic: checked against Kafka's rule wherever it is read.
 TopicName = Annotated[str, AfterValidator(_topic_name)]
 
@@ -90,12 +97,7 @@ class KafkaSecurity(BaseSettings):
     sasl_username: str | None = Field(default=None, description="SASL user name")
     sasl_password: SecretStr | None = Field(default=None, description="SASL password (environment only)")
 
-    @field_validator("ssl_cafile", "ssl_certfile", "ssl_keyfile")
-    @classmethod
-    def _check_file(cls, value: Path | None) -> Path | None:
-        if value is not None and not value.is_file():
-            raise ValueError(f"file {str(value)!r} does not exist")
-        return value
+    _check_file = field_validator("ssl_cafile", "ssl_certfile", "ssl_keyfile")(existing_file)
 
     @model_validator(mode="after")
     def _check_security(self) -> KafkaSecurity:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from brokers import BrokerPool, OwnBroker, own_broker_of
 from fault_kit.workers import Spawn, WorkerProcess
+from secure_proxy import Pki, make_test_pki
 from worker_testkit import LiveWorker, Names, fast_settings
 
 from models import Scorer, ScorerConfig
@@ -142,10 +143,11 @@ def live_vision_worker(  # the same with a tiny image-text model
     yield from serving(kafka_bootstrap, write_tiny_vision_model(tmp_path_factory.mktemp("vision"), seed=1))
 
 
-def serving(kafka_bootstrap: str, model_dir: Path) -> Iterator[LiveWorker]:
-    """A worker of `model_dir` on its own topics, run in a thread until the generator is closed."""
+def serving(kafka_bootstrap: str, model_dir: Path, **overrides: Any) -> Iterator[LiveWorker]:
+    """A worker of `model_dir` on its own topics (and settings `overrides`), run in a thread until the
+    generator is closed."""
     names = Names.unique("client")
-    settings = fast_settings(kafka_bootstrap, model_dir, names)
+    settings = fast_settings(kafka_bootstrap, model_dir, names, **overrides)
     asyncio.run(ensure_topics(settings))  # the client needs the results topic before the worker is up
     worker = ScoreWorker(settings, Scorer(model_dir, ScorerConfig(device="cpu")))
     errors: list[BaseException] = []
@@ -165,6 +167,15 @@ def serving(kafka_bootstrap: str, model_dir: Path) -> Iterator[LiveWorker]:
         thread.join(timeout=60)
     assert not thread.is_alive(), "the worker did not stop"
     assert not errors, errors
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """Certificates for the TLS tests (a CA, a server and a client certificate, decoys), made once."""
+    try:
+        return make_test_pki(tmp_path_factory.mktemp("pki"))
+    except FileNotFoundError as exc:
+        pytest.skip(f"no certificates for the TLS tests: {exc}")
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from brokers import OwnBroker
-from secure_proxy import Pki, ProxyServer, SaslProxy, TlsProxy, make_test_pki
+from secure_proxy import Pki, ProxyServer, SaslProxy, TlsProxy
 from tolerances import assert_scored_alike
 from worker_testkit import Names, fast_settings, fast_values, settings_env
 
@@ -49,14 +49,6 @@ REQUESTS = [
     ScoreRequest(f"sec-{i}", items=("The answer is 42.", "No idea.")[: 1 + i % 2], query="Is this right?")
     for i in range(6)
 ]
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    try:
-        return make_test_pki(tmp_path_factory.mktemp("pki"))
-    except FileNotFoundError as exc:
-        pytest.skip(f"no certificates for the TLS tests: {exc}")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from secure_proxy import Pki, make_test_pki
+from secure_proxy import Pki
 
 from worker.cli import main
 from worker.config import KafkaSecurity, WorkerSettings, describe_validation_error, security_from_environment
@@ -128,14 +128,6 @@ def test_cli_prints_one_line_per_field_and_exits_2(
 
 
 # --- Kafka security: client certificates, hostname checks, settings that go together, hidden secrets
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    try:
-        return make_test_pki(tmp_path_factory.mktemp("pki"))
-    except FileNotFoundError as exc:
-        pytest.skip(f"no certificates for the TLS settings tests: {exc}")
 
 
 def test_client_certificate_and_hostname_check_reach_the_ssl_context(tmp_path: Path, pki: Pki) -> None:
