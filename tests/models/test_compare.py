@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from models import Scorer, ScorerConfig, write_tiny_model
 from models.compare import RewardRule, answer, best_probability, preference, ranking
 from models.interface import BatchStats
 from models.plan import join_results
-from models.prepare import PreparedRequest
+from models.prepare import PreparedRequest, PromptError
 from schemas import Compare, ErrorCode, ScoreRequest, ScoreResult
 
 QUERY = "Question: which of these answers to the question about the library's opening hours is the best one? "
@@ -88,6 +89,11 @@ def test_several_labels_need_a_column_and_give_its_log_odds(three_label_dir: Pat
         ]
     )
     assert missing.error is not None and missing.error.code is ErrorCode.REWARD_COLUMN_REQUIRED
+    # The copies intake processes prepare with refuse it the same way.
+    copy = pickle.loads(pickle.dumps(scorer.prompt_builder))
+    with pytest.raises(PromptError) as refused:
+        copy.prepare(ScoreRequest("a", **fields))  # type: ignore[arg-type]
+    assert refused.value.code is ErrorCode.REWARD_COLUMN_REQUIRED
     assert past.error is not None and past.error.code is ErrorCode.REWARD_COLUMN_OUT_OF_RANGE
     prompts = _prompts(scorer, ScoreRequest("p", items=ITEMS, query=QUERY))
     logits = hf_reference(three_label_dir, prompts).logits.astype(np.float64)
