@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from models.compare import RewardRule
 from models.config import ScorerConfig
 from models.heads import NamedHeads
 from models.layers import is_causal_decoder
@@ -83,7 +84,18 @@ def fp8_layer_by_layer(
     )
 
 
-def prompt_builder(model: LoadedModel, config: ScorerConfig, named_heads: NamedHeads | None) -> PromptBuilder:
+def reward_rule(model: LoadedModel, head_width: int) -> RewardRule:
+    """Which scores a comparison reads as rewards: a judge's label columns (each request's own), else the
+    head's `head_width` columns, separate sigmoids where the checkpoint says it was trained so."""
+    if model.judge:
+        return RewardRule(width=None)
+    problem = getattr(model.model.config, "problem_type", None)
+    return RewardRule(width=head_width, independent=problem == "multi_label_classification")
+
+
+def prompt_builder(
+    model: LoadedModel, config: ScorerConfig, named_heads: NamedHeads | None, rule: RewardRule | None = None
+) -> PromptBuilder:
     """The tokenizing and validating step for this model and the settings' request limits."""
     limit = model.max_position_embeddings
     if config.max_item_tokens is not None:
@@ -101,6 +113,7 @@ def prompt_builder(model: LoadedModel, config: ScorerConfig, named_heads: NamedH
         adapters=tuple(config.adapter_dirs),
         heads=tuple(named_heads.widths.items()) if named_heads is not None else (),
         vision=model.vision,
+        reward_rule=rule,
     )
 
 

@@ -16,10 +16,11 @@ from transformers import PreTrainedModel
 
 from models import assembly
 from models.attention import register_attention
+from models.compare import comparisons
 from models.config import ScorerConfig
 from models.errors import DeviceLostError, ModelLoadError
 from models.execute import Executor
-from models.heads import HeadScores, NamedHeads, head_scores
+from models.heads import NamedHeads, head_scores
 from models.interface import BatchObserver, ModelInfo, PendingScores
 from models.loading import LoadedModel, read_config
 from models.packing import saved_tokens
@@ -27,9 +28,8 @@ from models.plan import BatchPlan, order_of_places
 from models.prefix_cache import CacheTraffic
 from models.prepare import PreparedRequest, PromptBuilder, PromptError
 from models.results import (
+    Collected,
     Head,
-    Scores,
-    TokenOutputs,
     batch_positions,
     batch_stats,
     failed,
@@ -40,6 +40,7 @@ from models.results import (
 from models.transfer import (
     DeviceTimer,
     HostRows,
+    item_ranges,
     read_hidden,
     start_hidden_copy,
     start_position_copy,
@@ -133,9 +134,10 @@ class Scorer:
         if self.config.head_dirs:
             hidden = int(self.model.model.config.get_text_config().hidden_size)
             self.named_heads = NamedHeads(self.config.head_dirs, hidden, self.device, self.dtype)
-        self._prompts = assembly.prompt_builder(self.model, self.config, self.named_heads)
         self.pooling = self.config.resolve_pooling(self.model.default_pooling)
         self.head = Head(self.model, self.device, self.dtype, self.pooling, per_row=self.config.deterministic)
+        self.reward_rule = assembly.reward_rule(self.model, self.head.width)
+        self._prompts = assembly.prompt_builder(self.model, self.config, self.named_heads, self.reward_rule)
         self.executor = Executor(
             self.model, self.config, self.device, self.dtype, self.attention, self.pooling
         )
@@ -304,7 +306,7 @@ class Scorer:
             return launched
         batch = launched.batch
         try:
-            scores, hidden, tokens, named, forward_s, copy_s = self._collect(launched)
+            collected = self._collect(launched)
         except DeviceLostError:
             raise
         except Exception as exc:  # a kernel error surfaces where the host waits for the device
@@ -312,16 +314,18 @@ class Scorer:
         if launched.compiled_graphs:
             log.info(
                 "a batch of %d prompts (%d tokens) compiled %d layer graphs: it took %.2f s",
-                sum(launched.item_counts), launched.packed_tokens, launched.compiled_graphs, forward_s,
+                sum(launched.item_counts), launched.packed_tokens, launched.compiled_graphs,
+                collected.forward_s,
             )  # fmt: skip
         if on_batch is not None:
+            forward_s, copy_s = collected.forward_s, collected.copy_s
             on_batch(
                 batch_stats(
                     batch, forward_s, copy_s, launched.hidden_bytes, launched.packed_tokens,
                     compiled_graphs=launched.compiled_graphs, cache=launched.cache,
                 )
             )  # fmt: skip
-        return scored(batch, scores, hidden, self.model_name, forward_s, copy_s, tokens, named)
+        return scored(batch, collected, self.model_name)
 
     def _after_failure(
         self, batch: list[PreparedRequest], exc: Exception, on_batch: BatchObserver | None, started: float
@@ -407,37 +411,26 @@ class Scorer:
             return None
         return [self._prompts.adapter_index(p.request) for p in batch for _ in p.prompts]
 
-    def _collect(
-        self, launched: LaunchedBatch
-    ) -> tuple[
-        Scores,
-        list[tuple[Tensor, ...] | None],
-        list[TokenOutputs | None],
-        list[HeadScores | None],
-        float,
-        float,
-    ]:
-        """Wait for a launched batch: per-request scores, hidden states and token outputs, forward and copy
-        seconds."""
+    def _collect(self, launched: LaunchedBatch) -> Collected:
+        """Wait for a launched batch: per-request scores, hidden states, token outputs, extra heads' scores
+        and comparisons, forward and copy seconds."""
         forward_s, copy_s = launched.timer.wait(launched.started)
         batch = launched.batch
         if launched.logits is None:
             hidden: list[tuple[Tensor, ...] | None] = [() if wants_hidden(p) else None for p in batch]
             nothing = token_outputs(batch, None, {}, None, 0)
-            return (
-                [[] for _ in batch],
-                hidden,
-                nothing,
-                head_scores({}, batch, launched.item_counts),
-                0.0,
-                0.0,
-            )
+            heads = head_scores({}, batch, launched.item_counts)
+            # No prompt in the batch: none of its requests compares (compare needs two items or more).
+            return Collected([[] for _ in batch], hidden, nothing, heads, [None] * len(batch), 0.0, 0.0)
         scores = request_scores(launched.logits, launched.columns, batch, launched.item_counts)
         tokens = token_outputs(
             batch, launched.token_logits, launched.columns, launched.token_rows, self.head.width
         )
         named = head_scores(launched.head_outputs or {}, batch, launched.item_counts)
-        return scores, read_hidden(batch, launched.rows), tokens, named, forward_s, copy_s
+        rows = zip((p.request for p in batch), item_ranges(launched.item_counts), strict=True)
+        compared = comparisons(launched.logits, launched.columns, list(rows), self.reward_rule)
+        hidden = read_hidden(batch, launched.rows)
+        return Collected(scores, hidden, tokens, named, compared, forward_s, copy_s)
 
     def _recover(self, error: BaseException) -> None:
         """After a failed forward: free the cached blocks (an out-of-memory retry needs them), and raise

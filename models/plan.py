@@ -9,6 +9,7 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from models.compare import answer
 from models.graphs import KEYS_PER_TOKEN
 from models.packing import (
     SharedPrefix,
@@ -18,7 +19,7 @@ from models.packing import (
     shareable_prefix,
 )
 from models.prepare import PreparedRequest, Prompt
-from schemas import ResultStatus, ScoreResult, Tensor
+from schemas import Compare, ResultStatus, ScoreResult, Tensor
 
 # What prompts cost together in one packed row: the sum of their lengths, or less where shared prefixes are
 # computed once (BatchPlan.tokens).
@@ -156,9 +157,10 @@ def split_request(
     return parts
 
 
-def join_results(parts: Sequence[ScoreResult]) -> ScoreResult:
+def join_results(parts: Sequence[ScoreResult], compare: Compare | None = None) -> ScoreResult:
     """One result from the results of a request's parts, in item order; the first failed part's error
-    result stands for the whole request (a result never carries some items' scores and not others)."""
+    result stands for the whole request (a result never carries some items' scores and not others). Parts
+    of a request with `compare` carry their items' rewards: the comparison is made here, over them all."""
     if len(parts) == 1:
         return parts[0]
     for part in parts:
@@ -181,8 +183,14 @@ def join_results(parts: Sequence[ScoreResult]) -> ScoreResult:
     for part in parts:
         for name, seconds in part.timings.items():
             timings[name] = timings.get(name, 0.0) + seconds
+    rewards = _joined(parts, "rewards")
+    compared = None if rewards is None or compare is None else answer(rewards, compare)
     return dataclasses.replace(
         first,
+        rewards=rewards,
+        preference=None if compared is None else compared.preference,
+        ranking=None if compared is None else compared.ranking,
+        best_probability=None if compared is None else compared.best_probability,
         scores=tuple(row for part in parts for row in part.scores),
         pooled_hidden_states=hidden,
         prompt_tokens=sum(part.prompt_tokens for part in parts),

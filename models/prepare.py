@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from models.compare import RewardRule
 from models.images import ImageError
 from models.vision import ImageInputs, VisionPrompts
 from schemas import ErrorCode, ScoreRequest, TokenOutputs, Truncation
@@ -142,6 +143,7 @@ class PromptBuilder:
     adapters: tuple[str, ...] = ()  # the LoRA adapters served, by name
     heads: tuple[tuple[str, int], ...] = ()  # the extra heads served: (name, floats per item)
     vision: VisionPrompts | None = None  # an image-text model's processor; None: requests without images
+    reward_rule: RewardRule | None = None  # which scores a comparison reads; None: compare is refused
 
     def adapter_index(self, request: ScoreRequest) -> int:
         """The index of the request's adapter among those served (-1: the base model)."""
@@ -158,6 +160,7 @@ class PromptBuilder:
                 f"{self.max_request_items} (max_request_items); split it into several requests.",
             )
         self._check_labels(request)
+        self._check_compare(request)
         self._check_token_outputs(request)
         self._check_adapter(request)
         head_floats = self._head_floats(request)
@@ -208,6 +211,18 @@ class PromptBuilder:
                 instead = "heads nil for the model's own head alone"
                 raise _not_served(ErrorCode.HEAD_NOT_FOUND, "head", name, tuple(widths), instead)
         return sum(widths[name] for name in request.heads or ())
+
+    def _check_compare(self, request: ScoreRequest) -> None:
+        if request.compare is None:
+            return
+        if self.reward_rule is None:
+            raise PromptError(
+                ErrorCode.COMPARE_NOT_SUPPORTED,
+                "This engine does not compare items; send compare nil and compare the scores yourself.",
+            )
+        refusal = self.reward_rule.refusal(request)
+        if refusal is not None:
+            raise PromptError(*refusal)
 
     def _check_adapter(self, request: ScoreRequest) -> None:
         if request.adapter is not None and request.adapter not in self.adapters:

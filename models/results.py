@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from models.compare import Comparison
 from models.interface import BatchStats
 from models.loading import LoadedModel
 from models.packing import Pooling, pooled_positions
@@ -179,19 +181,23 @@ def _token_scores(
     return Tensor.from_numpy(scores.numpy().astype(np.float32, copy=False))
 
 
-def scored(
-    batch: Sequence[PreparedRequest],
-    scores: Scores,
-    hidden: Sequence[tuple[Tensor, ...] | None],
-    model: str,
-    forward_s: float,
-    copy_s: float,
-    tokens: Sequence[TokenOutputs | None] | None = None,
-    heads: Sequence[dict[str, tuple[tuple[float, ...], ...]] | None] | None = None,
-) -> list[ScoreResult]:
+class Collected(NamedTuple):
+    """A finished batch's outputs, per request of the batch: scores, hidden states, token outputs, extra
+    heads' scores and comparisons (None where not asked), and the forward and copy seconds."""
+
+    scores: Scores
+    hidden: Sequence[tuple[Tensor, ...] | None]
+    tokens: Sequence[TokenOutputs | None]
+    heads: Sequence[dict[str, tuple[tuple[float, ...], ...]] | None]
+    compared: Sequence[Comparison | None]
+    forward_s: float
+    copy_s: float
+
+
+def scored(batch: Sequence[PreparedRequest], out: Collected, model: str) -> list[ScoreResult]:
     """One OK result per request of a batch, with the batch's timings."""
     tokenize_s = sum(p.tokenize_s for p in batch)
-    timings = {"tokenize_s": tokenize_s, "forward_s": forward_s, "copy_s": copy_s}
+    timings = {"tokenize_s": tokenize_s, "forward_s": out.forward_s, "copy_s": out.copy_s}
     return [
         ScoreResult(
             request_id=p.request.request_id,
@@ -208,9 +214,13 @@ def scored(
             token_scores=None if outputs is None else outputs.scores,
             token_hidden_states=None if outputs is None else outputs.hidden,
             head_scores=named,
+            rewards=None if compared is None else compared.rewards,
+            preference=None if compared is None else compared.preference,
+            ranking=None if compared is None else compared.ranking,
+            best_probability=None if compared is None else compared.best_probability,
         )
-        for p, item_scores, rows, outputs, named in zip(
-            batch, scores, hidden, tokens or [None] * len(batch), heads or [None] * len(batch), strict=True
+        for p, item_scores, rows, outputs, named, compared in zip(
+            batch, out.scores, out.hidden, out.tokens, out.heads, out.compared, strict=True
         )
     ]
 

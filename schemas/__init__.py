@@ -2,6 +2,7 @@
 
 from schemas._checks import Input
 from schemas.codec import decode_request, decode_result, encode_request, encode_result, result_size_bound
+from schemas.compare import Compare
 from schemas.errors import ErrorCode, SchemaError
 from schemas.headers import (
     HEADER_CONTENT_TYPE,
@@ -62,6 +63,7 @@ __all__ = [
     "RESULT_CONTENT_TYPE",
     "SCHEMA_VERSION",
     "ChatMessage",
+    "Compare",
     "ContentPart",
     "ErrorCode",
     "ErrorInfo",

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from typing import Any, TypeGuard
+from enum import StrEnum
+from typing import Any, TypeGuard, TypeVar
 
 import numpy as np
 
 from schemas.errors import ErrorCode, SchemaError
 
 Input = str | tuple[int, ...]
+_E = TypeVar("_E", bound=StrEnum)
 
 MAX_REQUEST_ID_CHARS = 256
 TOKEN_ID_LIMIT = 2**31
@@ -69,6 +71,16 @@ def check_request_id(value: object) -> str:
             f"{MAX_REQUEST_ID_CHARS} characters."
         )
     return value
+
+
+def check_choice(value: object, kind: type[_E], field: str, hint: str) -> _E | None:
+    """nil, or one of a string enum's members (by its exact wire spelling); `hint` says what to send."""
+    if value is None or isinstance(value, kind):
+        return value
+    if isinstance(value, str) and value in {member.value for member in kind}:
+        return kind(value)
+    shown = quoted(value) if isinstance(value, str) else describe(value)
+    raise invalid(f"{field} is {shown}; {hint}")
 
 
 def check_bool(value: object, field: str) -> bool:

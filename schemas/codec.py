@@ -48,6 +48,8 @@ _REQUEST_FIELDS: dict[str, object] = {
     "adapter": None,
     "heads": None,
     "images": None,
+    "compare": None,
+    "reward_column": None,
 }
 _RESULT_FIELDS: dict[str, object] = {
     "request_id": _REQUIRED,
@@ -64,6 +66,10 @@ _RESULT_FIELDS: dict[str, object] = {
     "token_scores": None,
     "token_hidden_states": None,
     "head_scores": None,
+    "rewards": None,
+    "preference": None,
+    "ranking": None,
+    "best_probability": None,
 }
 
 
@@ -251,6 +257,8 @@ def encode_request(request: ScoreRequest) -> bytes:
         "adapter": request.adapter,
         "heads": request.heads,
         "images": None if request.images is None else list(request.images),
+        "compare": None if request.compare is None else request.compare.value,
+        "reward_column": request.reward_column,
     }
     return _pack(body, request.request_id)
 
@@ -279,6 +287,10 @@ def encode_result(result: ScoreResult) -> bytes:
         "token_scores": _tensors_to_wire(result.token_scores),
         "token_hidden_states": _tensors_to_wire(result.token_hidden_states),
         "head_scores": result.head_scores,
+        "rewards": result.rewards,
+        "preference": result.preference,
+        "ranking": result.ranking,
+        "best_probability": result.best_probability,
     }
     return _pack(body, result.request_id)
 
@@ -353,4 +365,7 @@ def result_size_bound(
         if request.return_token_hidden_states:
             width = ITEMSIZE[request.hidden_states_dtype.value]
             size += items * _TENSOR_MAP + token_positions * hidden_size * width
+    if request.compare is not None:
+        # rewards and best_probability (floats), ranking (integers), the preference
+        size += 3 * _HEADER + items * (2 * _FLOAT + _INT) + _FLOAT
     return size

@@ -10,6 +10,7 @@ from enum import StrEnum
 from schemas._checks import (
     Input,
     check_bool,
+    check_choice,
     check_input,
     check_int,
     check_metadata,
@@ -20,6 +21,7 @@ from schemas._checks import (
     is_array,
     quoted,
 )
+from schemas.compare import Compare, check_compare, check_compare_fields, check_reward_column
 from schemas.errors import ErrorCode, SchemaError
 from schemas.images import ContentPart, check_content_parts, check_images, image_parts
 from schemas.tensor import HiddenDType, check_dtype
@@ -53,17 +55,10 @@ class TokenOutputs(StrEnum):
     TOKENS = "tokens"  # every token, or those of `token_range`
 
 
-_TOKEN_OUTPUTS = frozenset(kind.value for kind in TokenOutputs)
-
-
 def check_token_outputs(value: object) -> TokenOutputs | None:
     """nil, or "steps" or "tokens"."""
-    if value is None or isinstance(value, TokenOutputs):
-        return value
-    if isinstance(value, str) and value in _TOKEN_OUTPUTS:
-        return TokenOutputs(value)
-    shown = quoted(value) if isinstance(value, str) else describe(value)
-    raise invalid(f'token_outputs is {shown}; send nil, "steps" (at each step separator) or "tokens".')
+    hint = 'send nil, "steps" (at each step separator) or "tokens".'
+    return check_choice(value, TokenOutputs, "token_outputs", hint)
 
 
 def check_step_separator(value: object) -> int | str | None:
@@ -429,6 +424,10 @@ class ScoreRequest:
     heads: tuple[str, ...] | None = None
     # Encoded images (PNG, JPEG, WebP), in the order the prompt places them (schemas/images.py).
     images: tuple[bytes, ...] | None = None
+    # Preferences between the items (schemas/compare.py), from the reward in column `reward_column` of each
+    # item's scores (nil: the only column).
+    compare: Compare | None = None
+    reward_column: int | None = None
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -470,6 +469,9 @@ class ScoreRequest:
         object.__setattr__(self, "heads", check_heads(self.heads))
         object.__setattr__(self, "images", check_images(self.images))
         _check_image_places(self)
+        object.__setattr__(self, "compare", check_compare(self.compare))
+        object.__setattr__(self, "reward_column", check_reward_column(self.reward_column))
+        check_compare_fields(self.compare, self.reward_column, len(self.items), self.token_outputs)
         check_metadata(self.metadata)
 
     def expires_at_ms(self, record_timestamp_ms: int, default_ttl_ms: int = 0) -> int | None:

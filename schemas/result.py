@@ -18,6 +18,7 @@ from schemas._checks import (
     invalid,
     quoted,
 )
+from schemas.compare import check_floats, check_outcome, check_ranking
 from schemas.errors import ErrorCode, SchemaError
 from schemas.request import check_version
 from schemas.tensor import Tensor
@@ -156,6 +157,12 @@ class ScoreResult:
     token_hidden_states: tuple[Tensor, ...] | None = None
     # With the request's heads: per head name, one score array per item.
     head_scores: dict[str, tuple[tuple[float, ...], ...]] | None = None
+    # With the request's compare (schemas/compare.py): each item's reward; P(A beats B) for "pairwise";
+    # item indices best first and each item's probability of being the best for "rank".
+    rewards: tuple[float, ...] | None = None
+    preference: float | None = None
+    ranking: tuple[int, ...] | None = None
+    best_probability: tuple[float, ...] | None = None
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -186,7 +193,23 @@ class ScoreResult:
         hidden = _check_tensors(self.token_hidden_states, "token_hidden_states")
         object.__setattr__(self, "token_hidden_states", hidden)
         object.__setattr__(self, "head_scores", _check_head_scores(self.head_scores))
+        self._check_comparison()
         self._check_consistency()
+
+    def _check_comparison(self) -> None:
+        object.__setattr__(self, "rewards", check_floats(self.rewards, "rewards"))
+        if self.preference is not None:
+            object.__setattr__(self, "preference", check_float(self.preference, "preference"))
+        object.__setattr__(self, "ranking", check_ranking(self.ranking))
+        best = check_floats(self.best_probability, "best_probability")
+        object.__setattr__(self, "best_probability", best)
+        if self.status is ResultStatus.OK:
+            check_outcome(len(self.scores), self.rewards, self.preference, self.ranking, best)
+        elif (self.rewards, self.preference, self.ranking, best) != (None, None, None, None):
+            raise invalid(
+                'An "error" result carries a comparison; send rewards, preference, ranking and '
+                "best_probability nil."
+            )
 
     def _check_consistency(self) -> None:
         if self.status is ResultStatus.OK:

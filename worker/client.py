@@ -18,6 +18,8 @@ from schemas import (
     HEADER_REPLY_TOPIC,
     REQUESTS_TOPIC,
     RESULTS_TOPIC,
+    Compare,
+    Input,
     SchemaError,
     ScoreRequest,
     ScoreResult,
@@ -231,6 +233,29 @@ class ScoreClient:
         batch = list(requests)
         by_id = {result.request_id: result async for result in self.stream(batch, timeout=timeout)}
         return [by_id[request.request_id] for request in batch]
+
+    async def compare(
+        self,
+        items: Sequence[Input],
+        query: Input | None = None,
+        *,
+        rank: bool = False,
+        reward_column: int | None = None,
+        timeout: float | None = 60.0,  # noqa: ASYNC109 - one budget for sending and collecting
+        **fields: Any,
+    ) -> ScoreResult:
+        """Score `items`, responses to one prompt, and compare them: `compare` "pairwise" for two items
+        (the result's `preference`), "rank" for more or with `rank` (its `ranking` and
+        `best_probability`); `fields`: other request fields (messages, label_token_ids, ...). The request
+        requires its comparison fields, so a worker older than them refuses it instead of scoring alone."""
+        kind = Compare.PAIRWISE if len(items) == 2 and not rank else Compare.RANK
+        required = ("compare",) if reward_column is None else ("compare", "reward_column")
+        request = ScoreRequest(
+            fields.pop("request_id", None) or new_request_id(), items=tuple(items), query=query,
+            compare=kind, reward_column=reward_column, requires=required, **fields,
+        )  # fmt: skip
+        (result,) = await self.score([request], timeout=timeout)
+        return result
 
     async def stream(
         self,

@@ -449,7 +449,8 @@ class Pipeline:
             answers.append((unit.accepted, result))
         elif all(r is not None for r in assembly.results):
             assembly.finished = True
-            answers.append((unit.accepted, join_results([r for r in assembly.results if r is not None])))
+            parts = [r for r in assembly.results if r is not None]
+            answers.append((unit.accepted, join_results(parts, unit.accepted.request.compare)))
 
     async def _answer_rejected(self, rejected: Sequence[Rejected]) -> None:
         tally = ResultTally()

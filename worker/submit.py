@@ -100,6 +100,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_COMPRESSION}); results of any codec are read",
     )
     parser.add_argument(
+        "--compare",
+        choices=("pairwise", "rank"),
+        default=None,
+        help="compare the items of every request that does not say otherwise: 'pairwise' (two items: "
+        "P(first preferred)) or 'rank' (the order by reward and each item's probability of being the best)",
+    )
+    parser.add_argument(
+        "--reward-column",
+        type=int,
+        default=None,
+        metavar="INDEX",
+        help="with --compare: the index of the score that is each item's reward, where an item has several",
+    )
+    parser.add_argument(
         "--reply-topic",
         default=None,
         metavar="TOPIC",
@@ -111,7 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Validate every input line, send the requests, write one result per request; returns the exit code."""
     try:
-        requests = read_requests(args.input)
+        requests = read_requests(args.input, _line_defaults(args))
         security = security_from_environment().kafka_security_kwargs()
     except (InputError, UnicodeDecodeError, OSError, ValueError) as exc:
         print(f"score-worker submit: {exc} (nothing was sent)", file=sys.stderr)
@@ -131,15 +145,25 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def read_requests(path: str) -> list[ScoreRequest]:
-    """Parse and validate a whole JSONL input; raises `InputError` naming the first bad line."""
+def _line_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """Request fields the flags give every line that does not set them itself."""
+    if args.reward_column is not None and args.compare is None:
+        raise InputError("--reward-column needs --compare")
+    if args.compare is None:
+        return {}
+    return {"compare": args.compare, "reward_column": args.reward_column}
+
+
+def read_requests(path: str, defaults: dict[str, Any] | None = None) -> list[ScoreRequest]:
+    """Parse and validate a whole JSONL input, each line's missing fields taken from `defaults` (the
+    flags'); raises `InputError` naming the first bad line."""
     requests: list[ScoreRequest] = []
     first_line_of: dict[str, int] = {}
     with _open_input(path) as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
-            request = parse_request_line(line, number)
+            request = parse_request_line(line, number, defaults)
             if request.request_id in first_line_of:
                 raise InputError(
                     f"line {number}: request_id {request.request_id!r} already used on line "
@@ -150,14 +174,22 @@ def read_requests(path: str) -> list[ScoreRequest]:
     return requests
 
 
-def parse_request_line(line: str, number: int) -> ScoreRequest:
-    """One JSON object with the wire format's field names; a missing request_id is generated."""
+def parse_request_line(line: str, number: int, defaults: dict[str, Any] | None = None) -> ScoreRequest:
+    """One JSON object with the wire format's field names; a missing request_id is generated, and other
+    missing fields are taken from `defaults`."""
     try:
         fields = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InputError(f"line {number}: not valid JSON: {exc.msg} (column {exc.colno})") from None
     if not isinstance(fields, dict):
         raise InputError(f"line {number}: expected a JSON object, got {type(fields).__name__}")
+    for name, value in (defaults or {}).items():
+        if fields.get(name) is None:
+            fields[name] = value
+    requires = fields.get("requires")
+    if defaults and "compare" in defaults and (requires is None or isinstance(requires, list)):
+        # A worker older than compare must refuse the line, not answer it with scores alone.
+        fields["requires"] = [*(requires or []), *(["compare"] if "compare" not in (requires or []) else [])]
     fields.setdefault("request_id", new_request_id())
     fields.setdefault("version", SCHEMA_VERSION)
     # Validate through the wire decoder itself, so the file accepts exactly what a worker accepts.

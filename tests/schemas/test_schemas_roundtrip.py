@@ -123,6 +123,8 @@ ADDED_KEYS = {
     "adapter": None,
     "heads": None,
     "images": None,
+    "compare": None,
+    "reward_column": None,
 }
 
 
