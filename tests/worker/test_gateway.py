@@ -236,6 +236,34 @@ def test_openrlhf_get_reward(worker: LiveWorker, http: httpx.Client) -> None:
     assert_alike(worker, request, expected, [[reward] for reward in got["rewards"]])
 
 
+def test_compare_pairwise_and_rank_match_the_client(worker: LiveWorker, http: httpx.Client) -> None:
+    """/v1/compare against the same comparison sent over Kafka: the rewards within the forward bound, the
+    preference within a quarter of it (the logistic function's slope is at most 1/4), the ranking and the
+    best-item probabilities as the worker computed them from those rewards."""
+    pair = http.post("/v1/compare", json={"query": QUERY, "items": ITEMS[:2]}).json()
+    assert list(pair) == [
+        "object", "model", "compare", "rewards", "preference", "ranking", "best_probability", "scores",
+        "usage",
+    ]  # fmt: skip
+    assert pair["compare"] == "pairwise" and pair["ranking"] is None
+    request, expected = one(worker, query=QUERY, items=tuple(ITEMS[:2]), compare="pairwise")
+    assert_alike(worker, request, expected, [[reward] for reward in pair["rewards"]])
+    assert expected.preference is not None and expected.rewards is not None
+    atol = sigmoid_atol(worker, request, expected.rewards)
+    assert abs(pair["preference"] - expected.preference) <= atol
+    rewards = np.asarray(pair["rewards"], dtype=np.float64)  # the gateway's own answer holds together
+    assert pair["preference"] == pytest.approx(1 / (1 + np.exp(rewards[1] - rewards[0])), abs=1e-12)
+
+    ranked = http.post("/v1/compare", json={"query": QUERY, "items": ITEMS}).json()
+    assert ranked["compare"] == "rank" and ranked["preference"] is None
+    assert sorted(ranked["ranking"]) == [0, 1, 2]
+    order = [ranked["rewards"][index] for index in ranked["ranking"]]
+    assert order == sorted(order, reverse=True)
+    assert sum(ranked["best_probability"]) == pytest.approx(1.0, abs=1e-12)
+    _error(http.post("/v1/compare", json={"items": ITEMS, "compare": "pairwise"}), 400, "COMPARE_INVALID")
+    _error(http.post("/v1/compare", json={"items": ITEMS, "compare": "best"}), 400, "INVALID_REQUEST")
+
+
 def test_models_health_and_metrics(worker: LiveWorker, gateway: RunningGateway, http: httpx.Client) -> None:
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == one(worker, items=("x",))[1].model

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from schemas import ErrorCode
 from worker.environment import GatewaySettings
-from worker.gateway import openrlhf, rerank, sglang, vllm
+from worker.gateway import compare, openrlhf, rerank, sglang, vllm
 from worker.gateway.bodies import parse_body, read_body, render
 from worker.gateway.bridge import RETRY_AFTER_S, KafkaBridge
 from worker.gateway.calls import Body, Call
@@ -40,6 +40,7 @@ SCORING_ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("/v1/rerank", "rerank", rerank.rerank),
     ("/v2/rerank", "rerank", rerank.rerank),
     ("/get_reward", "get_reward", openrlhf.get_reward),
+    ("/v1/compare", "compare", compare.compare),
 )
 
 
