@@ -99,6 +99,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"codec of the request batches sent (default: $SCORE_WORKER_REQUESTS_COMPRESSION or "
         f"{DEFAULT_COMPRESSION}); results of any codec are read",
     )
+    _add_compare_arguments(parser)
+    parser.add_argument(
+        "--reply-topic",
+        default=None,
+        metavar="TOPIC",
+        help="have the results sent to this topic of your own (created if missing; the workers' "
+        "reply_topic_pattern must allow it, by default score.results.<anything>) and read only it",
+    )
+
+
+def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """The comparison flags: what `compare` and `reward_column` lines without them get."""
     parser.add_argument(
         "--compare",
         choices=("pairwise", "rank"),
@@ -112,13 +124,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="INDEX",
         help="with --compare: the index of the score that is each item's reward, where an item has several",
-    )
-    parser.add_argument(
-        "--reply-topic",
-        default=None,
-        metavar="TOPIC",
-        help="have the results sent to this topic of your own (created if missing; the workers' "
-        "reply_topic_pattern must allow it, by default score.results.<anything>) and read only it",
     )
 
 
