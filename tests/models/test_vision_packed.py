@@ -12,15 +12,18 @@ import pytest
 import torch
 from scoring_testkit import hidden_of, scores_of
 from tolerances import forward_atol
-from vision_testkit import JUDGE_LABELS, encoded, judge_alone, judge_requests, load_judge_reference
+from vision_testkit import (
+    judge_alone,
+    judge_requests,
+    load_judge_reference,
+    mixed_judge_requests,
+    token_judge_alone,
+)
 
 from models import ModelLoadError, Scorer, ScorerConfig
 from models.tiny_vision import write_tiny_qwen_vl_judge, write_tiny_vision_model
 from models.vision_packed import PackedImages
-from schemas import ChatMessage, ContentPart, ScoreRequest, ScoreResult
-
-# Token ids sent as they are: one-token prompts (any ids of the tiny vocabulary but its image marks).
-ONE_TOKEN_ITEMS = ((9,), (12,))
+from schemas import ScoreResult
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
@@ -41,49 +44,6 @@ def padded(judge_dir: Path) -> Scorer:
 @pytest.fixture(scope="module")
 def reference(judge_dir: Path) -> tuple[Any, Any]:
     return load_judge_reference(judge_dir)
-
-
-def mixed_requests() -> list[ScoreRequest]:
-    """Five images of five shapes (so five patch grids, 2 to 24 tokens each) over three requests, a
-    request of three items, text-only and token-id requests of one-token items, in one batch."""
-    chat = ChatMessage(
-        "user", (ContentPart("text", "Is it "), ContentPart("image"), ContentPart("text", "?"))
-    )
-    return [
-        ScoreRequest(
-            "tall-image-three-items", items=("a cat", " a dog on a mat", "z"), query="Which? ",
-            images=(encoded("PNG", 4, (12, 40)),), label_token_ids=JUDGE_LABELS,
-            return_pooled_hidden_states=True,
-        ),
-        ScoreRequest("text-only", items=("The quick brown fox", "jumps"), label_token_ids=JUDGE_LABELS,
-                     return_pooled_hidden_states=True),
-        ScoreRequest(
-            "two-images", items=("the left one",), query="Compare. ",
-            images=(encoded("JPEG", 5, (64, 48)), encoded("PNG", 6, (16, 16))),
-            label_token_ids=JUDGE_LABELS, return_pooled_hidden_states=True,
-        ),
-        ScoreRequest("one-token-items", items=ONE_TOKEN_ITEMS, label_token_ids=JUDGE_LABELS,
-                     return_pooled_hidden_states=True),
-        ScoreRequest(
-            "chat-wide-image", items=("yes", "no"), messages=(chat,),
-            images=(encoded("WEBP", 7, (40, 12)),), label_token_ids=JUDGE_LABELS[:2], apply_softmax=True,
-            return_pooled_hidden_states=True,
-        ),
-    ]  # fmt: skip
-
-
-def hf_alone(reference: tuple[Any, Any], request: ScoreRequest) -> tuple[np.ndarray, np.ndarray, int]:
-    """HF float32 on each item alone (vision_testkit.judge_alone; token-id items as they are sent)."""
-    if request.items and not isinstance(request.items[0], tuple):
-        return judge_alone(reference, request)
-    model, _ = reference
-    scores, hidden = [], []
-    for item in request.items:
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([item]), output_hidden_states=True)
-        scores.append(out.logits[0, -1, list(request.label_token_ids or ())].double().numpy())
-        hidden.append(out.hidden_states[-1][0, -1].float().numpy())
-    return np.stack(scores), np.stack(hidden), max(len(item) for item in request.items)
 
 
 def assert_close(result: ScoreResult, want: tuple[np.ndarray, np.ndarray, int], judge_dir: Path) -> None:
@@ -119,20 +79,38 @@ def test_one_packed_batch_of_mixed_requests_matches_hf_float32(
         return forward(self, prompts, *args)
 
     monkeypatch.setattr(PackedImages, "pooled", counted)
-    requests = mixed_requests()
+    requests = mixed_judge_requests()
     results = packed.score(requests)
     assert rows == [sum(len(r.items) for r in requests)]  # every item of every request in one packed row
     for request, result in zip(requests, results, strict=True):
-        assert_close(result, hf_alone(reference, request), judge_dir)
+        assert_close(result, token_judge_alone(reference, request), judge_dir)
+
+
+def test_the_varlen_wrapper_runs_the_packed_row(reference: Any, judge_dir: Path) -> None:
+    """The GPU's path on the CPU: the varlen attention wrapper with an SDPA kernel injected, reading the
+    row's bounds on the device, once per text layer over every item of the batch."""
+    from scoring_testkit import CpuVarlenKernelGqa
+
+    kernel = CpuVarlenKernelGqa()
+    scorer = Scorer(judge_dir, ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel))
+    assert scorer.executor.packed_images is not None and scorer.executor.graphs is None
+    requests = mixed_judge_requests()
+    results = scorer.score(requests)
+    layers = scorer.hf_model.config.text_config.num_hidden_layers
+    assert len(kernel.calls) == layers and {len(c) for c in kernel.calls} == {
+        1 + sum(len(r.items) for r in requests)
+    }
+    for request, result in zip(requests, results, strict=True):
+        assert_close(result, token_judge_alone(reference, request), judge_dir)
 
 
 def test_each_request_alone_matches_hf_float32(packed: Scorer, reference: Any, judge_dir: Path) -> None:
-    for request in (*mixed_requests(), *judge_requests()[2:3]):
-        assert_close(packed.score([request])[0], hf_alone(reference, request), judge_dir)
+    for request in (*mixed_judge_requests(), *judge_requests()[2:3]):
+        assert_close(packed.score([request])[0], token_judge_alone(reference, request), judge_dir)
 
 
 def test_packed_and_the_padded_fallback_agree(packed: Scorer, padded: Scorer, judge_dir: Path) -> None:
-    requests = mixed_requests()
+    requests = mixed_judge_requests()
     for request, one, other in zip(requests, packed.score(requests), padded.score(requests), strict=True):
         prepared = packed.prepare(request)
         assert not isinstance(prepared, ScoreResult) and one.ok and other.ok
@@ -146,7 +124,7 @@ def test_each_item_has_its_own_3d_positions(packed: Scorer) -> None:
     """Items restart at position 0 on all three axes; an image's tokens span rows and columns (not one
     position a token), and the text after an image goes on past its larger side, as HF's rope index of
     the item alone gives them."""
-    request = mixed_requests()[2]  # two images, then text
+    request = mixed_judge_requests()[2]  # two images, then text
     prepared = packed.prepare(request)
     assert not isinstance(prepared, ScoreResult) and prepared.pixel_values is not None
     prompt, types = prepared.prompts[0], prepared.token_types[0]
@@ -170,7 +148,7 @@ def test_qwen3_vl_deep_stack_moves_the_scores(reference: Any, judge_dir: Path) -
     model, _ = reference
     if model.config.model_type != "qwen3_vl":
         pytest.skip("Qwen2.5-VL has no deep stack")
-    request = mixed_requests()[0]
+    request = mixed_judge_requests()[0]
     want, _, longest = judge_alone(reference, request)
     language = model.model.language_model
     language._deepstack_process = lambda hidden, *_: hidden
@@ -186,7 +164,7 @@ def test_the_self_check_leaves_the_vision_tower_on_hf_attention(packed: Scorer) 
     the text model's ours, the vision tower's SDPA (ours would need the packed row's bounds)."""
     from models.selfcheck import run_self_check
 
-    request = mixed_requests()[0]
+    request = mixed_judge_requests()[0]
     before = scores_of(packed.score([request])[0])
     report = run_self_check(packed)
     assert report.items > 0 and report.max_score_diff <= report.score_bound
