@@ -4,6 +4,7 @@ one-token items, per-item M-RoPE positions, Qwen3-VL's deep stack, and the padde
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from vision_testkit import (
 from models import ModelLoadError, Scorer, ScorerConfig
 from models.tiny_vision import write_tiny_qwen_vl_judge, write_tiny_vision_model
 from models.vision_packed import PackedImages
-from schemas import ScoreResult
+from schemas import ScoreResult, TokenOutputs
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
@@ -118,6 +119,24 @@ def test_packed_and_the_padded_fallback_agree(packed: Scorer, padded: Scorer, ju
         # Two float32 computations of the same sums in other orders (forward_bound).
         atol = forward_atol(judge_dir, want, longest=max(len(p) for p in prepared.prompts))
         np.testing.assert_allclose(scores_of(one), want, atol=atol, rtol=0)
+
+
+def test_token_outputs_at_every_token_agree_with_the_padded_fallback(
+    packed: Scorer, padded: Scorer, judge_dir: Path
+) -> None:
+    """Label logits at every token of every item, image tokens included, read from the packed row where
+    the padded forward (HF's whole forward on the padded batch) reads them from its rows."""
+    requests = [replace(r, token_outputs=TokenOutputs.TOKENS) for r in mixed_judge_requests()]
+    for one, other in zip(packed.score(requests), padded.score(requests), strict=True):
+        assert one.ok and other.ok, (one.error, other.error)
+        assert one.token_positions == other.token_positions and one.token_scores and other.token_scores
+        for mine, theirs, positions in zip(
+            one.token_scores, other.token_scores, one.token_positions or (), strict=True
+        ):
+            want = theirs.to_numpy()
+            # Two float32 computations of the same sums in other orders (forward_bound).
+            atol = forward_atol(judge_dir, want, longest=len(positions))
+            np.testing.assert_allclose(mine.to_numpy(), want, atol=atol, rtol=0)
 
 
 def test_each_item_has_its_own_3d_positions(packed: Scorer) -> None:
