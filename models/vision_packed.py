@@ -158,7 +158,7 @@ class PackedImages:
             deepstack = getattr(features, "deepstack_features", None)
             if deepstack is not None:  # Qwen3-VL: the tower's intermediate features, one set per first layer
                 extra["visual_pos_masks"] = mask[..., 0]
-                extra["deepstack_visual_embeds"] = [torch.cat(layer, dim=0) for layer in deepstack]
+                extra["deepstack_visual_embeds"] = [_whole(layer) for layer in deepstack]
         output = base.language_model(
             input_ids=None,
             inputs_embeds=embeds,
@@ -183,3 +183,9 @@ class PackedImages:
             return None
         pixels = torch.from_numpy(arrays["pixel_values"]).to(self.device, self.dtype)
         return pixels, torch.from_numpy(arrays[grid]).to(self.device)
+
+
+def _whole(features: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """One layer's deep-stack features of all the batch's images [tokens, H]: transformers 5.25 splits
+    them per image (as the pooled features), 5.17 keeps them whole."""
+    return features if isinstance(features, torch.Tensor) else torch.cat(tuple(features), dim=0)
