@@ -105,7 +105,6 @@ class Executor:
             self.compiled_layers = compile_layers(loaded.base)
             if self.compiled_layers is None:
                 log.info("%s has no decoder layer list to compile: it runs eager", loaded.name)
-        # An image-text model's packed forward (models/vision_packed.py): no graphs, no compiled layers.
         self.packed_images = PackedImages.of(loaded, config, device, dtype, attention, pooling)
         self.graphs: GraphedForward | None = None
         graph_safe = self.moe_blocks is None or self.moe_blocks.graph_safe()
