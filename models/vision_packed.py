@@ -57,7 +57,8 @@ class PackedImages:
     place of their tokens' embeddings, positions per item on three axes, attention causal per item.
 
     Every step is HF's own code, called part by part as its model's forward calls it: the vision tower
-    (`get_image_features`, once over all the batch's images), the placement of its features
+    (`get_image_features`, once over all the batch's images, each of a request's images once however many
+    items hold it), the placement of its features
     (`get_placeholder_mask`, then a masked scatter in token order, which is the images' order), each
     item's positions (`get_rope_index` on that item alone, from its ids, token types and image grids) and
     the text model (whose own forward adds Qwen3-VL's deep-stack features to its first layers' outputs at
@@ -149,16 +150,18 @@ class PackedImages:
         base = self._base
         embeds = base.get_input_embeddings()(input_ids)
         extra: dict[str, Any] = {}
-        pixels = self._pixels(images)
+        distinct, order = _distinct_images(images)
+        pixels = self._pixels(distinct)
         if pixels is not None:
             features = base.get_image_features(*pixels, return_dict=True)
-            placed = torch.cat(features.pooler_output, dim=0).to(embeds.device, embeds.dtype)
+            sizes = (pixels[1].prod(-1) // base.visual.spatial_merge_size**2).tolist()
+            placed = _in_order(features.pooler_output, sizes, order).to(embeds.device, embeds.dtype)
             mask, _ = base.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=placed)
             embeds = embeds.masked_scatter(mask, placed)
             deepstack = getattr(features, "deepstack_features", None)
             if deepstack is not None:  # Qwen3-VL: the tower's intermediate features, one set per first layer
                 extra["visual_pos_masks"] = mask[..., 0]
-                extra["deepstack_visual_embeds"] = [_whole(layer) for layer in deepstack]
+                extra["deepstack_visual_embeds"] = [_in_order(layer, sizes, order) for layer in deepstack]
         output = base.language_model(
             input_ids=None,
             inputs_embeds=embeds,
@@ -185,7 +188,29 @@ class PackedImages:
         return pixels, torch.from_numpy(arrays[grid]).to(self.device)
 
 
-def _whole(features: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    """One layer's deep-stack features of all the batch's images [tokens, H]: transformers 5.25 splits
-    them per image (as the pooled features), 5.17 keeps them whole."""
-    return features if isinstance(features, torch.Tensor) else torch.cat(tuple(features), dim=0)
+def _distinct_images(images: Sequence[ImageInputs] | None) -> tuple[list[ImageInputs], list[int]]:
+    """The batch's image sets, each once (a request's items share one: models/vision.py's encode), and the
+    images the row's image tokens take, in order: indices into the distinct sets' images, set after set."""
+    distinct: list[ImageInputs] = []
+    first_image: dict[int, int] = {}  # id of a set -> the index of its first image among the distinct ones
+    count, order = 0, list[int]()
+    for held in images or ():
+        if held.grid is None or not len(held.pixel_values):
+            continue
+        if id(held) not in first_image:
+            first_image[id(held)] = count
+            distinct.append(held)
+            count += len(held.grid)
+        start = first_image[id(held)]
+        order.extend(range(start, start + len(held.grid)))
+    return distinct, order
+
+
+def _in_order(
+    features: torch.Tensor | Sequence[torch.Tensor], sizes: list[int], order: list[int]
+) -> torch.Tensor:
+    """Per-image features of the distinct images (whole [tokens, H], as transformers 5.17 hands Qwen3-VL's
+    deep stack, or split per image, as the pooled features and 5.25's deep stack come) in the row's order
+    of image tokens [tokens, H]."""
+    per_image = torch.split(features, sizes) if isinstance(features, torch.Tensor) else tuple(features)
+    return torch.cat([per_image[index] for index in order], dim=0)

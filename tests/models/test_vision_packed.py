@@ -105,6 +105,26 @@ def test_the_varlen_wrapper_runs_the_packed_row(reference: Any, judge_dir: Path)
         assert_close(result, token_judge_alone(reference, request), judge_dir)
 
 
+def test_the_vision_tower_sees_each_image_of_a_batch_once(packed: Scorer) -> None:
+    """A request's items share its images: the tower runs over each image once (its patches, one row each),
+    not once per item, and over the images of every request of the batch in that one call."""
+    requests = mixed_judge_requests()
+    prepared = [packed.prepare(request) for request in requests]
+    patches = sum(
+        len(p.pixel_values[0].pixel_values)
+        for p in prepared
+        if not isinstance(p, ScoreResult) and p.pixel_values is not None
+    )
+    calls: list[int] = []
+    tower = packed.hf_model.model.visual
+    hook = tower.register_forward_pre_hook(lambda _, args: calls.append(int(args[0].shape[0])))
+    try:
+        results = packed.score(requests)
+    finally:
+        hook.remove()
+    assert all(r.ok for r in results) and calls == [patches]
+
+
 def test_each_request_alone_matches_hf_float32(packed: Scorer, reference: Any, judge_dir: Path) -> None:
     for request in (*mixed_judge_requests(), *judge_requests()[2:3]):
         assert_close(packed.score([request])[0], token_judge_alone(reference, request), judge_dir)
