@@ -114,9 +114,7 @@ class Executor:
                 "(the grouped kernels need torch's bfloat16 product on sm90/sm100, or Triton)",
                 loaded.name,
             )
-        elif (
-            config.resolve_graphs(device, attention) and self.row_tiles is None and not hybrid and not vision
-        ):
+        elif config.resolve_graphs(device, attention) and self.row_tiles is None and not (hybrid or vision):
             self.graphs = GraphedForward(
                 self._fast_packed_forward,
                 device,
