@@ -43,6 +43,7 @@ def load(
             attn_implementation=implementation,
             trust_remote_code=config.trust_remote_code,
             allow_pickle_weights=config.allow_pickle_weights,
+            packed_images=config.packed_images,
         )
     from models.tensor_parallel import Shard, load_sharded
 
@@ -122,6 +123,9 @@ def shared_prefix_tokens(model: LoadedModel, config: ScorerConfig, name: str) ->
     deterministic (where every item runs alone), else 0 (nothing shared)."""
     tokens = config.share_prefix_min_tokens
     if not (tokens and model.packable):
+        return 0
+    if model.vision is not None:
+        log.info("%s reads images: its prompts are computed whole (not yet shared on its path)", name)
         return 0
     if not is_causal_decoder(model):
         log.info("%s is an encoder: its prompts are computed whole", name)

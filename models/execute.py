@@ -47,6 +47,7 @@ from models.prefix_cache import CacheIO, PrefixCache
 from models.prepare import Prompt
 from models.tiles import RowTiles, rows_invariant
 from models.vision import ImageInputs
+from models.vision_packed import PackedImages
 
 if TYPE_CHECKING:
     from models.fused_mlp import FusedMlps
@@ -99,11 +100,12 @@ class Executor:
         # None after a padded or item-by-item batch.
         self.row_tokens: int | None = None
         self.compiled_layers: CompiledLayers | None = None
-        hybrid = self.linear_layers is not None
+        hybrid, vision = self.linear_layers is not None, loaded.vision is not None
         if config.resolve_compile(attention, device) and self.row_tiles is None and not hybrid:
             self.compiled_layers = compile_layers(loaded.base)
             if self.compiled_layers is None:
                 log.info("%s has no decoder layer list to compile: it runs eager", loaded.name)
+        self.packed_images = PackedImages.of(loaded, config, device, dtype, attention, pooling)
         self.graphs: GraphedForward | None = None
         graph_safe = self.moe_blocks is None or self.moe_blocks.graph_safe()
         if config.resolve_graphs(device, attention) and self.row_tiles is None and not graph_safe:
@@ -112,7 +114,7 @@ class Executor:
                 "(the grouped kernels need torch's bfloat16 product on sm90/sm100, or Triton)",
                 loaded.name,
             )
-        elif config.resolve_graphs(device, attention) and self.row_tiles is None and not hybrid:
+        elif config.resolve_graphs(device, attention) and self.row_tiles is None and not (hybrid or vision):
             self.graphs = GraphedForward(
                 self._fast_packed_forward,
                 device,
@@ -330,7 +332,7 @@ class Executor:
         """Each prompt's pooled hidden state [N, H] (float32 for MEAN), the prefixes of `shared` once; and,
         with `positions` (per prompt, token positions), the hidden states at them [M, H], prompt by prompt
         (None without). `adapters`: each prompt's LoRA adapter index (-1: the base model). `images`: each
-        prompt's images (image-text models, which run padded)."""
+        prompt's images (image-text models: models/vision_packed.py, or padded)."""
         self.row_tokens = None
         if self._config.deterministic and self.row_tiles is None and not alone:
             # Every item alone: no result depends on what else shares the batch (kernels pick their tiling
@@ -351,6 +353,8 @@ class Executor:
             pooled = torch.cat([one for one, _ in outputs])
             at = [rows for _, rows in outputs if rows is not None]
             return pooled, torch.cat(at) if at else None
+        if self.packed_images is not None:
+            return self.packed_images.pooled(prompts, token_types, positions, images)
         if self._loaded.packable:
             return self.packed_pooled(prompts, token_types, shared, positions, adapters)
         return self.padded_pooled(prompts, token_types, positions, adapters, images)

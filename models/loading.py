@@ -47,6 +47,7 @@ from models.vision import (
     load_vision,
     plain_attention,
 )
+from models.vision_packed import attention_implementations, packs_images
 
 # DECODER_MODEL_TYPES (models/families.py): model types whose packed forward is covered by tests against
 # HF's padded forward. Others may work, but an untested architecture must not silently return wrong scores,
@@ -318,21 +319,29 @@ def load_model(
     attn_implementation: str,
     trust_remote_code: bool = False,
     allow_pickle_weights: bool = False,
+    packed_images: bool = True,
 ) -> LoadedModel:
-    """Load weights, head and tokenizer; the model is in eval mode on `device`."""
+    """Load weights, head and tokenizer; the model is in eval mode on `device`. `packed_images`: the
+    image-text families that run packed do (models/vision_packed.py); else they run padded."""
     config = read_config(model_dir, trust_remote_code)
     judge = is_judge(config)
     remote_code = bool(config.get("auto_map"))
     # A model's own code may ignore our attention, whatever type it claims: it runs the plain path.
-    # Image-text models too (their packed attention would need the image blocks' bidirectional mask).
+    # Image-text models too, but those whose packed forward is checked (models/vision_packed.py): their
+    # text model takes our attention, their vision tower HF's.
     model_type = str(config.get("model_type"))
-    runs_packed = not remote_code and packable(model_type) and model_type not in VISION_FAMILIES
+    vision_packed = packs_images(model_type, packed_images)
+    runs_packed = not remote_code and (vision_packed or packable(model_type))
+    runs_packed = runs_packed and (model_type not in VISION_FAMILIES or vision_packed)
+    implementation: str | dict[str, str] = attn_implementation if runs_packed else plain_attention(model_type)
+    if runs_packed and vision_packed:
+        implementation = attention_implementations(attn_implementation)
     model, info = _from_pretrained(
         model_dir,
         config,
         device=device,
         dtype=dtype,
-        attn_implementation=attn_implementation if runs_packed else plain_attention(model_type),
+        attn_implementation=implementation,
         remote_code=remote_code,
         safetensors_only=_safetensors_only(model_dir, allow_pickle_weights),
     )
@@ -384,7 +393,7 @@ def _from_pretrained(
     *,
     device: torch.device,
     dtype: torch.dtype,
-    attn_implementation: str,
+    attn_implementation: str | dict[str, str],
     remote_code: bool,
     safetensors_only: bool,
 ) -> tuple[PreTrainedModel, dict[str, Any]]:

@@ -226,11 +226,14 @@ def _plain_attention(model: PreTrainedModel) -> Iterator[None]:
         yield  # a model on the plain path already runs HF's own attention (DeBERTa)
         return
     softcap = getattr(config.get_text_config(), "attn_logit_softcapping", None)
+    # Each sub-model's own restored: a packed image-text model's vision tower runs HF's attention, not ours.
+    subs = {key: getattr(config, key, None) for key in getattr(config, "sub_configs", {})}
+    saved = {"": ours, **{key: sub._attn_implementation for key, sub in subs.items() if sub is not None}}
     model.set_attn_implementation("eager" if softcap is not None else "sdpa")
     try:
         yield
     finally:
-        model.set_attn_implementation(ours)
+        model.set_attn_implementation(saved)
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:

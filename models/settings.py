@@ -69,6 +69,12 @@ class EngineSettings(BaseModel):
         description="replay small batches from recorded CUDA graphs (one launch instead of hundreds; each "
         "batch shape is recorded at its second batch); auto: on for the varlen path on CUDA",
     )
+    packed_images: bool = Field(
+        True,
+        description="run the image-text judges whose packed path is checked (Qwen2.5-VL, Qwen3-VL) packed: "
+        "their items in one row, the vision tower once over the batch's images; false: HF's own forward "
+        "on right-padded batches (the fallback; Gemma 3 always runs there)",
+    )
     graph_max_tokens: int | None = Field(
         None,
         ge=1,

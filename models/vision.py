@@ -53,7 +53,8 @@ _QWEN3_VL = replace(_QWEN_JUDGE, processor="models.qwen_vl.ImageQwen3VLProcessor
 
 # Families whose image-text models run here, checked against HF float32 (tests/models/test_vision.py,
 # test_vision_judge.py, test_vision_heads.py). The Qwens' forwards derive their 3-D rotary positions (M-RoPE)
-# from the token types, each image's grid and the attention mask of the padded batch.
+# from the token types, each image's grid and the attention mask of the padded batch (packed, Qwen2.5-VL's
+# and Qwen3-VL's come from HF's rope index per item: models/vision_packed.py).
 VISION_FAMILIES = {
     "gemma3": VisionFamily(
         "transformers.Gemma3Processor", "transformers.Gemma3ImageProcessorPil", "{boi_token}"

@@ -201,18 +201,28 @@ def judge_alone(
             inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
         with torch.inference_mode(), hf_torch_functions():
             out = model(**inputs, output_hidden_states=True)
-        last = out.hidden_states[-1][0, -1]
-        if value_head is not None:
-            weight, bias = value_head
-            scores.append((last.float() @ weight.T.float() + bias.float()).double().numpy())
-        elif out.logits.dim() == 2:  # a classifier's logits at its pooled token
-            scores.append(out.logits[0].double().numpy())
-        else:
-            logits = out.logits[0, -1, list(request.label_token_ids or ())].double()
-            scores.append((logits.softmax(-1) if request.apply_softmax else logits).numpy())
-        hidden.append(last.float().numpy())
+        score, last = _scored(out, request, value_head)
+        scores.append(score)
+        hidden.append(last)
         longest = max(longest, int(inputs["input_ids"].shape[1]))
     return np.stack(scores), np.stack(hidden), longest
+
+
+def _scored(
+    out: Any, request: ScoreRequest, value_head: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """One item's scores from HF's output (judge_alone says which) and its final-norm state at the last
+    token."""
+    last = out.hidden_states[-1][0, -1]
+    if value_head is not None:
+        weight, bias = value_head
+        score = (last.float() @ weight.T.float() + bias.float()).double().numpy()
+    elif out.logits.dim() == 2:  # a classifier's logits at its pooled token
+        score = out.logits[0].double().numpy()
+    else:
+        logits = out.logits[0, -1, list(request.label_token_ids or ())].double()
+        score = (logits.softmax(-1) if request.apply_softmax else logits).numpy()
+    return score, last.float().numpy()
 
 
 def judge_requests() -> list[ScoreRequest]:
@@ -236,3 +246,59 @@ def judge_requests() -> list[ScoreRequest]:
         ScoreRequest("text-chat", items=("yes",), messages=(ChatMessage("user", "Is it fine?"),),
                      label_token_ids=JUDGE_LABELS[:2], apply_softmax=True),
     ]  # fmt: skip
+
+
+# Token ids sent as they are: one-token prompts (any ids of the tiny vocabulary but its image marks).
+ONE_TOKEN_ITEMS = ((9,), (12,))
+
+
+def mixed_judge_requests() -> list[ScoreRequest]:
+    """Five images of five shapes (so five patch grids, 2 to 24 tokens each) over three requests, a
+    request of three items, text-only and token-id requests of one-token items, in one batch."""
+    chat = ChatMessage(
+        "user", (ContentPart("text", "Is it "), ContentPart("image"), ContentPart("text", "?"))
+    )
+    return [
+        ScoreRequest(
+            "tall-image-three-items", items=("a cat", " a dog on a mat", "z"), query="Which? ",
+            images=(encoded("PNG", 4, (12, 40)),), label_token_ids=JUDGE_LABELS,
+            return_pooled_hidden_states=True,
+        ),
+        ScoreRequest("text-only", items=("The quick brown fox", "jumps"), label_token_ids=JUDGE_LABELS,
+                     return_pooled_hidden_states=True),
+        ScoreRequest(
+            "two-images", items=("the left one",), query="Compare. ",
+            images=(encoded("JPEG", 5, (64, 48)), encoded("PNG", 6, (16, 16))),
+            label_token_ids=JUDGE_LABELS, return_pooled_hidden_states=True,
+        ),
+        ScoreRequest("one-token-items", items=ONE_TOKEN_ITEMS, label_token_ids=JUDGE_LABELS,
+                     return_pooled_hidden_states=True),
+        ScoreRequest(
+            "chat-wide-image", items=("yes", "no"), messages=(chat,),
+            images=(encoded("WEBP", 7, (40, 12)),), label_token_ids=JUDGE_LABELS[:2], apply_softmax=True,
+            return_pooled_hidden_states=True,
+        ),
+    ]  # fmt: skip
+
+
+def token_judge_alone(
+    reference: tuple[Any, Any],
+    request: ScoreRequest,
+    dtype: torch.dtype = torch.float32,
+    value_head: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """judge_alone, and for a request of token-id items HF's forward of each item's ids as they are sent
+    (the scores as judge_alone reads them, the final-norm state at the last token, the longest item)."""
+    from models.linear_attention import hf_torch_functions
+
+    if request.items and not isinstance(request.items[0], tuple):
+        return judge_alone(reference, request, dtype, value_head=value_head)
+    model, _ = reference
+    scores, hidden = [], []
+    for item in request.items:
+        with torch.inference_mode(), hf_torch_functions():
+            out = model(input_ids=torch.tensor([item]), output_hidden_states=True)
+        score, last = _scored(out, request, value_head)
+        scores.append(score)
+        hidden.append(last)
+    return np.stack(scores), np.stack(hidden), max(len(item) for item in request.items)

@@ -54,3 +54,14 @@ def test_vision_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) -> None
     assert report["verdict"] == "ok" and report["vs_fp32"]["ok"]
     assert report["images"] == report["requests"] // 2 and report["images_per_s"] > 0
     assert report["vs_fp32"]["with_images"] == report["vs_fp32"]["requests"] // 2
+
+
+def test_vision_judge_benchmark_quick_run_checks_both_paths(tmp_path: Path) -> None:
+    """bench/vision_judge.py on the tiny Qwen2.5-VL judge on the CPU: the packed path and the padded one
+    timed on the same mixed batch, each checked against HF float32 on a sample."""
+    proc = _run_script(["bench/vision_judge.py", "--quick"], tmp_path, 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "vision_judge-quick.json").read_text())
+    assert report["verdict"] == "ok" and report["packed_speedup"] > 0
+    for path, attention in (("packed", "attention='reference'"), ("padded", "attention='plain'")):
+        assert report[path]["vs_fp32"]["ok"] and attention in report[path]["info"]

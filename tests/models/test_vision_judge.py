@@ -1,6 +1,8 @@
 """Qwen2.5-VL, Qwen3-VL and Qwen3.5 as image-text judges against HF float32: label-token logits at the last
-token, image and text requests mixed in one padded batch, 3-D rotary positions (M-RoPE) from HF's own forward
-(Qwen3.5's Gated DeltaNet layers in it too, so right padding must not reach a shorter row's real tokens)."""
+token, image and text requests mixed in one batch (packed for Qwen2.5-VL and Qwen3-VL by default:
+tests/models/test_vision_packed.py has their own cases and the padded fallback; padded for Qwen3.5, whose
+Gated DeltaNet layers then must not let right padding reach a shorter row's real tokens), 3-D rotary
+positions (M-RoPE) as HF's own forward gives them."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def reference(judge_dir: Path) -> tuple[Any, Any]:
 def _assert_matches(result: Any, expected: tuple[np.ndarray, np.ndarray, int], judge_dir: Path) -> None:
     scores, hidden, longest = expected
     assert result.ok, result.error
-    # Float32 on both sides, the same sums in other orders (a padded batch against one unpadded row, SDPA
+    # Float32 on both sides, the same sums in other orders (a packed row against one unpadded row, SDPA
     # against eager): within forward_bound of the vision tower's and the text model's sums in series.
     # A softmax over the labels is 1-Lipschitz in the max norm, so the logits' bound holds for it.
     atol = forward_atol(judge_dir, scores, longest=longest)
