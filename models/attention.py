@@ -198,7 +198,9 @@ def varlen_attention(
     # The kernel wants [T, H, D] with a unit-stride last dim; HF hands over [1, H, T, D].
     q = query[0].transpose(0, 1).contiguous()
     key_rows, value_rows = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
-    gathered = packed_key_index is not None and (prefix_cross is None or window is not None)
+    # Cached keys before the row's shift its rows: then every sequence reads its keys gathered, one pass.
+    cached = prefix_cache is not None and prefix_cache.reads
+    gathered = packed_key_index is not None and (prefix_cross is None or window is not None or cached)
     cu_k, max_k = cu_q, max_length_q
     if gathered and packed_key_index is not None:
         if cu_seq_lens_k is None or max_length_k is None:

@@ -29,7 +29,7 @@ from models.layers import (
 )
 from models.linear_attention import plain_kernels
 from models.loading import LoadedModel
-from models.mechanisms import linear_layers, moe_blocks
+from models.mechanisms import linear_layers, moe_blocks, prefix_cache
 from models.packing import (
     KeyLayout,
     PackedBatch,
@@ -95,7 +95,7 @@ class Executor:
         self.pooled_layer = self._last_layer_at_pooled_rows()
         if self.adapters is not None and self.pooled_layer is not None:
             self.adapters.restrict_within(self.pooled_layer.modules)
-        self.prefix_cache = self._prefix_cache()
+        self.prefix_cache, self._cache_layout = prefix_cache(loaded, config, pooling, self.linear_layers)
         # The tokens the last packed batch's row computed (shared prefixes once, cached ones not at all);
         # None after a padded or item-by-item batch.
         self.row_tokens: int | None = None
@@ -161,53 +161,6 @@ class Executor:
             self._config.adapter_dirs, loaded.model, head, self.device, self.dtype, layers, loaded.head
         )
 
-    def _prefix_cache(self) -> PrefixCache | None:
-        """The prefix cache where `prefix_cache_mib` asks for one; ModelLoadError where it cannot serve."""
-        mib = self._config.prefix_cache_mib
-        if not mib:
-            return None
-        name = self._loaded.name
-        layers = transformer_layers(self._loaded.base)
-        why = None
-        if not (self._loaded.packable and is_causal_decoder(self._loaded)) or layers is None:
-            why = f"{name} is not a causal decoder on the packed path (where a prefix has states of its own)"
-        elif self.pooling == "mean":
-            why = (
-                "mean pooling reads every row of a prompt, and the cache holds no rows, only keys and values"
-            )
-        elif self._config.deterministic:
-            why = "the deterministic setting runs every item alone, from its first token"
-        elif self._config.tensor_parallel > 1:
-            why = "under tensor parallelism each rank holds a share of the heads; the cache serves one device"
-        else:
-            modules = self._attention_modules(layers)
-            numbers = [getattr(m, "layer_idx", None) for m in modules]
-            shapes = {
-                (getattr(m, "num_key_value_groups", None), m.head_dim)
-                for m in modules
-                if hasattr(m, "head_dim")
-            }
-            if sorted(n for n in numbers if isinstance(n, int)) != list(range(len(layers))):
-                why = f"{name}'s attention modules do not number their layers (layer_idx)"
-            elif len(shapes) > 1:
-                # Gemma 4's global layers: wider heads, fewer of them, than its sliding ones.
-                why = (
-                    f"{name}'s layers hold keys of different shapes (key-value heads and head widths per "
-                    "layer), and the cache keeps every layer's keys in one pool of one shape"
-                )
-        if why is not None:
-            raise ModelLoadError(f"prefix_cache_mib: {why}")
-        self._layer_count = len(layers)  # type: ignore[arg-type]
-        log.info(
-            "%s: a prefix cache of %d MiB, blocks of %d tokens, kept at their %s sight",
-            name, mib, self._config.prefix_cache_block_tokens, self._config.prefix_cache_admit,
-        )  # fmt: skip
-        return PrefixCache(
-            self._config.prefix_cache_block_tokens,
-            mib << 20,
-            admit_first_sight=self._config.prefix_cache_admit == "first",
-        )
-
     @contextlib.contextmanager
     def prefix_cache_paused(self, scratch: PrefixCache | None = None) -> Iterator[None]:
         """Batches inside neither read nor fill the prefix cache (they use `scratch` instead, where given):
@@ -218,16 +171,6 @@ class Executor:
             yield
         finally:
             self.prefix_cache = cache
-
-    @staticmethod
-    def _attention_modules(layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
-        """Each layer's attention module: the module directly inside the layer whose name says attention."""
-        return [
-            child
-            for layer in layers
-            for child_name, child in layer.named_children()
-            if "attn" in child_name or "attention" in child_name
-        ]
 
     def _row_tiles(self) -> int | None:
         """The deterministic setting's tile of rows (models/tiles.py) where its batches can be packed with
@@ -422,7 +365,7 @@ class Executor:
                 adapted = self.adapters.active(packed.adapter_rows, pooled_rows)
             cache = None
             if use is not None and self.prefix_cache is not None:
-                cache = CacheIO(self.prefix_cache.region(use), packed.capture_rows, self._layer_count)
+                cache = self._cache_layout.io(self.prefix_cache, use, packed.capture_rows, packed.resumed)
             with adapted:
                 hidden = self._fast_packed_forward(
                     packed.input_ids,

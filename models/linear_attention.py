@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from models.linear_cache import StateIO
+
 log = logging.getLogger(__name__)
 
 # HF model types whose decoder mixes Gated DeltaNet layers with full attention.
@@ -201,17 +203,21 @@ class RuleInputs(NamedTuple):
 
 
 def gated_delta_rule_torch(
-    inputs: RuleInputs, sequences: Sequences, initial_state: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs: RuleInputs,
+    sequences: Sequences,
+    initial_state: torch.Tensor | None = None,
+    at: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The gated delta rule of every sequence, each from its own initial state (zeros, or `initial_state`
-    [S, Hv, Dk, Dv]) -> (outputs [T, Hv, Dv], final states [S, Hv, Dk, Dv]), float32.
+    [S, Hv, Dk, Dv]) -> (outputs [T, Hv, Dv], final states [S, Hv, Dk, Dv], the states right after the rows
+    `at` [K, Hv, Dk, Dv] or None), float32.
 
     Per token: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; out = S^T q / sqrt(Dk). Chunk by chunk, with
     G the cumulative log decay inside a chunk and S0 the state entering it, the corrections u of its tokens
     solve (I + A) u = beta v - beta exp(G) K S0, A[i, j] = beta_i exp(G_i - G_j) k_i.k_j for j < i; then
     out_i = exp(G_i) q_i S0 + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) u_j and the state leaving it is
-    exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T. Each key head serves consecutive value heads (HF's
-    repeat_interleave)."""
+    exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T, and the state right after its token i the same sum
+    stopped at i. Each key head serves consecutive value heads (HF's repeat_interleave)."""
     query, key, value, g, beta = inputs
     heads, k_dim, v_dim = value.shape[1], key.shape[2], value.shape[2]
     group = heads // key.shape[1]
@@ -251,12 +257,40 @@ def gated_delta_rule_torch(
         else initial_state.float()
     )
     out = torch.empty_like(vc)
+    wanted = _rows_by_chunk(at, slots, padded)
+    states_at = state.new_empty((len(at), heads, k_dim, v_dim)) if at else None
     for c in range(padded // CHUNK):
         u = new_values[:, :, c] - state_reads[:, :, c] @ state
         out[:, :, c] = q_decayed[:, :, c] @ state + scores[:, :, c] @ u
+        if c in wanted and states_at is not None:
+            index, sequence, offset = wanted[c]
+            cum_c = cum[sequence, :, c]  # [E, H, C]
+            upto = cum_c.gather(-1, offset.view(-1, 1, 1).expand(-1, heads, 1))  # [E, H, 1]: G_i
+            weights = torch.where(
+                torch.arange(CHUNK, device=value.device) <= offset.view(-1, 1, 1), upto - cum_c, float("-inf")
+            ).exp()  # exp(G_i - G_j) for j <= i
+            written = (kc[sequence, :, c] * weights.unsqueeze(-1)).transpose(-1, -2) @ u[sequence]
+            states_at[index] = state[sequence] * upto.exp().unsqueeze(-1) + written
         state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ u
     rows = out.permute(0, 2, 3, 1, 4).reshape(count * padded, heads, v_dim)
-    return rows.index_select(0, slots), state
+    return rows.index_select(0, slots), state, states_at
+
+
+def _rows_by_chunk(
+    at: Sequence[int], slots: torch.Tensor, padded: int
+) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The rows `at`, by the chunk of the padded layout their sequence's token falls in: per chunk, their
+    indices in `at`, their sequences and their offsets within the chunk."""
+    if not at:
+        return {}
+    where = slots.index_select(0, torch.tensor(list(at), dtype=torch.int64, device=slots.device))
+    sequence, position = where // padded, where % padded
+    chunk, offset = position // CHUNK, position % CHUNK
+    out = {}
+    for c in set(chunk.tolist()):
+        index = (chunk == c).nonzero().flatten()
+        out[int(c)] = (index, sequence[index], offset[index])
+    return out
 
 
 @dataclass(frozen=True)
@@ -308,7 +342,7 @@ class PackedLinearAttention:
     packed forward (HF's own forward, the self-check's reference, keeps HF's layer)."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], kernel: str) -> None:
-        self._modules = list(modules)
+        self._modules: list[Any] = list(modules)  # HF's Gated DeltaNet modules
         self.kernel = kernel
         self._bounds: tuple[torch.Tensor, Sequences, SharedRows | None] | None = None
 
@@ -323,6 +357,16 @@ class PackedLinearAttention:
 
     def __len__(self) -> int:
         return len(self._modules)
+
+    @property
+    def layer_numbers(self) -> list[int]:
+        """The decoder layer index (`layer_idx`) of each Gated DeltaNet layer, in order."""
+        return [int(module.layer_idx) for module in self._modules]
+
+    @property
+    def conv_width(self) -> int:
+        """The short convolution's kernel size (its window of tokens)."""
+        return int(self._modules[0].conv1d.weight.shape[-1])
 
     def __enter__(self) -> PackedLinearAttention:
         for module in self._modules:
@@ -352,12 +396,14 @@ class PackedLinearAttention:
         *args: Any,
         cu_seq_lens_q: torch.Tensor | None = None,
         prefix_cross: Any = None,
+        prefix_cache: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         if cu_seq_lens_q is None:
             raise ValueError("packed linear attention needs cu_seq_lens_q; call it through models.Scorer")
         sequences, shared = self._layout(cu_seq_lens_q, prefix_cross, hidden_states.device)
-        return layer_forward(module, hidden_states, sequences, self.kernel, shared)
+        states = None if prefix_cache is None else prefix_cache.states  # models/prefix_cache.py's CacheIO
+        return layer_forward(module, hidden_states, sequences, self.kernel, shared, states)
 
 
 def _projections(
@@ -383,21 +429,18 @@ def layer_forward(
     sequences: Sequences,
     kernel: str,
     shared: SharedRows | None = None,
+    cache: StateIO | None = None,
 ) -> torch.Tensor:
     """A Gated DeltaNet layer on a packed row [1, T, H] -> [1, T, H], every sequence on its own, or with
-    `shared` prefixes each suffix from where its prefix ended."""
+    `shared` prefixes each suffix from where its prefix ended; with the prefix `cache`, a prompt with cached
+    tokens from the state kept where they end, and the states where the batch's kept blocks end copied out."""
     dtype, length = hidden_states.dtype, hidden_states.shape[1]
     mixed, z, b, a = _projections(module, hidden_states)
     weight = module.conv1d.weight.squeeze(1)  # [C, W]
-    if shared is None:
-        mixed = convolve(kernel, mixed, weight, sequences).to(dtype)
-    else:
-        split = shared.prefixes.host[-1]
-        history = conv_history(mixed[:split], shared.prefixes, weight.shape[1])
-        mixed = torch.cat([
-            convolve(kernel, mixed[:split], weight, shared.prefixes).to(dtype),
-            convolve(kernel, mixed[split:], weight, shared.rest, shared.carried(history)).to(dtype),
-        ])  # fmt: skip
+    resumed = None if cache is None else cache.starts(module)
+    kept_windows = None if cache is None else cache.windows(mixed)
+    history = None if resumed is None else resumed[1]
+    mixed = _convolve_row(kernel, mixed, weight, sequences, shared, history).to(dtype)
     query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query = query.reshape(length, -1, module.head_k_dim)
     key = key.reshape(length, -1, module.head_k_dim)
@@ -406,15 +449,67 @@ def layer_forward(
     # HF's decay: float32, so that an fp16 model's A cannot overflow.
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     inputs = RuleInputs(query, key, value, g, beta)
-    if shared is None:
-        core, _ = recur(kernel, inputs, sequences)
-    else:
-        split = shared.prefixes.host[-1]
-        head, finals = recur(kernel, inputs.rows(slice(None, split)), shared.prefixes)
-        tail, _ = recur(kernel, inputs.rows(slice(split, None)), shared.rest, shared.carried(finals))
-        core = torch.cat([head, tail])
+    initial = None if resumed is None else resumed[0]
+    core, kept = _recur_row(kernel, inputs, sequences, shared, initial, () if cache is None else cache.ends)
+    if cache is not None:
+        cache.keep(module, kept, kept_windows)
     gated = module.norm(core.to(dtype).reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(gated.reshape(1, length, -1))  # type: ignore[no-any-return]
+
+
+def _convolve_row(
+    kernel: str,
+    mixed: torch.Tensor,
+    weight: torch.Tensor,
+    sequences: Sequences,
+    shared: SharedRows | None,
+    history: torch.Tensor | None,
+) -> torch.Tensor:
+    """The convolution of a packed row's sequences, each after its `history` [S, W-1, C] where given (zeros:
+    none), a shared prefix's suffixes after their prefix's last inputs."""
+    if shared is None:
+        return convolve(kernel, mixed, weight, sequences, history)
+    split, groups = shared.prefixes.host[-1], len(shared.prefixes.host) - 1
+    carried = shared.carried(conv_history(mixed[:split], shared.prefixes, weight.shape[1]))
+    if history is not None:
+        carried = carried + history[groups:]  # disjoint: a prompt with cached tokens joins no group
+    return torch.cat([
+        convolve(kernel, mixed[:split], weight, shared.prefixes),
+        convolve(kernel, mixed[split:], weight, shared.rest, carried),
+    ])  # fmt: skip
+
+
+def _recur_row(
+    kernel: str,
+    inputs: RuleInputs,
+    sequences: Sequences,
+    shared: SharedRows | None,
+    initial: torch.Tensor | None,
+    at: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule of a packed row's sequences, each from its `initial` state where given (zeros:
+    none), a shared prefix's suffixes from their prefix's final state -> (outputs [T, Hv, Dv], the states
+    right after the rows `at` [K, Hv, Dk, Dv] or None)."""
+    if shared is None:
+        core, _, kept = recur(kernel, inputs, sequences, initial, at)
+        return core, kept
+    split, groups = shared.prefixes.host[-1], len(shared.prefixes.host) - 1
+    in_prefix = [row < split for row in at]
+    head_at = [row for row, inside in zip(at, in_prefix, strict=True) if inside]
+    tail_at = [row - split for row, inside in zip(at, in_prefix, strict=True) if not inside]
+    head, finals, head_kept = recur(kernel, inputs.rows(slice(None, split)), shared.prefixes, None, head_at)
+    carried = shared.carried(finals)
+    if initial is not None:
+        carried = carried + initial[groups:]  # disjoint: a prompt with cached tokens joins no group
+    tail, _, tail_kept = recur(kernel, inputs.rows(slice(split, None)), shared.rest, carried, tail_at)
+    kept = None
+    if at:
+        kept = finals.new_empty((len(at), *finals.shape[1:]))
+        mask = torch.tensor(in_prefix, device=finals.device)
+        for part, rows in ((head_kept, mask), (tail_kept, ~mask)):
+            if part is not None:
+                kept[rows] = part
+    return torch.cat([head, tail]), kept
 
 
 def convolve(
@@ -443,11 +538,17 @@ def convolve(
 
 
 def recur(
-    kernel: str, inputs: RuleInputs, sequences: Sequences, initial_state: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule of every sequence (gated_delta_rule_torch's contract) on `kernel`."""
-    if kernel != "fla":
-        return gated_delta_rule_torch(inputs, sequences, initial_state)
+    kernel: str,
+    inputs: RuleInputs,
+    sequences: Sequences,
+    initial_state: torch.Tensor | None = None,
+    at: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule of every sequence (gated_delta_rule_torch's contract) on `kernel`. States
+    inside a sequence (`at`: where a batch's blocks kept in the prefix cache end) take the torch rule on
+    any device: flash-linear-attention's kernel returns each sequence's final state only."""
+    if kernel != "fla" or at:
+        return gated_delta_rule_torch(inputs, sequences, initial_state, at)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     out, final = chunk_gated_delta_rule(
@@ -458,4 +559,4 @@ def recur(
         cu_seqlens=sequences.device,
         cu_seqlens_cpu=torch.tensor(sequences.host, dtype=torch.int64),
     )
-    return out[0], final
+    return out[0], final, None

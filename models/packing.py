@@ -96,6 +96,8 @@ class PackedBatch:
     adapter_rows: torch.Tensor | None = None
     # [R] int64: the rows whose keys and values the prefix cache keeps, span after span (pack's `capture`)
     capture_rows: torch.Tensor | None = None
+    # With the prefix cache: per attention sequence, the prompt whose cached tokens it continues (-1: none)
+    resumed: tuple[int, ...] | None = None
 
 
 def find_shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int) -> list[SharedPrefix]:
@@ -460,6 +462,14 @@ def _pack_shared(
         captured = np.concatenate([rows_of[prompt][start:stop] for prompt, start, stop in capture])
         if (captured < 0).any():
             raise ValueError("a span to keep in the prefix cache was taken from it")
+    resumed = None
+    if cached is not None:  # a prompt with cached tokens is one sequence, from its first own row
+        sequence_of = {
+            int(np.searchsorted(cu, rows_of[i][n], side="right")) - 1: i
+            for i, (n, _) in enumerate(cached)
+            if n
+        }
+        resumed = tuple(sequence_of.get(s, -1) for s in range(len(cu) - 1))
     non_blocking = device.type == "cuda"
     mean = pooling == "mean"
     return PackedBatch(
@@ -493,6 +503,7 @@ def _pack_shared(
         if adapters is None
         else _to_device(_row_adapters(rows_of, adapters, row), device, non_blocking),
         capture_rows=None if captured is None else _to_device(captured, device, non_blocking),
+        resumed=resumed,
     )
 
 

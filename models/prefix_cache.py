@@ -7,7 +7,9 @@ Prompts are cut into blocks of `block_tokens` tokens. A block is known by its pa
 block stands for the whole prefix that ends with it, as in vLLM's automatic prefix caching; the lookup is a
 dictionary keyed by (parent, tokens), which compares the tokens themselves, so two different prefixes never
 share an entry (no hash is trusted alone). A block holds every layer's keys (after the rotary embedding:
-a prefix always starts at position 0) and values for its tokens, in the model's dtype.
+a prefix always starts at position 0) and values for its tokens, in the model's dtype; in a hybrid model,
+also each Gated DeltaNet layer's recurrent state and last convolution inputs at the block's end
+(models/linear_cache.py), which is where a prompt whose cached run ends with it starts those layers.
 
 By default a block is kept the second time it is seen (in an earlier batch, or by another prompt of the same
 batch), not the first: a workload that never repeats a prefix (W1) then never fills the cache, and its
@@ -37,6 +39,8 @@ from typing import NamedTuple
 
 import torch
 
+from models.linear_cache import CachedStates, StateIO
+
 # Prefixes remembered as seen once (a hash each), for admission on the second sight.
 SEEN_PREFIXES = 1 << 16
 # A block's parent: another block's number, or, for a prompt's first block, ("root", adapter index); in a
@@ -54,11 +58,14 @@ class _Block:
 
 class CacheRegion(NamedTuple):
     """A batch's cached keys and values, where they lie: the pools [L, Hkv, S, D] and the pool rows of the
-    batch's cached runs, one after another [C]."""
+    batch's cached runs, one after another [C]; in a hybrid model, the pools of states kept at block ends
+    ([Lg, slots, ...] each) and per prompt the slot of its run's last block (-1: none)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     rows: torch.Tensor
+    states: tuple[torch.Tensor, ...] = ()
+    last_slots: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,8 @@ class PrefixCache:
     (docs/models.md, "Prefix cache"). They lie in two pools, keys and values [L, Hkv, slots * block, D],
     allocated at the first block kept (its shapes, dtype and device are the model's): a batch reads its
     cached rows with one gather per layer, and memory is what the bound says from then on, not a copy of
-    every block a batch reads."""
+    every block a batch reads. A hybrid model's states at block ends lie in pools of their own, a block's
+    slot in each, and count in the bound with its keys and values."""
 
     def __init__(self, block_tokens: int, max_bytes: int, admit_first_sight: bool = False) -> None:
         if block_tokens <= 0 or max_bytes <= 0:
@@ -132,6 +140,7 @@ class PrefixCache:
         self.bytes = 0
         self.stats = CacheStats()
         self._pools: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._state_pools: tuple[torch.Tensor, ...] = ()  # [Lg, slots, ...] each
         self._block_bytes = 0
         self._free: list[int] = []  # slots of the pools no block holds
         self._blocks: OrderedDict[int, _Block] = OrderedDict()  # least recently used first
@@ -233,14 +242,25 @@ class PrefixCache:
         rows = (torch.tensor(slots, dtype=torch.int64).repeat_interleave(size) * size).add_(
             torch.arange(size).repeat(len(slots))
         )
-        return CacheRegion(keys, values, rows.to(keys.device, non_blocking=True))
+        last = tuple(self._blocks[run[-1]].slot if run else -1 for run in use.hits)
+        return CacheRegion(keys, values, rows.to(keys.device, non_blocking=True), self._state_pools, last)
 
-    def store(self, use: CacheUse, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def state_pools(self) -> tuple[torch.Tensor, ...]:
+        """The pools of states kept at block ends (empty before the first block, or without any)."""
+        return self._state_pools
+
+    def store(
+        self,
+        use: CacheUse,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        states: Sequence[torch.Tensor] = (),
+    ) -> None:
         """Keep the batch's captured blocks: `keys`/`values` [L, Hkv, R, D] hold the rows `capture_rows` gave,
-        in that order. A block whose parent is not kept (the bound) is not kept either: nothing could reach
-        it."""
+        in that order, and each of `states` [Lg, K, ...] a state at each captured block's end. A block whose
+        parent is not kept (the bound) is not kept either: nothing could reach it."""
         size = self.block_tokens
-        if self._pools is None and not self._allocate(keys):
+        if self._pools is None and not self._allocate(keys, states):
             return
         made: list[int | None] = []
         for number, capture in enumerate(use.captures):
@@ -251,26 +271,36 @@ class PrefixCache:
                 made.append(None)
                 continue
             span = slice(number * size, (number + 1) * size)
-            made.append(self._insert(parent, capture.tokens, keys[:, :, span], values[:, :, span]))
+            at_end = tuple(state[:, number] for state in states)
+            made.append(self._insert(parent, capture.tokens, keys[:, :, span], values[:, :, span], at_end))
 
-    def _allocate(self, keys: torch.Tensor) -> bool:
-        """The pools, shaped as `keys` [L, Hkv, R, D] with as many blocks as the bound holds; False when not
-        one block fits it."""
+    def _allocate(self, keys: torch.Tensor, states: Sequence[torch.Tensor] = ()) -> bool:
+        """The pools, shaped as `keys` [L, Hkv, R, D] (and each of `states` [Lg, K, ...]) with as many blocks
+        as the bound holds; False when not one block fits it."""
         layers, heads, _, width = keys.shape
         self._block_bytes = 2 * layers * heads * self.block_tokens * width * keys.element_size()
+        self._block_bytes += sum(state[:, 0].numel() * state.element_size() for state in states)
         slots = self.max_bytes // self._block_bytes
         if slots == 0:
             return False
         shape = (layers, heads, slots * self.block_tokens, width)
         self._pools = (keys.new_empty(shape), keys.new_empty(shape))
+        self._state_pools = tuple(
+            state.new_empty((state.shape[0], slots, *state.shape[2:])) for state in states
+        )
         self._free = list(range(slots - 1, -1, -1))
         return True
 
     def _insert(
-        self, parent: Parent, tokens: tuple[int, ...], keys: torch.Tensor, values: torch.Tensor
+        self,
+        parent: Parent,
+        tokens: tuple[int, ...],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        states: Sequence[torch.Tensor] = (),
     ) -> int | None:
-        """Store a block (`keys`/`values` [L, Hkv, B, D]), evicting least recently used leaves to make room;
-        None when it cannot be kept."""
+        """Store a block (`keys`/`values` [L, Hkv, B, D], `states` at its end [Lg, ...] each), evicting least
+        recently used leaves to make room; None when it cannot be kept."""
         key = (parent, tokens)
         existing = self._index.get(key)
         if existing is not None:  # another batch stored it meanwhile
@@ -284,6 +314,8 @@ class PrefixCache:
         rows = slice(block.slot * self.block_tokens, (block.slot + 1) * self.block_tokens)
         self._pools[0][:, :, rows].copy_(keys)
         self._pools[1][:, :, rows].copy_(values)
+        for pool, state in zip(self._state_pools, states, strict=True):
+            pool[:, block.slot].copy_(state)
         number = next(self._numbers)
         self._blocks[number] = block
         self._index[key] = number
@@ -311,16 +343,56 @@ class PrefixCache:
         return False
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the cache keeps of which layer: keys and values of `layers` (their `layer_idx`, in the pools'
+    order), and in a hybrid model its Gated DeltaNet layers' states at block ends (`states`)."""
+
+    layers: tuple[int, ...]
+    states: CachedStates | None = None
+
+    def io(
+        self,
+        cache: PrefixCache,
+        use: CacheUse,
+        capture_rows: torch.Tensor | None,
+        resumed: Sequence[int] | None,
+    ) -> CacheIO:
+        """One batch's traffic with `cache`: `capture_rows` the rows of the blocks it keeps, `resumed` per
+        sequence of the packed row the prompt whose cached tokens it continues (-1: none)."""
+        region = cache.region(use)
+        states = None
+        if self.states is not None:
+            last = () if region is None else region.last_slots
+            states = self.states.io(cache.state_pools(), last, resumed, capture_rows, use.block_tokens)
+        return CacheIO(region, capture_rows, self.layers, states)
+
+
 class CacheIO:
     """One batch's traffic with the prefix cache inside attention (models/attention.py): each layer's cached
     keys and values put before the row's own (the region `pack` laid the keys out for), and the keys and
-    values of the rows the cache keeps copied out, layer by layer."""
+    values of the rows the cache keeps copied out, layer by layer. `layers`: the `layer_idx` of each layer
+    whose keys the pools hold, in their order (a hybrid model's full-attention layers); `states`: its Gated
+    DeltaNet layers' traffic (models/linear_cache.py)."""
 
-    def __init__(self, region: CacheRegion | None, capture_rows: torch.Tensor | None, layers: int) -> None:
+    def __init__(
+        self,
+        region: CacheRegion | None,
+        capture_rows: torch.Tensor | None,
+        layers: Sequence[int],
+        states: StateIO | None = None,
+    ) -> None:
         self._region = region
         self._capture_rows = capture_rows
-        self._captured_keys: list[torch.Tensor | None] = [None] * layers
-        self._captured_values: list[torch.Tensor | None] = [None] * layers
+        self._order = {layer: index for index, layer in enumerate(layers)}
+        self._captured_keys: list[torch.Tensor | None] = [None] * len(layers)
+        self._captured_values: list[torch.Tensor | None] = [None] * len(layers)
+        self.states = states
+
+    @property
+    def reads(self) -> bool:
+        """Whether cached keys come before the row's own (pack gathered every sequence's keys for them)."""
+        return self._region is not None
 
     # Compiled layers (models/layers.py) break their graph at this call and run it eager: traced, the layer's
     # index would give every layer a graph of its own, and the rows kept are a side effect no graph holds. The
@@ -331,7 +403,7 @@ class CacheIO:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`key`/`value` [1, Hkv, T, D] of the layer `module` belongs to, with the cached region's rows put
         first ([1, Hkv, C + T, D]); the rows to keep are copied out first."""
-        layer = int(module.layer_idx)  # type: ignore[arg-type]  # every packed decoder's attention has one
+        layer = self._order[int(module.layer_idx)]  # type: ignore[arg-type]  # every packed decoder's has one
         if self._capture_rows is not None:
             self._captured_keys[layer] = key[0].index_select(1, self._capture_rows)
             self._captured_values[layer] = value[0].index_select(1, self._capture_rows)
@@ -342,9 +414,11 @@ class CacheIO:
         cached_values = region.values[layer].index_select(1, region.rows).unsqueeze(0).to(value.dtype)
         return torch.cat((cached_keys, key), dim=2), torch.cat((cached_values, value), dim=2)
 
-    def captured(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kept rows' keys and values, [L, Hkv, R, D] each."""
+    def captured(self) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The kept rows' keys and values, [L, Hkv, R, D] each, and the states at the kept blocks' ends
+        ([Lg, K, ...] each; none without Gated DeltaNet layers)."""
         keys, values = self._captured_keys, self._captured_values
         if any(k is None for k in keys) or any(v is None for v in values):
             raise RuntimeError("a layer's attention did not pass through the prefix cache")
-        return torch.stack(keys), torch.stack(values)  # type: ignore[arg-type]
+        states = () if self.states is None else self.states.captured()
+        return torch.stack(keys), torch.stack(values), states  # type: ignore[arg-type]

@@ -60,8 +60,8 @@ def test_the_rule_matches_the_torch_path_from_initial_states() -> None:
     initial = 4 * initial / torch.linalg.matrix_norm(initial, ord=2, keepdim=True)
     initial[::2] = 0
     sequences = _sequences(LENGTHS)
-    fla_out, fla_final = recur("fla", inputs, sequences, initial)
-    torch_out, torch_final = recur("torch", inputs, sequences, initial)
+    fla_out, fla_final, _ = recur("fla", inputs, sequences, initial)
+    torch_out, torch_final, _ = recur("torch", inputs, sequences, initial)
     # The state's spectral norm M: each step maps S to exp(g) (I - beta k k^T) S + beta k v^T with |k| = 1
     # and beta <= 1, a contraction by exp(g) <= exp(-0.5) plus |v|: M <= |S0| + max|v| / (1 - exp(-0.5)).
     # fla stores in bfloat16, in series, the normalised q/k, the chunk's w and u, each chunk's state (one

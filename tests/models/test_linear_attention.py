@@ -62,15 +62,25 @@ def _sequences(lengths: Sequence[int]) -> Sequences:
 
 
 def _delta_rule_float64(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: list[torch.Tensor] | None = None,
+    initial: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence token by token in float64 (the rule's definition): outputs [L, H, Dv] and the
-    corrections u [L, H, Dv]; q/k [L, Hk, Dk] l2-normalised here, each key head serving consecutive heads."""
+    corrections u [L, H, Dv]; q/k [L, Hk, Dk] l2-normalised here, each key head serving consecutive heads.
+    `states`, where given, gets the state after every token [H, Dk, Dv]; `initial`: the state before the
+    first (zeros where not given)."""
     heads, k_dim = v.shape[1], k.shape[2]
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     q = F.normalize(q, dim=-1).repeat_interleave(heads // q.shape[1], dim=1) * k_dim**-0.5
     k = F.normalize(k, dim=-1).repeat_interleave(heads // k.shape[1], dim=1)
-    state = torch.zeros(heads, k_dim, v.shape[2], dtype=torch.float64)
+    state = (
+        torch.zeros(heads, k_dim, v.shape[2], dtype=torch.float64) if initial is None else initial.double()
+    )
     outs, corrections = [], []
     for t in range(v.shape[0]):
         state = state * g[t].exp()[:, None, None]
@@ -78,6 +88,8 @@ def _delta_rule_float64(
         state = state + k[t][:, :, None] * u[:, None, :]
         outs.append(torch.einsum("hkv,hk->hv", state, q[t]))
         corrections.append(u)
+        if states is not None:
+            states.append(state)
     return torch.stack(outs), torch.stack(corrections)
 
 
@@ -91,7 +103,7 @@ def test_the_chunked_rule_restarts_at_every_sequence() -> None:
     v = torch.randn(total, heads, v_dim, generator=generator)
     g = -torch.rand(total, heads, generator=generator) * 0.5  # log decays: exp(g) in (0.6, 1]
     beta = torch.rand(total, heads, generator=generator)
-    out, final = gated_delta_rule_torch(RuleInputs(q, k, v, g, beta), _sequences(LENGTHS))
+    out, final, _ = gated_delta_rule_torch(RuleInputs(q, k, v, g, beta), _sequences(LENGTHS))
     assert final.shape == (len(LENGTHS), heads, k_dim, v_dim)
     start = 0
     for length in LENGTHS:
@@ -110,6 +122,47 @@ def test_the_chunked_rule_restarts_at_every_sequence() -> None:
         )
         np.testing.assert_allclose(out[rows].double().numpy(), expected.numpy(), atol=atol, rtol=0)
         start += length
+
+
+def test_the_chunked_rule_gives_the_state_after_any_row() -> None:
+    """The states the prefix cache keeps at block ends: after rows anywhere in a chunk (its first, its last,
+    inside), in several sequences of one row, some from an initial state, against the float64 definition
+    from that state."""
+    generator = torch.Generator().manual_seed(4)
+    lengths = (CHUNK + 5, 17, 2 * CHUNK + 3)
+    total, k_heads, heads, k_dim, v_dim = sum(lengths), 2, 4, 16, 8
+    q = torch.randn(total, k_heads, k_dim, generator=generator)
+    k = torch.randn(total, k_heads, k_dim, generator=generator)
+    v = torch.randn(total, heads, v_dim, generator=generator)
+    g = -torch.rand(total, heads, generator=generator) * 0.5
+    beta = torch.rand(total, heads, generator=generator)
+    initial = torch.randn(len(lengths), heads, k_dim, v_dim, generator=generator)
+    initial[1] = 0
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    # Row 0 (a sequence's first), CHUNK - 1 and CHUNK (a chunk's last and the next's first), 15 (inside
+    # the second sequence, its 16th), the third's last.
+    at = [0, CHUNK - 1, CHUNK, int(starts[1]) + 15, total - 1]
+    _, _, kept = gated_delta_rule_torch(RuleInputs(q, k, v, g, beta), _sequences(lengths), initial, at)
+    assert kept is not None and kept.shape == (len(at), heads, k_dim, v_dim)
+    for index, row in enumerate(at):
+        sequence = int(np.searchsorted(starts, row, side="right")) - 1
+        rows = slice(int(starts[sequence]), row + 1)
+        states: list[torch.Tensor] = []
+        parts = (q[rows], k[rows], v[rows], g[rows], beta[rows])
+        _, corrections = _delta_rule_float64(*parts, states, initial[sequence])
+        # As the outputs' bound: the state is the decayed sum of k_j u_j (|k_j| = 1) plus the initial state
+        # through steps exp(g) (I - beta k k^T), none of which grows a spectral norm (beta <= 1, |k| = 1), so
+        # each entry is at most the two magnitudes; float32 over the same chain (the tokens, the chunk's
+        # solve, the key reads) and the decays' exp.
+        magnitude = float(corrections.abs().sum(0).max()) + float(
+            torch.linalg.matrix_norm(initial[sequence], ord=2).max()
+        )
+        chain = (row + 1 - int(starts[sequence])) + CHUNK + 2 * k_dim
+        atol = (
+            sum_bound(torch.float32, chain, magnitude)
+            + 2 * FUNCTION_ULPS * unit_roundoff(torch.float32) * magnitude * chain
+        )
+        np.testing.assert_allclose(kept[index].double().numpy(), states[-1].numpy(), atol=atol, rtol=0)
 
 
 def test_the_convolution_window_restarts_at_every_sequence() -> None:
@@ -190,7 +243,7 @@ def test_the_family_declares_its_layers(hybrid_dir: Path, hf_model: torch.nn.Mod
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("quantization", "fp8"), ("prefix_cache_mib", 4), ("adapters", "a=/nonexistent")],
+    [("quantization", "fp8"), ("adapters", "a=/nonexistent")],
 )
 def test_settings_the_family_cannot_serve_are_refused(hybrid_dir: Path, setting: str, value: object) -> None:
     with pytest.raises(ModelLoadError, match="Gated DeltaNet layers are not served"):

@@ -24,11 +24,11 @@ from scoring_testkit import (
 )
 from tolerances import forward_sums, half_forward_bound
 
-from models import Scorer, ScorerConfig, execute
+from models import Scorer, ScorerConfig, prefix_cache
 from models.errors import ModelLoadError
 from models.layers import CompiledLayers
 from models.prefix_cache import CacheIO, PrefixCache
-from models.tiny import NON_HYBRID_DECODERS, write_tiny_model
+from models.tiny import DECODERS, write_tiny_model
 from schemas import ScoreRequest
 
 BLOCK = 8
@@ -44,7 +44,7 @@ def _requests(answers: range) -> list[ScoreRequest]:
 
 
 @pytest.mark.parametrize("attention", ["reference", "varlen"])
-@pytest.mark.parametrize("architecture", NON_HYBRID_DECODERS)
+@pytest.mark.parametrize("architecture", DECODERS)
 def test_answers_in_later_calls_reuse_the_prompt_and_score_as_their_whole_prompt(
     architecture: str, attention: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -183,7 +183,7 @@ def test_the_compiled_and_graphed_path_uses_the_cache_and_scores_the_same(
     plain = Scorer(tiny_qwen3_dir, ScorerConfig(**common))
     # Prompts seen once neither read nor fill the cache: their batches keep the compiled, graphed path.
     made: list[object] = []
-    monkeypatch.setattr(execute, "CacheIO", lambda *a: made.append(a) or CacheIO(*a))
+    monkeypatch.setattr(prefix_cache, "CacheIO", lambda *a: made.append(a) or CacheIO(*a))
     rng = np.random.default_rng(5)
     fresh = [
         ScoreRequest(f"fresh-{k}", items=(tuple(int(t) for t in rng.integers(4, 200, 40)),)) for k in range(3)
@@ -420,3 +420,87 @@ def test_the_admission_setting_keeps_a_prompt_at_its_first_or_second_sight(
             assert_forward_close(hidden_of(got), hidden_of(expected), tiny_llama_dir, longest=longest)
         saved.append(cache.stats.tokens_saved)
     assert saved == ([0, 40, 80] if admit == "first" else [0, 0, 40])
+
+
+@pytest.mark.parametrize("attention", ["reference", "varlen"])
+@pytest.mark.parametrize("architecture", DECODERS)
+def test_a_hit_beside_misses_and_a_shared_prefix_scores_as_whole_prompts(
+    architecture: str, attention: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 100-token prompt (longer than a chunk of the hybrids' delta rule, its end not on a block end)
+    scored cold, then again and with a longer answer beside prompts the cache lacks, two of which share a
+    prefix within the batch (their kept blocks come from the prefix's row and from a suffix's); then those
+    two's prefix read from the cache. In the hybrids' Gated DeltaNet layers, which keep no keys, a prompt
+    starts from the recurrent state and convolution inputs kept at its cached run's last block end; on the
+    varlen path, a batch reading cached keys gathers every sequence's keys, its shared groups' too. Every
+    item equals HF float32 on its whole prompt, within the float32 forward bound for the longest prompt."""
+    if attention == "varlen" and architecture == "gemma2":
+        pytest.skip(
+            "gemma2's attention logit softcap runs on the exact path only (the varlen kernel has none)"
+        )
+    block = 16
+    config = _cached_config(attention, share_prefix_min_tokens=8)
+    config = config.model_copy(update={"prefix_cache_block_tokens": block, "prefix_cache_admit": "first"})
+    model_dir = model_dirs[architecture]
+    scorer = Scorer(model_dir, config)
+    spy = PackSpy(monkeypatch)
+    rng = np.random.default_rng(9)
+
+    def ids(count: int) -> tuple[int, ...]:
+        return tuple(int(t) for t in rng.integers(4, 400, count))
+
+    prompt, other = ids(100), ids(40)  # 100: six blocks and 4 tokens; 40: two blocks and 8 tokens
+    calls = [
+        [prompt + ids(3)],
+        [prompt + ids(3), prompt + ids(30), ids(20), other + ids(5), other + ids(9)],
+        [other + ids(7), ids(12)],
+    ]
+    calls[1][0] = calls[0][0]  # the cold request again
+    results = []
+    for number, prompts in enumerate(calls):
+        requests = [
+            ScoreRequest(f"{number}-{k}", items=(p,), return_pooled_hidden_states=True)
+            for k, p in enumerate(prompts)
+        ]
+        results += scorer.score(requests)
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    whole = [p for prompts in calls for p in prompts]
+    reference = hf_reference(model_dir, whole)
+    longest = max(len(p) for p in whole)
+    for got, want in ((scores_of, reference.logits), (hidden_of, reference.hidden)):
+        assert_forward_close(np.concatenate([got(r) for r in results]), want, model_dir, longest=longest)
+    # The second call takes six blocks for each of its first two prompts, and shares `other`'s 40 tokens;
+    # the third takes `other`'s two blocks, kept from the second's shared row.
+    lengths = [[len(p) for p in prompts] for prompts in calls]
+    assert spy.tokens == [
+        lengths[0][0],
+        sum(lengths[1]) - 2 * 96 - 40,
+        sum(lengths[2]) - 32,
+    ], spy.tokens
+    stats = scorer.executor.prefix_cache.stats  # type: ignore[union-attr]
+    assert (stats.hits, stats.tokens_saved) == (3, 2 * 96 + 32)
+
+
+def test_a_hybrid_cache_counts_the_states_in_its_bound(model_dirs: dict[str, Path]) -> None:
+    """A hybrid's block costs its full-attention layers' keys and values plus, per Gated DeltaNet layer, a
+    float32 state [Hv, Dk, Dv] and its last W-1 convolution inputs [W-1, C]; blocks shorter than W-1 tokens
+    are refused (their kept inputs are read from the block's own rows)."""
+    model_dir = model_dirs["qwen3_5_text"]
+    scorer = Scorer(model_dir, _cached_config("reference", share_prefix_min_tokens=0))
+    scorer.score(_requests(range(2)))  # the prompt's blocks seen twice: kept
+    cache = scorer.executor.prefix_cache
+    assert cache is not None and len(cache) == 5
+    config = scorer.hf_model.config
+    width = config.linear_conv_kernel_dim
+    k_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    v_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    window = (width - 1) * (2 * k_dim + v_dim)
+    kv = 2 * config.num_key_value_heads * BLOCK * config.head_dim
+    per_block = 4 * (1 * kv + 3 * (state + window))  # float32; one full-attention layer, three linear
+    assert cache.bytes == 5 * per_block
+    short = _cached_config("reference", share_prefix_min_tokens=0).model_copy(
+        update={"prefix_cache_block_tokens": width - 2}
+    )
+    with pytest.raises(ModelLoadError, match="prefix_cache_block_tokens to at least 3"):
+        Scorer(model_dir, short)
