@@ -1,6 +1,6 @@
 """flash-linear-attention's kernels (the hybrids' CUDA path, models/linear_attention.py) against the float32
 torch path on the same bfloat16 inputs, with several sequences and initial states; and the hybrids' shared
-prefixes through the Scorer on the GPU."""
+prefixes and prefix cache through the Scorer on the GPU."""
 
 from __future__ import annotations
 
@@ -125,3 +125,40 @@ def test_shared_prefixes_on_the_gpu_score_as_unshared(architecture: str, tmp_pat
         scale = max(1.0, float(np.abs(want).max()))
         bound = half_forward_bound(torch.bfloat16, sums=sums, magnitude=scale, accumulation=TENSOR_CORES)
         np.testing.assert_allclose(got, want, atol=bound, rtol=0)
+
+
+@pytest.mark.parametrize("architecture", HYBRIDS)
+def test_the_prefix_cache_on_the_gpu_scores_as_without_it(architecture: str, tmp_path: Path) -> None:
+    """bfloat16 on CUDA: a prompt longer than a chunk kept in the prefix cache (its blocks' states from the
+    float32 torch rule on the device) and then read by a longer prompt and by itself beside a prompt the
+    cache lacks (flash-linear-attention's kernels from the cached states and convolution inputs, where
+    installed), against the same requests without the cache: two bf16 forwards of the same prompts."""
+    model_dir = write_tiny_model(tmp_path / architecture, architecture, seed=13)
+    generator = torch.Generator().manual_seed(3)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(4, 500, (n,), generator=generator).tolist())
+
+    prompt = ids(CHUNK + 37)
+    calls = [[prompt + ids(3)], [prompt + ids(3), prompt + ids(40), ids(30)]]
+    common = {"device": "cuda", "dtype": "bfloat16"}
+    cached = Scorer(
+        model_dir,
+        ScorerConfig(**common, prefix_cache_mib=64, prefix_cache_block_tokens=16, prefix_cache_admit="first"),
+    )
+    plain = Scorer(model_dir, ScorerConfig(**common))
+    sums = forward_sums(model_dir, len(prompt) + 40)
+    for prompts in calls:
+        requests = [
+            ScoreRequest(str(k), items=(p,), return_pooled_hidden_states=True) for k, p in enumerate(prompts)
+        ]
+        for got_result, want_result in zip(cached.score(requests), plain.score(requests), strict=True):
+            for got, want in zip(_arrays(got_result), _arrays(want_result), strict=True):
+                # Two bf16 forwards of the same prompts (tolerances.half_forward_bound), at the values' scale.
+                scale = max(1.0, float(np.abs(want).max()))
+                bound = half_forward_bound(
+                    torch.bfloat16, sums=sums, magnitude=scale, accumulation=TENSOR_CORES
+                )
+                np.testing.assert_allclose(got, want, atol=bound, rtol=0)
+    stats = cached.executor.prefix_cache.stats  # type: ignore[union-attr]
+    assert (stats.hits, stats.tokens_saved) == (2, 2 * 96)
