@@ -142,6 +142,14 @@ def _check_factors(
             "layers' projections: merge this adapter into the weights with PEFT and serve the merged model"
         )
     projection = getattr(target, "linear", target)  # a row-parallel wrapper holds its projection
+    if not (hasattr(projection, "in_features") and hasattr(projection, "out_features")):
+        # A Gated DeltaNet layer's convolution, a norm, a mixture-of-experts router: the packed forward
+        # reads their weights, never calls them on a token's rows, so no delta could be added.
+        raise ModelLoadError(
+            f"adapter {name!r} adapts {module!r}, a {type(projection).__name__}, which is not a linear "
+            "projection; score-worker serves LoRA on the layers' linear projections only: merge this "
+            "adapter into the weights with PEFT and serve the merged model"
+        )
     shape = (int(getattr(projection, "out_features", 0)), int(getattr(projection, "in_features", 0)))
     if a.shape[1] != shape[1] or b.shape[0] != shape[0] or a.shape[0] != b.shape[1]:
         raise ModelLoadError(

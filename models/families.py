@@ -6,7 +6,7 @@ engine's own moves stay exact on it: the fused MLP kernel (an MLP of the form do
 tensor parallelism (a norm over a whole projection cannot be cut by heads alone), and the config values a
 family's HF code does not serve packed. Quirks a config states for itself are read from it where they act:
 soft caps (models/engine.py, loading's final_softcap), windows (models.layers.sliding_window), per-layer key
-shapes (the prefix cache's refusal, models/execute.py). Adding a family is one `Family(...)` entry in
+shapes (the prefix cache's refusal, models/mechanisms.py). Adding a family is one `Family(...)` entry in
 FAMILIES, the tiny model's config (models/tiny.py) and its tests.
 """
 

@@ -43,14 +43,17 @@ def linear_layers(
     family cannot serve are refused (ModelLoadError) or turned off, each with its reason in the log."""
     refused = {
         "quantization='fp8'": config.quantization == "fp8",
-        "adapters": bool(config.adapter_dirs),
         "tensor_parallel": config.tensor_parallel > 1,
     }
     if not loaded.packable:
         # Qwen3.5's image-text model: HF's own layers on the padded batch, whose projections the FP8 and
         # LoRA swaps were never checked against.
         if is_hybrid(loaded.model.config.get_text_config()):
-            _refuse(loaded, {key: refused[key] for key in ("quantization='fp8'", "adapters")})
+            padded = {
+                "quantization='fp8'": refused["quantization='fp8'"],
+                "adapters": bool(config.adapter_dirs),
+            }
+            _refuse(loaded, padded)
         return None
     linear = PackedLinearAttention.of(loaded.base, device)
     if linear is None:
@@ -81,8 +84,8 @@ def _refuse(loaded: LoadedModel, settings: dict[str, bool]) -> None:
     for setting, asked in settings.items():
         if asked:
             raise ModelLoadError(
-                f"{setting}: {loaded.name}'s Gated DeltaNet layers are not served with it (their "
-                "projections, recurrent state and sharding have no path of their own there yet)"
+                f"{setting}: {loaded.name}'s Gated DeltaNet layers are not served with it (no path of theirs "
+                "takes it yet: FP8 projections, sharded layers, LoRA on HF's own layers of a padded batch)"
             )
 
 

@@ -95,8 +95,9 @@ class EngineSettings(BaseModel):
         ge=0,
         description="memory (MiB, on the model's device) for the keys and values of prompt prefixes computed "
         "recently, so that a later batch computes only what follows them (a prompt's answers sent in several "
-        "calls, a system prompt every request repeats); least recently used blocks go first; 0: off. Causal "
-        "decoders on the packed path, pooling one row",
+        "calls, a system prompt every request repeats), and a hybrid model's linear-attention states at "
+        "block ends (tens of MiB a block on real shapes: use large blocks there); least recently used blocks "
+        "go first; 0: off. Causal decoders on the packed path, pooling one row",
     )
     prefix_cache_admit: Literal["second", "first"] = Field(
         "second",

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
 from scoring_testkit import (
     assert_forward_close,
     hf_reference,
@@ -25,7 +26,7 @@ from scoring_testkit import (
 from transformers import AutoModelForSequenceClassification
 
 from models import ModelLoadError, Scorer, ScorerConfig
-from models.tiny import NON_HYBRID_DECODERS
+from models.tiny import DECODERS, HYBRIDS
 from schemas import ErrorCode, ScoreRequest, ScoreResult
 
 # Adapter name -> (rank, which projections, rsLoRA, its own trained head)
@@ -34,7 +35,14 @@ ADAPTERS = {
     "attn": (8, "attention", True, False),
     "mlp": (2, "mlp", False, True),
 }
+# The token mixers' projections: attention's, and the hybrids' Gated DeltaNet layers' (Qwen3.5's separate
+# ones, Qwen3-Next's fused in_proj_qkvz and in_proj_ba).
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+_ATTENTION += ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
+
+# Prefixes shared or cached within an adapter, on the hybrids too: a prefix's Gated DeltaNet state is its
+# adapter's.
+WITHIN_ADAPTER = ["llama", *HYBRIDS]
 
 
 def _targets(model: Any, which: str) -> list[str]:
@@ -47,8 +55,10 @@ def _targets(model: Any, which: str) -> list[str]:
     if getattr(model.config, "num_experts", 0):
         # A mixture of experts: PEFT turns MLP targets into its experts' stacked parameters, on which LoRA
         # is refused (tests/models/test_moe.py); its "mlp" adapter adapts the output projection instead.
-        names &= set(_ATTENTION)
-        return ["o_proj"] if which == "mlp" else sorted(names)
+        # Qwen3-Next's shared expert's gate is a projection of its own, called on the rows like any.
+        if which == "mlp":
+            return ["o_proj", *sorted(names & {"shared_expert_gate"})]
+        return sorted(names & set(_ATTENTION))
     if which == "attention":
         names &= set(_ATTENTION)
     elif which == "mlp":
@@ -69,16 +79,25 @@ def _write_adapter(base_dir: Path, target: Path, name: str, seed: int) -> Path:
     )
     if not own_head:
         config.modules_to_save = None
-    return _saved_with_random_factors(get_peft_model(model, config), target, seed)
+    # Factors whose delta B A s has the spread of the base weights (the tiny models' initializer_range, 0.1):
+    # entries sum r products of two factors of spread f, so f = sqrt(0.1 / (sqrt(r) s)). Larger deltas (rank
+    # 8 under rsLoRA at f = 0.2 gave six times the weights' spread) make the adapted model round far more
+    # than the base model whose forward bound the comparisons use: PEFT's own merged and unmerged forwards
+    # of a tiny Qwen3.5 then differed by 5e-4.
+    scaling = 2 * rank / (rank**0.5 if rslora else rank)
+    spread = (0.1 / (rank**0.5 * scaling)) ** 0.5
+    return _saved_with_random_factors(get_peft_model(model, config), target, seed, spread)
 
 
-def _saved_with_random_factors(peft_model: Any, target: Path, seed: int) -> Path:
-    """`peft_model` with random LoRA factors and head (PEFT initialises B to zero: no effect), saved."""
+def _saved_with_random_factors(peft_model: Any, target: Path, seed: int, spread: float = 0.2) -> Path:
+    """`peft_model` with random LoRA factors of `spread` and a random head (PEFT initialises B to zero: no
+    effect), saved."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for key, parameter in peft_model.named_parameters():
             if "lora_" in key or "modules_to_save" in key:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+                scale = spread if "lora_" in key else 0.2
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
     peft_model.save_pretrained(str(target))
     return target
 
@@ -141,7 +160,7 @@ def _assert_equal_to_merged(
         assert_forward_close(hidden_of(result), reference.hidden, base_dir, longest=23)
 
 
-@pytest.mark.parametrize("architecture", NON_HYBRID_DECODERS)
+@pytest.mark.parametrize("architecture", DECODERS)
 def test_a_mixed_adapter_batch_equals_each_adapter_merged(
     model_dirs: dict[str, Path], adapter_root: str, architecture: str
 ) -> None:
@@ -252,10 +271,14 @@ def test_adapters_under_compiled_layers_compile_once_for_every_batch(
     assert traced_graphs() == compiled_by_then
 
 
-def test_prefixes_are_shared_only_within_an_adapter(tiny_llama_dir: Path, adapter_root: str) -> None:
-    adapters = _adapters(tiny_llama_dir, adapter_root)
+@pytest.mark.parametrize("architecture", WITHIN_ADAPTER)
+def test_prefixes_are_shared_only_within_an_adapter(
+    model_dirs: dict[str, Path], adapter_root: str, architecture: str
+) -> None:
+    base_dir = model_dirs[architecture]
+    adapters = _adapters(base_dir, adapter_root)
     scorer = Scorer(
-        tiny_llama_dir, ScorerConfig(device="cpu", adapters=_setting(adapters), share_prefix_min_tokens=4)
+        base_dir, ScorerConfig(device="cpu", adapters=_setting(adapters), share_prefix_min_tokens=4)
     )
     query = tuple(range(10, 40))
     chosen = ["full", "full", "attn", None]
@@ -269,24 +292,26 @@ def test_prefixes_are_shared_only_within_an_adapter(tiny_llama_dir: Path, adapte
     assert {keys[group.members[0]] for group in groups} == set(keys)  # every adapter shares within itself
     results = scorer.score(requests)
     for request, result, name in zip(requests, results, chosen, strict=True):
-        model = None if name is None else _merged(tiny_llama_dir, adapters[name])
+        model = None if name is None else _merged(base_dir, adapters[name])
         item_prompts = [(*query, *item) for item in request.items]
-        reference = hf_reference(tiny_llama_dir, item_prompts, model=model)
-        assert_forward_close(scores_of(result), reference.logits, tiny_llama_dir, longest=36)
+        reference = hf_reference(base_dir, item_prompts, model=model)
+        assert_forward_close(scores_of(result), reference.logits, base_dir, longest=36)
 
 
+@pytest.mark.parametrize("architecture", WITHIN_ADAPTER)
 def test_the_prefix_cache_serves_a_prefix_only_under_the_adapter_that_computed_it(
-    tiny_llama_dir: Path, adapter_root: str
+    model_dirs: dict[str, Path], adapter_root: str, architecture: str
 ) -> None:
     """One query under the base model and two adapters, over three calls with the prefix cache: the second
     sight keeps each prompt's blocks, the third call finds them under its own adapter only (the first
     call's sight of the query under one adapter admits nothing under another), and every item equals its
     adapter merged."""
-    adapters = _adapters(tiny_llama_dir, adapter_root)
+    base_dir = model_dirs[architecture]
+    adapters = _adapters(base_dir, adapter_root)
     config = ScorerConfig(
         device="cpu", adapters=_setting(adapters), prefix_cache_mib=8, prefix_cache_block_tokens=8
     )
-    scorer = Scorer(tiny_llama_dir, config)
+    scorer = Scorer(base_dir, config)
     query = tuple(range(10, 40))  # 30 tokens: three whole blocks before the items
     chosen = [None, "full", "attn"]
     for call in range(3):
@@ -303,10 +328,10 @@ def test_the_prefix_cache_serves_a_prefix_only_under_the_adapter_that_computed_i
         results = scorer.score(requests)
         for request, result, name in zip(requests, results, chosen, strict=True):
             assert result.ok, result.error
-            model = None if name is None else _merged(tiny_llama_dir, adapters[name])
-            reference = hf_reference(tiny_llama_dir, [(*query, *request.items[0])], model=model)
-            assert_forward_close(scores_of(result), reference.logits, tiny_llama_dir, longest=35)
-            assert_forward_close(hidden_of(result), reference.hidden, tiny_llama_dir, longest=35)
+            model = None if name is None else _merged(base_dir, adapters[name])
+            reference = hf_reference(base_dir, [(*query, *request.items[0])], model=model)
+            assert_forward_close(scores_of(result), reference.logits, base_dir, longest=35)
+            assert_forward_close(hidden_of(result), reference.hidden, base_dir, longest=35)
     stats = scorer.executor.prefix_cache.stats  # type: ignore[union-attr]
     # The second call kept three blocks per adapter; the third took them, each its own.
     assert (stats.hits, stats.tokens_saved) == (3, 3 * 24)
@@ -424,6 +449,27 @@ def test_unknown_adapters_and_adapters_that_cannot_run_are_refused(
         ScorerConfig(adapters=f"a={other},a={other}")
     with pytest.raises(ValueError, match="tensor_parallel"):
         ScorerConfig(adapters=f"a={other}", tensor_parallel=2)
+
+
+@pytest.mark.parametrize("module", ["conv1d", "norm"])
+def test_a_hybrid_adapter_on_what_is_not_a_projection_is_refused(
+    model_dirs: dict[str, Path], adapter_root: str, tmp_path: Path, module: str
+) -> None:
+    """A Gated DeltaNet layer's convolution and gated norm are not linear projections: the packed forward
+    reads the convolution's weights (and the norm is no product), so a LoRA factor on them could not be
+    added to any token's rows. Such an adapter is refused at start-up, never served without its delta."""
+    base_dir = model_dirs["qwen3_5_text"]
+    source = _adapters(base_dir, adapter_root)["attn"]
+    target = tmp_path / module
+    target.mkdir()
+    (target / "adapter_config.json").write_bytes((source / "adapter_config.json").read_bytes())
+    tensors = load_file(str(source / "adapter_model.safetensors"))
+    path = f"base_model.model.model.layers.0.linear_attn.{module}"
+    tensors[f"{path}.lora_A.weight"] = torch.zeros(8, 16)
+    tensors[f"{path}.lora_B.weight"] = torch.zeros(16, 8)
+    save_file(tensors, str(target / "adapter_model.safetensors"))
+    with pytest.raises(ModelLoadError, match=rf"linear_attn\.{module}'.*not a linear projection"):
+        Scorer(base_dir, ScorerConfig(device="cpu", adapters=f"a={target}"))
 
 
 def test_adapters_heads_and_token_outputs_compose_with_graphs_fp8_and_the_self_check(

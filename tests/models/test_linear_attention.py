@@ -241,13 +241,9 @@ def test_the_family_declares_its_layers(hybrid_dir: Path, hf_model: torch.nn.Mod
     assert resolve_kernel(torch.device("cpu"), torch.bfloat16) == "torch"
 
 
-@pytest.mark.parametrize(
-    ("setting", "value"),
-    [("quantization", "fp8"), ("adapters", "a=/nonexistent")],
-)
-def test_settings_the_family_cannot_serve_are_refused(hybrid_dir: Path, setting: str, value: object) -> None:
-    with pytest.raises(ModelLoadError, match="Gated DeltaNet layers are not served"):
-        Scorer(hybrid_dir, ScorerConfig(device="cpu", **{setting: value}))
+def test_fp8_is_refused(hybrid_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"quantization='fp8'.*Gated DeltaNet layers are not served"):
+        Scorer(hybrid_dir, ScorerConfig(device="cpu", quantization="fp8"))
 
 
 def test_shared_prefixes_longer_than_a_chunk_carry_their_state(
