@@ -162,3 +162,39 @@ def test_the_prefix_cache_on_the_gpu_scores_as_without_it(architecture: str, tmp
                 np.testing.assert_allclose(got, want, atol=bound, rtol=0)
     stats = cached.executor.prefix_cache.stats  # type: ignore[union-attr]
     assert (stats.hits, stats.tokens_saved) == (2, 2 * 96)
+
+
+@pytest.mark.parametrize("architecture", HYBRIDS)
+def test_adapters_on_the_gpu_score_a_mixed_batch_as_each_request_alone(
+    architecture: str, tmp_path: Path
+) -> None:
+    """bfloat16 on CUDA: a batch mixing three LoRA adapters (their Gated DeltaNet projections adapted too)
+    and the base model, through flash-linear-attention's kernels where installed, scores each request as
+    that request alone in its own batch (two bf16 forwards of the same prompts); and an adapter moves its
+    requests by more than that bound. The adapters' arithmetic against PEFT's float32 merge is the CPU
+    suite's (tests/models/test_adapters.py)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))  # tests/models, for its adapters
+    from test_adapters import _adapters, _mixed_requests, _setting
+
+    model_dir = write_tiny_model(tmp_path / architecture, architecture, seed=14)
+    adapters = _adapters(model_dir, str(tmp_path))
+    scorer = Scorer(model_dir, ScorerConfig(device="cuda", dtype="bfloat16", adapters=_setting(adapters)))
+    chosen, requests = _mixed_requests()
+    together = scorer.score(requests)
+    longest = max(len(p) for r in requests for p in scorer.prepare(r).prompts)
+    sums = forward_sums(model_dir, longest)
+    for name, request, got_result in zip(chosen, requests, together, strict=True):
+        (alone,) = scorer.score([request])
+        (base,) = scorer.score([ScoreRequest(request.request_id, items=request.items, query=request.query)])
+        got, want = _arrays(got_result), _arrays(alone)
+        for a, b in zip(got, want, strict=True):
+            # Two bf16 forwards of the same prompts (tolerances.half_forward_bound), at the values' scale.
+            scale = max(1.0, float(np.abs(b).max()))
+            bound = half_forward_bound(torch.bfloat16, sums=sums, magnitude=scale, accumulation=TENSOR_CORES)
+            np.testing.assert_allclose(a, b, atol=bound, rtol=0)
+        if name is not None:  # the adapter moved the scores by more than the bound
+            scale = max(1.0, float(np.abs(want[0]).max()))
+            bound = half_forward_bound(torch.bfloat16, sums=sums, magnitude=scale, accumulation=TENSOR_CORES)
+            assert float(np.abs(want[0] - np.asarray(base.scores, dtype=np.float32)).max()) > bound

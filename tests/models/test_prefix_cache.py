@@ -429,8 +429,9 @@ def test_a_hit_beside_misses_and_a_shared_prefix_scores_as_whole_prompts(
 ) -> None:
     """A 100-token prompt (longer than a chunk of the hybrids' delta rule, its end not on a block end)
     scored cold, then again and with a longer answer beside prompts the cache lacks, two of which share a
-    prefix within the batch (their kept blocks come from the prefix's row and from a suffix's); then those
-    two's prefix read from the cache. In the hybrids' Gated DeltaNet layers, which keep no keys, a prompt
+    prefix within the batch (their kept blocks come from the prefix's row and from a suffix's); then the
+    block kept from the suffix's rows read from the cache, and the blocks the longer answer kept after
+    starting from the cache. In the hybrids' Gated DeltaNet layers, which keep no keys, a prompt
     starts from the recurrent state and convolution inputs kept at its cached run's last block end; on the
     varlen path, a batch reading cached keys gathers every sequence's keys, its shared groups' too. Every
     item equals HF float32 on its whole prompt, within the float32 forward bound for the longest prompt."""
@@ -450,12 +451,16 @@ def test_a_hit_beside_misses_and_a_shared_prefix_scores_as_whole_prompts(
         return tuple(int(t) for t in rng.integers(4, 400, count))
 
     prompt, other = ids(100), ids(40)  # 100: six blocks and 4 tokens; 40: two blocks and 8 tokens
+    cold = prompt + ids(3)
+    second = [cold, prompt + ids(30), ids(20), other + ids(5), other + ids(9)]
     calls = [
-        [prompt + ids(3)],
-        [prompt + ids(3), prompt + ids(30), ids(20), other + ids(5), other + ids(9)],
-        [other + ids(7), ids(12)],
+        [cold],
+        second,
+        # The third block of `other + ...` was kept from a suffix's rows, after its shared prefix's state.
+        [second[4][:48] + ids(3), ids(12)],
+        # Blocks seven and eight were kept from a prompt that started from the cache's sixth.
+        [second[1][:128] + ids(5)],
     ]
-    calls[1][0] = calls[0][0]  # the cold request again
     results = []
     for number, prompts in enumerate(calls):
         requests = [
@@ -470,15 +475,11 @@ def test_a_hit_beside_misses_and_a_shared_prefix_scores_as_whole_prompts(
     for got, want in ((scores_of, reference.logits), (hidden_of, reference.hidden)):
         assert_forward_close(np.concatenate([got(r) for r in results]), want, model_dir, longest=longest)
     # The second call takes six blocks for each of its first two prompts, and shares `other`'s 40 tokens;
-    # the third takes `other`'s two blocks, kept from the second's shared row.
-    lengths = [[len(p) for p in prompts] for prompts in calls]
-    assert spy.tokens == [
-        lengths[0][0],
-        sum(lengths[1]) - 2 * 96 - 40,
-        sum(lengths[2]) - 32,
-    ], spy.tokens
+    # the third takes three blocks of `other + ...`, the fourth eight of the second's longer prompt.
+    lengths = [sum(len(p) for p in prompts) for prompts in calls]
+    assert spy.tokens == [lengths[0], lengths[1] - 2 * 96 - 40, lengths[2] - 48, lengths[3] - 128], spy.tokens
     stats = scorer.executor.prefix_cache.stats  # type: ignore[union-attr]
-    assert (stats.hits, stats.tokens_saved) == (3, 2 * 96 + 32)
+    assert (stats.hits, stats.tokens_saved) == (4, 2 * 96 + 48 + 128)
 
 
 def test_a_hybrid_cache_counts_the_states_in_its_bound(model_dirs: dict[str, Path]) -> None:
