@@ -223,20 +223,9 @@ def gated_delta_rule_torch(
     group = heads // key.shape[1]
     q = (l2norm(query) * k_dim**-0.5).repeat_interleave(group, dim=1)
     k = l2norm(key).repeat_interleave(group, dim=1)
-    lengths = sequences.lengths
-    count, padded = len(lengths), -(-max(lengths) // CHUNK) * CHUNK
-    # Every sequence in a row of its own, padded at its end with tokens that change nothing (beta = g = 0).
-    slots = torch.repeat_interleave(
-        torch.arange(count, device=value.device) * padded, torch.tensor(lengths, device=value.device)
-    ) + positions_within(sequences, value.device)
-
-    def batched(rows: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [N, H, chunks, CHUNK, ...]
-        out = rows.new_zeros((count * padded, *rows.shape[1:]), dtype=torch.float32)
-        out.index_copy_(0, slots, rows.float())
-        out = out.view(count, padded // CHUNK, CHUNK, *rows.shape[1:])
-        return out.permute(0, 3, 1, 2, *range(4, out.dim())) if rows.dim() > 2 else out.permute(0, 3, 1, 2)
-
-    qc, kc, vc, gc, bc = batched(q), batched(k), batched(value), batched(g), batched(beta)
+    count, padded = len(sequences.lengths), -(-max(sequences.lengths) // CHUNK) * CHUNK
+    slots = _padded_slots(sequences, padded, value.device)
+    qc, kc, vc, gc, bc = (_in_chunks(x, slots, count, padded) for x in (q, k, value, g, beta))
     cum = gc.cumsum(-1)  # [N, H, chunks, C]
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=value.device).tril()
     # exp(G_i - G_j) for j <= i; the masked entries (j > i) may overflow, so they are zeroed before exp.
@@ -264,16 +253,46 @@ def gated_delta_rule_torch(
         out[:, :, c] = q_decayed[:, :, c] @ state + scores[:, :, c] @ u
         if c in wanted and states_at is not None:
             index, sequence, offset = wanted[c]
-            cum_c = cum[sequence, :, c]  # [E, H, C]
-            upto = cum_c.gather(-1, offset.view(-1, 1, 1).expand(-1, heads, 1))  # [E, H, 1]: G_i
-            weights = torch.where(
-                torch.arange(CHUNK, device=value.device) <= offset.view(-1, 1, 1), upto - cum_c, float("-inf")
-            ).exp()  # exp(G_i - G_j) for j <= i
-            written = (kc[sequence, :, c] * weights.unsqueeze(-1)).transpose(-1, -2) @ u[sequence]
-            states_at[index] = state[sequence] * upto.exp().unsqueeze(-1) + written
+            states_at[index] = _state_after(
+                state[sequence], cum[sequence, :, c], kc[sequence, :, c], u[sequence], offset
+            )
         state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ u
     rows = out.permute(0, 2, 3, 1, 4).reshape(count * padded, heads, v_dim)
     return rows.index_select(0, slots), state, states_at
+
+
+def _padded_slots(sequences: Sequences, padded: int, device: torch.device) -> torch.Tensor:
+    """[T] int64: each row's slot when every sequence lies in a row of its own of `padded` tokens, padded at
+    its end with tokens that change nothing (beta = g = 0)."""
+    count, lengths = len(sequences.lengths), torch.tensor(sequences.lengths, device=device)
+    starts = torch.repeat_interleave(torch.arange(count, device=device) * padded, lengths)
+    return starts + positions_within(sequences, device)
+
+
+def _in_chunks(rows: torch.Tensor, slots: torch.Tensor, count: int, padded: int) -> torch.Tensor:
+    """[T, H, ...] -> [N, H, chunks, CHUNK, ...] float32, every sequence in its row (`_padded_slots`)."""
+    out = rows.new_zeros((count * padded, *rows.shape[1:]), dtype=torch.float32)
+    out.index_copy_(0, slots, rows.float())
+    out = out.view(count, padded // CHUNK, CHUNK, *rows.shape[1:])
+    return out.permute(0, 3, 1, 2, *range(4, out.dim())) if rows.dim() > 2 else out.permute(0, 3, 1, 2)
+
+
+def _state_after(
+    entering: torch.Tensor,
+    cum: torch.Tensor,
+    keys: torch.Tensor,
+    corrections: torch.Tensor,
+    offset: torch.Tensor,
+) -> torch.Tensor:
+    """The states right after token i = `offset` [E] of a chunk, exp(G_i) S0 + sum_{j<=i} exp(G_i - G_j)
+    k_j u_j^T, from the state S0 entering it [E, H, Dk, Dv], its cumulative log decays G [E, H, C], keys k
+    [E, H, C, Dk] and corrections u [E, H, C, Dv]."""
+    upto = cum.gather(-1, offset.view(-1, 1, 1).expand(-1, cum.shape[1], 1))  # [E, H, 1]: G_i
+    inside = torch.arange(cum.shape[-1], device=cum.device) <= offset.view(-1, 1, 1)  # j <= i
+    weights = torch.where(inside, upto - cum, float("-inf")).exp()  # exp(G_i - G_j), the masked ones 0
+    return (
+        entering * upto.exp().unsqueeze(-1) + (keys * weights.unsqueeze(-1)).transpose(-1, -2) @ corrections
+    )
 
 
 def _rows_by_chunk(

@@ -462,14 +462,7 @@ def _pack_shared(
         captured = np.concatenate([rows_of[prompt][start:stop] for prompt, start, stop in capture])
         if (captured < 0).any():
             raise ValueError("a span to keep in the prefix cache was taken from it")
-    resumed = None
-    if cached is not None:  # a prompt with cached tokens is one sequence, from its first own row
-        sequence_of = {
-            int(np.searchsorted(cu, rows_of[i][n], side="right")) - 1: i
-            for i, (n, _) in enumerate(cached)
-            if n
-        }
-        resumed = tuple(sequence_of.get(s, -1) for s in range(len(cu) - 1))
+    resumed = None if cached is None else _resumed(cached, rows_of, cu)
     non_blocking = device.type == "cuda"
     mean = pooling == "mean"
     return PackedBatch(
@@ -505,6 +498,19 @@ def _pack_shared(
         capture_rows=None if captured is None else _to_device(captured, device, non_blocking),
         resumed=resumed,
     )
+
+
+def _resumed(
+    cached: Sequence[tuple[int, int]], rows_of: Sequence[np.ndarray], cu: np.ndarray
+) -> tuple[int, ...]:
+    """Per attention sequence, the prompt whose cached tokens it continues (-1: none): a prompt with cached
+    tokens is one sequence, from its first own row."""
+    sequence_of = {
+        int(np.searchsorted(cu, rows_of[prompt][tokens], side="right")) - 1: prompt
+        for prompt, (tokens, _) in enumerate(cached)
+        if tokens
+    }
+    return tuple(sequence_of.get(sequence, -1) for sequence in range(len(cu) - 1))
 
 
 def _row_adapters(rows_of: Sequence[np.ndarray], adapters: Sequence[int], rows: int) -> np.ndarray:
