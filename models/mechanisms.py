@@ -123,6 +123,8 @@ def _cache_refusal(loaded: LoadedModel, config: ScorerConfig, pooling: Pooling) 
     layers = transformer_layers(loaded.base)
     if not (loaded.packable and is_causal_decoder(loaded)) or layers is None:
         return f"{name} is not a causal decoder on the packed path (where a prefix has states of its own)"
+    if loaded.vision is not None:
+        return f"{name} is an image-text model, whose packed forward (models/vision_packed.py) keeps no cache"
     if pooling == "mean":
         return "mean pooling reads every row of a prompt, and the cache holds no rows, only keys and values"
     if config.deterministic:

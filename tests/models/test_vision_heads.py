@@ -212,7 +212,8 @@ def test_make_tiny_model_writes_the_qwen3_5_classifier(tmp_path: Path, capsys: A
 @pytest.mark.parametrize(("setting", "value"), [("quantization", "fp8"), ("adapters", "a=/nonexistent")])
 def test_qwen3_5_refuses_fp8_and_adapters(tmp_path: Path, setting: str, value: object) -> None:
     """Qwen3.5's image-text model runs HF's own Gated DeltaNet layers, whose projections the FP8 and LoRA
-    swaps were never checked against: refused at start-up, as on the packed path."""
+    swaps were never checked against: refused at start-up (the text model's packed path serves adapters,
+    not FP8)."""
     model_dir = write_tiny_qwen_vl_judge(tmp_path / "refused", 7, "qwen3_5")
     with pytest.raises(ModelLoadError, match=rf"{setting}.*Gated DeltaNet layers are not served"):
         Scorer(model_dir, ScorerConfig(device="cpu", **{setting: value}))
