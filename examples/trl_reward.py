@@ -25,8 +25,8 @@ RewardFunction = Callable[..., list[float]]
 def make_reward_fn(
     client: BlockingScoreClient, fields: Mapping[str, Any] | None = None, name: str = "score_worker"
 ) -> RewardFunction:
-    """A reward function on `client`; `fields` go into every request (e.g. {"truncate": "left"}). TRL logs
-    each reward function's rewards under its __name__."""
+    """A reward function on `client`; `fields` go into every request (e.g. {"truncate": "query_left"}).
+    TRL logs each reward function's rewards under its __name__."""
 
     def reward_fn(prompts: Sequence[Prompt], completions: Sequence[Response], **kwargs: Any) -> list[float]:
         # kwargs: the dataset's other columns and TRL's trainer_state, log_extra, log_metric; a reward model

@@ -37,7 +37,7 @@ def group_by_prompt(
     prompts: Sequence[Prompt], responses: Sequence[Response], fields: Mapping[str, Any] | None = None
 ) -> RewardBatch:
     """One request per distinct prompt, its responses the items: the group of completions GRPO samples for a
-    prompt travels together, so the worker reads (and may cache) the prompt once. A text prompt is the
+    prompt travels together, in one record that carries the prompt once. A text prompt is the
     query (None: the response is scored alone); a conversation goes as `messages`, each response the
     assistant's reply after it. `fields`: more request fields for every request (truncate,
     label_token_ids, apply_softmax, adapter, ...)."""
