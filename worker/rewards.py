@@ -116,6 +116,7 @@ class BlockingScoreClient:
         return cls(
             environment.bootstrap_servers, timeout,
             requests_topic=environment.requests_topic, results_topic=environment.results_topic,
+            max_message_bytes=environment.max_record_bytes, compression=environment.requests_compression,
             kafka_options=security_from_environment().kafka_security_kwargs(),
         )  # fmt: skip
 

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +44,13 @@ DOCUMENTS = [
 JUDGE_VOCABULARY = 10_000
 
 
+@dataclass(frozen=True)
 class Served:
     """A worker of one tiny model, its gateway, and an HTTP client of that gateway."""
 
-    def __init__(self, worker: LiveWorker, gateway: RunningGateway, http: httpx.Client) -> None:
-        self.worker, self.gateway, self.http = worker, gateway, http
+    worker: LiveWorker
+    gateway: RunningGateway
+    http: httpx.Client
 
 
 def _serve(kafka_bootstrap: str, model_dir: Path) -> Iterator[Served]:
@@ -226,6 +229,7 @@ def test_vllm_documented_classify(decoder: Served, body: dict[str, Any]) -> None
     for index, entry in enumerate(got["data"]):
         assert list(entry) == ["index", "label", "probs", "num_classes"]
         assert entry["index"] == index and isinstance(entry["label"], str) and entry["num_classes"] == 1
+        assert all(isinstance(prob, float) for prob in entry["probs"])
     logits = [row[0] for row in expected.scores]
     assert_sigmoid_alike(decoder.worker, request, logits, [entry["probs"][0] for entry in got["data"]])
 
@@ -252,6 +256,7 @@ def test_vllm_documented_score(cross_encoder: Served, body: dict[str, Any]) -> N
     assert [entry["index"] for entry in got["data"]] == list(range(len(pairs)))
     for entry, (first, second) in zip(got["data"], pairs, strict=True):
         assert list(entry) == ["index", "object", "score"] and entry["object"] == "score"
+        assert isinstance(entry["score"], float)
         request, expected = one(cross_encoder.worker, query=first, items=(second,))
         assert_sigmoid_alike(cross_encoder.worker, request, [expected.scores[0][0]], [entry["score"]])
 
@@ -271,7 +276,8 @@ def test_vllm_documented_rerank(cross_encoder: Served, path: str) -> None:
 def test_sglang_documented_score(judge: Served) -> None:
     got = judge.http.post("/v1/score", json=SGLANG_SCORE).json()
     assert list(got) == ["scores", "pooled_hidden_states", "model", "usage", "object"]
-    assert got["object"] == "scoring" and len(got["scores"]) == 3
+    assert got["object"] == "scoring" and len(got["scores"]) == 3 and got["pooled_hidden_states"] is None
+    assert all(isinstance(score, float) for row in got["scores"] for score in row)
     request, expected = one(
         judge.worker, query=SGLANG_SCORE["query"], items=tuple(SGLANG_SCORE["items"]),
         label_token_ids=(9454, 2753), apply_softmax=True,
