@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,24 +20,34 @@ import msgpack
 import numpy as np
 import pytest
 from conftest import serving
-from gateway_kit import KEYS, RunningGateway, auth, free_port, gateway_settings, serving_gateway
-from tolerances import assert_scored_alike, forward_atol
+from gateway_kit import (
+    KEYS,
+    REPLY_PATTERN,
+    RunningGateway,
+    answering_client,
+    assert_alike,
+    assert_sigmoid_alike,
+    auth,
+    direct,
+    free_port,
+    gateway_settings,
+    one,
+    serving_gateway,
+    sigmoid_atol,
+)
 from worker_testkit import LiveWorker, Names, client_kwargs, own_cluster_security, settings_env
 
-from schemas import ResultStatus, ScoreRequest, ScoreResult, Tensor
-from worker.client import ScoreClient, new_request_id
+from schemas import ScoreRequest
+from worker.client import new_request_id
 from worker.topics import create_missing_topics
 
-# The worker lets any topic with ".gw-" in its name be a reply topic (its default allows score.results.*,
-# and these tests run on topics of their own names).
-PATTERN = r".+\.gw-.+"
 QUERY = "Is this answer helpful? "
 ITEMS = ["Yes, it explains the steps.", "No.", "It depends on the question asked."]
 
 
 @pytest.fixture(scope="module")
 def worker(kafka_bootstrap: str, tiny_llama_dir: Path) -> Iterator[LiveWorker]:
-    yield from serving(kafka_bootstrap, tiny_llama_dir, reply_topic_pattern=PATTERN)
+    yield from serving(kafka_bootstrap, tiny_llama_dir, reply_topic_pattern=REPLY_PATTERN)
 
 
 @pytest.fixture(scope="module")
@@ -51,66 +61,8 @@ def gateway(worker: LiveWorker) -> Iterator[RunningGateway]:
 
 @pytest.fixture(scope="module")
 def http(gateway: RunningGateway) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=gateway.url, headers=auth(), timeout=60) as client:
-        for _ in range(200):  # the first probe tells the gateway a worker answers
-            if client.get("/health").status_code == 200:
-                break
-            asyncio.run(asyncio.sleep(0.1))
+    with answering_client(gateway) as client:
         yield client
-
-
-def direct(worker: LiveWorker, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
-    """The same requests over Kafka through ScoreClient, read from the shared results topic."""
-
-    async def run() -> list[ScoreResult]:
-        kwargs = client_kwargs(worker.bootstrap)
-        bootstrap = kwargs.pop("bootstrap_servers")
-        async with ScoreClient(
-            bootstrap, requests_topic=worker.names.requests, results_topic=worker.names.results,
-            kafka_options=kwargs,
-        ) as client:  # fmt: skip
-            return await client.score(requests, timeout=60)
-
-    return asyncio.run(run())
-
-
-def one(worker: LiveWorker, **fields: Any) -> tuple[ScoreRequest, ScoreResult]:
-    """A request sent directly, and its result."""
-    request = ScoreRequest(request_id=new_request_id(), **fields)
-    (result,) = direct(worker, [request])
-    assert result.error is None, result.error
-    return request, result
-
-
-def assert_alike(
-    worker: LiveWorker, request: ScoreRequest, expected: ScoreResult, scores: Any, states: Any = None
-) -> None:
-    """The gateway's scores (and hidden states) against the direct result of the same request: two forward
-    passes of the worker, perhaps in other batches, so within the project's float32 bound of one forward
-    against another (tests/tolerances.py). The gateway itself changes no value: its JSON and base64 carry
-    float32 values exactly (test_gateway_units.py)."""
-    pooled = None
-    if states is not None:
-        pooled = tuple(Tensor.from_numpy(np.asarray(state, dtype=np.float32)) for state in states)
-    got = ScoreResult(request.request_id, ResultStatus.OK, tuple(map(tuple, scores)), pooled)
-    assert_scored_alike(got, expected, worker.scorer, [request])
-
-
-def sigmoid_atol(worker: LiveWorker, request: ScoreRequest, logits: Any) -> float:
-    """How far probabilities through the logistic function may lie from those of the direct logits: its
-    slope is at most 1/4, so logits within the forward bound give probabilities within a quarter of it;
-    1e-12 more for two float64 evaluations of the function (a few ulps apart)."""
-    model_dir = Path(worker.scorer.hf_model.name_or_path)
-    longest = max(len(prompt) for prompt in worker.scorer.prepare(request).prompts)
-    return forward_atol(model_dir, np.asarray(logits, dtype=np.float64), longest=longest) / 4 + 1e-12
-
-
-def assert_sigmoid_alike(worker: LiveWorker, request: ScoreRequest, logits: Any, probs: Any) -> None:
-    values = np.asarray(logits, dtype=np.float64)
-    atol = sigmoid_atol(worker, request, values)
-    np.testing.assert_allclose(
-        np.asarray(probs, dtype=np.float64), 1 / (1 + np.exp(-values)), atol=atol, rtol=0
-    )
 
 
 def test_sglang_score_matches_the_client_scores_and_hidden_states(
