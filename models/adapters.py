@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -73,25 +73,7 @@ def read_adapter(
             "adapter_model.safetensors)"
         )
     config = json.loads(config_path.read_text())
-    if config.get("peft_type") != "LORA":
-        raise ModelLoadError(
-            f"adapter {name!r} is a {config.get('peft_type')!r} adapter; only LoRA is served"
-        )
-    if config.get("target_parameters"):
-        raise ModelLoadError(
-            f"adapter {name!r} adapts parameters ({', '.join(map(str, config['target_parameters']))[:200]}), "
-            "such as a mixture-of-experts block's stacked experts; score-worker serves LoRA on the layers' "
-            "linear projections only (the experts run as one grouped product with no per-token adapter): "
-            "merge it into the weights with PEFT and serve the merged model"
-        )
-    for key, plain in _PLAIN.items():
-        if config.get(key, plain) != plain:
-            raise ModelLoadError(
-                f"adapter {name!r} sets {key}={config.get(key)!r}, which score-worker does not run; merge it "
-                "into the weights with PEFT and serve the merged model instead"
-            )
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise ModelLoadError(f"adapter {name!r} gives modules their own ranks; merge it into the weights")
+    _check_config(name, config)
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     scaling = alpha / (rank**0.5 if config.get("use_rslora") else rank)
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -120,6 +102,30 @@ def read_adapter(
         _check_factors(name, model, module, a, b, inside)
     head = _adapter_head(name, model, head_name, head_weights, chain) if head_weights else None
     return Adapter(name, factors, head)
+
+
+def _check_config(name: str, config: dict[str, Any]) -> None:
+    """ModelLoadError unless adapter_config.json describes plain LoRA on linear projections, one rank for
+    every module: what the packed forward applies per token."""
+    if config.get("peft_type") != "LORA":
+        raise ModelLoadError(
+            f"adapter {name!r} is a {config.get('peft_type')!r} adapter; only LoRA is served"
+        )
+    if config.get("target_parameters"):
+        raise ModelLoadError(
+            f"adapter {name!r} adapts parameters ({', '.join(map(str, config['target_parameters']))[:200]}), "
+            "such as a mixture-of-experts block's stacked experts; score-worker serves LoRA on the layers' "
+            "linear projections only (the experts run as one grouped product with no per-token adapter): "
+            "merge it into the weights with PEFT and serve the merged model"
+        )
+    for key, plain in _PLAIN.items():
+        if config.get(key, plain) != plain:
+            raise ModelLoadError(
+                f"adapter {name!r} sets {key}={config.get(key)!r}, which score-worker does not run; merge it "
+                "into the weights with PEFT and serve the merged model instead"
+            )
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ModelLoadError(f"adapter {name!r} gives modules their own ranks; merge it into the weights")
 
 
 def _check_factors(

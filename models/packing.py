@@ -279,6 +279,20 @@ def pack(
         return _pack_shared(
             prompts, shared, device, pooling, pad_id, gather_keys, read_at, adapters, cached, capture
         )
+    return _pack_whole(prompts, device, pooling, pad_id, token_types, position_pad, read_at, adapters)
+
+
+def _pack_whole(
+    prompts: Sequence[Sequence[int]],
+    device: torch.device,
+    pooling: Pooling,
+    pad_id: int | None,
+    token_types: Sequence[Sequence[int]] | None,
+    position_pad: int | None,
+    read_at: Sequence[Sequence[int]] | None,
+    adapters: Sequence[int] | None,
+) -> PackedBatch:
+    """Every prompt whole, in order: item i spans rows cu_seqlens[i]:cu_seqlens[i+1]."""
     lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
     ends = np.cumsum(lengths)
     starts = ends - lengths
@@ -292,11 +306,6 @@ def pack(
         positions = counted * real + position_pad
     cu = np.concatenate(([0], ends)).astype(np.int32)
     non_blocking = device.type == "cuda"
-    item_of_token = None
-    if pooling == "mean":
-        item_of_token = _to_device(
-            np.repeat(np.arange(len(prompts), dtype=np.int64), lengths), device, non_blocking
-        )
     return PackedBatch(
         input_ids=_to_device(ids, device, non_blocking).unsqueeze(0),
         position_ids=_to_device(positions, device, non_blocking).unsqueeze(0),
@@ -310,7 +319,7 @@ def pack(
             device,
             non_blocking,
         ).unsqueeze(0),
-        item_of_token=item_of_token,
+        item_of_token=_item_of_token(lengths, device, non_blocking) if pooling == "mean" else None,
         lengths=_to_device(lengths, device, non_blocking),
         max_length=int(lengths.max()),
         **_rows_read(
@@ -323,6 +332,11 @@ def pack(
         if adapters is None
         else _to_device(np.repeat(np.asarray(adapters, dtype=np.int64), lengths), device, non_blocking),
     )
+
+
+def _item_of_token(lengths: np.ndarray, device: torch.device, non_blocking: bool) -> torch.Tensor:
+    """PackedBatch.item_of_token: the item of every token of every prompt, prompt after prompt."""
+    return _to_device(np.repeat(np.arange(len(lengths), dtype=np.int64), lengths), device, non_blocking)
 
 
 def _rows_read(
@@ -443,11 +457,6 @@ def _pack_shared(
     ids, positions, rows_of, keys, suffix_ends, row = _lay_out_shared(prompts, groups, gather_keys, cached)
     q_lengths = np.fromiter((len(p) for p in positions), dtype=np.int64, count=len(positions))
     cu = np.concatenate(([0], np.cumsum(q_lengths))).astype(np.int32)
-    prefix_lengths = np.fromiter((g.length for g in groups), dtype=np.int64, count=len(groups))
-    cross_k = np.concatenate(([0], np.cumsum(prefix_lengths))).astype(np.int32)
-    cross_q = np.concatenate((cross_k[-1:], suffix_ends)).astype(np.int32)
-    suffix_rows = np.zeros(row, dtype=np.bool_)
-    suffix_rows[cross_q[0] : cross_q[-1]] = True
     # Pooling reads each prompt as if it were packed whole ("virtual" tokens), then maps those to rows.
     lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
     ends = np.cumsum(lengths)
@@ -457,11 +466,7 @@ def _pack_shared(
     read_rows = None if read_at is None else row_of_token[position_rows(read_at, starts)]
     if (pooled < 0).any() or (read_rows is not None and (read_rows < 0).any()):
         raise ValueError("a row results read comes from the prefix cache, which holds keys and values only")
-    captured = None
-    if capture:
-        captured = np.concatenate([rows_of[prompt][start:stop] for prompt, start, stop in capture])
-        if (captured < 0).any():
-            raise ValueError("a span to keep in the prefix cache was taken from it")
+    captured = _captured_rows(rows_of, capture) if capture else None
     resumed = None if cached is None else _resumed(cached, rows_of, cu)
     non_blocking = device.type == "cuda"
     mean = pooling == "mean"
@@ -472,23 +477,11 @@ def _pack_shared(
         host_cu_seqlens=torch.from_numpy(cu),
         pooled_rows=_to_device(pooled, device, non_blocking),
         token_type_ids=None,
-        item_of_token=_to_device(
-            np.repeat(np.arange(len(prompts), dtype=np.int64), lengths), device, non_blocking
-        )
-        if mean
-        else None,
+        item_of_token=_item_of_token(lengths, device, non_blocking) if mean else None,
         lengths=_to_device(lengths, device, non_blocking),
         max_length=int(q_lengths.max()),
         row_of_token=_to_device(row_of_token, device, non_blocking) if mean else None,
-        cross=PrefixCross(
-            cu_q=_to_device(cross_q, device, non_blocking),
-            cu_k=_to_device(cross_k, device, non_blocking),
-            max_q=int(np.diff(cross_q).max()),
-            max_k=int(prefix_lengths.max()),
-            rows=_to_device(suffix_rows, device, non_blocking),
-        )
-        if groups
-        else None,
+        cross=_prefix_cross(groups, suffix_ends, row, device, non_blocking) if groups else None,
         shared=_shared_keys(keys, device, non_blocking) if gather_keys else None,
         # A position inside a shared prefix reads the prefix's one row: its state is every member's.
         **_rows_read(read_rows, None if mean else pooled, device, non_blocking),
@@ -498,6 +491,37 @@ def _pack_shared(
         capture_rows=None if captured is None else _to_device(captured, device, non_blocking),
         resumed=resumed,
     )
+
+
+def _prefix_cross(
+    groups: Sequence[SharedPrefix],
+    suffix_ends: Sequence[int],
+    rows: int,
+    device: torch.device,
+    non_blocking: bool,
+) -> PrefixCross:
+    """The suffixes' pass over their prefixes: the prefixes lie first, in one run of rows, then each group's
+    suffixes, in one run of rows ending at `suffix_ends`; a sequence per group."""
+    prefix_lengths = np.fromiter((g.length for g in groups), dtype=np.int64, count=len(groups))
+    cross_k = np.concatenate(([0], np.cumsum(prefix_lengths))).astype(np.int32)
+    cross_q = np.concatenate((cross_k[-1:], suffix_ends)).astype(np.int32)
+    suffix_rows = np.zeros(rows, dtype=np.bool_)
+    suffix_rows[cross_q[0] : cross_q[-1]] = True
+    return PrefixCross(
+        cu_q=_to_device(cross_q, device, non_blocking),
+        cu_k=_to_device(cross_k, device, non_blocking),
+        max_q=int(np.diff(cross_q).max()),
+        max_k=int(prefix_lengths.max()),
+        rows=_to_device(suffix_rows, device, non_blocking),
+    )
+
+
+def _captured_rows(rows_of: Sequence[np.ndarray], capture: Sequence[tuple[int, int, int]]) -> np.ndarray:
+    """The rows of every (prompt, start, stop) span the prefix cache keeps, span after span."""
+    captured = np.concatenate([rows_of[prompt][start:stop] for prompt, start, stop in capture])
+    if (captured < 0).any():
+        raise ValueError("a span to keep in the prefix cache was taken from it")
+    return captured
 
 
 def _resumed(

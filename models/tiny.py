@@ -327,20 +327,28 @@ def write_tiny_model(
     if prm == "head":
         prefix = _class_name(architecture, judge=False).removesuffix("ForSequenceClassification")
         config.architectures = [f"{prefix}ForProcessRewardModel"]
-    architectures = list(
-        config.architectures or ()
-    )  # save_pretrained writes the class's own name into config
+    # save_pretrained writes the class's own name into config
+    architectures = list(config.architectures or ())
     _fill_zero_initialised(model, seed)
     with quiet_progress_bars():
         model.save_pretrained(str(target))
+    _fast_tokenizer(tokenizer, architecture, config.max_position_embeddings).save_pretrained(str(target))
+    _fix_architectures(target, architectures)
+    if prm is not None:
+        _declare_step_separator(target, prm)
+    return target
+
+
+def _fast_tokenizer(tokenizer: Tokenizer, architecture: str, max_positions: int) -> PreTrainedTokenizerFast:
+    """The trained tokenizer as transformers saves it, with the special tokens and inputs of its kind."""
     encoder = architecture in ENCODERS
-    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="<pad>",
-        model_max_length=512 if encoder else config.max_position_embeddings,
+        model_max_length=512 if encoder else max_positions,
         **({"cls_token": "<s>", "sep_token": "</s>"} if encoder else {}),
         # Token types only where the model has more than one (BERT); XLM-R has none.
         model_input_names=["input_ids", "token_type_ids", "attention_mask"]
@@ -348,11 +356,6 @@ def write_tiny_model(
         else ["input_ids", "attention_mask"],
         **({} if encoder else {"chat_template": CHAT_TEMPLATE}),
     )
-    fast.save_pretrained(str(target))
-    _fix_architectures(target, architectures)
-    if prm is not None:
-        _declare_step_separator(target, prm)
-    return target
 
 
 def _declare_step_separator(target: Path, prm: str) -> None:
