@@ -73,8 +73,7 @@ class EngineSettings(BaseModel):
         True,
         description="run the image-text models whose packed path is checked (Qwen2.5-VL, Qwen3-VL, "
         "Qwen3.5) packed: their items in one row, the vision tower once over the batch's images; false: "
-        "HF's own forward "
-        "on right-padded batches (the fallback; Gemma 3 always runs there)",
+        "HF's own forward on right-padded batches (the fallback; Gemma 3 always runs there)",
     )
     graph_max_tokens: int | None = Field(
         None,

@@ -253,7 +253,8 @@ def test_no_state_crosses_from_one_item_to_the_next(
     moves by far more than the tolerance: the comparison sees a leak."""
     from models.linear_attention import Sequences
 
-    first, second = mixed_judge_requests()[0].items[1:]  # a longer item, then a one-token item
+    # Two items after the request's image and query: a text of several tokens, then one of a single token.
+    first, second = mixed_judge_requests()[0].items[1:]
     both = replace(mixed_judge_requests()[0], items=(first, second))
     scores, hidden, longest = token_judge_alone(reference, replace(both, items=(second,)))
     result = packed.score([both])[0]
@@ -273,4 +274,5 @@ def test_no_state_crosses_from_one_item_to_the_next(
         Sequences, "of", classmethod(lambda cls, cu, device: whole_row(cls, cu[[0, -1]], device))
     )
     leaked = scores_of(packed.score([both])[0])[1:]
+    # Far outside the bound (ten times it, as the deep-stack check asks): a leak cannot pass for rounding.
     assert np.abs(leaked - scores).max() > 10 * atol
