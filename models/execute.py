@@ -105,7 +105,9 @@ class Executor:
             self.compiled_layers = compile_layers(loaded.base)
             if self.compiled_layers is None:
                 log.info("%s has no decoder layer list to compile: it runs eager", loaded.name)
-        self.packed_images = PackedImages.of(loaded, config, device, dtype, attention, pooling)
+        self.packed_images = PackedImages.of(
+            loaded, config, device, dtype, attention, pooling, self.linear_layers
+        )
         self.graphs: GraphedForward | None = None
         graph_safe = self.moe_blocks is None or self.moe_blocks.graph_safe()
         if config.resolve_graphs(device, attention) and self.row_tiles is None and not graph_safe:
@@ -125,6 +127,8 @@ class Executor:
                 pooled_rows=self.pooled_layer is not None,
                 recorder=config.graph_recorder,
             )
+        elif config.cuda_graphs == "on" and self.packed_images is not None:
+            log.info("%s: no CUDA graphs, the image-text packed path does not record them", loaded.name)
         elif config.cuda_graphs == "on":
             log.info("%s takes the %s path, which CUDA graphs cannot record", loaded.name, attention)
 

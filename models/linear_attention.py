@@ -367,8 +367,10 @@ class PackedLinearAttention:
 
     @classmethod
     def of(cls, base: torch.nn.Module, device: torch.device) -> PackedLinearAttention | None:
-        """The swap for `base`'s Gated DeltaNet layers (their `linear_attn`), or None when it has none."""
-        layers = getattr(base, "layers", None) or ()
+        """The swap for `base`'s Gated DeltaNet layers (their `linear_attn`), or None when it has none. An
+        image-text base (Qwen3.5's) holds its decoder layers in its text model, `language_model`."""
+        text = getattr(base, "language_model", base)
+        layers = getattr(text, "layers", None) or ()
         modules = [layer.linear_attn for layer in layers if hasattr(layer, "linear_attn")]
         if not modules:
             return None

@@ -44,10 +44,13 @@ def linear_layers(
     refused = {
         "quantization='fp8'": config.quantization == "fp8",
         "tensor_parallel": config.tensor_parallel > 1,
+        # Qwen3.5's image-text model serves no adapters on either path (the packed image forward takes none,
+        # and HF's layers of the padded batch were never checked with them).
+        "adapters": loaded.vision is not None and bool(config.adapter_dirs),
     }
     if not loaded.packable:
-        # Qwen3.5's image-text model: HF's own layers on the padded batch, whose projections the FP8 and
-        # LoRA swaps were never checked against.
+        # Qwen3.5's image-text model with packed_images off: HF's own layers on the padded batch, whose
+        # projections the FP8 and LoRA swaps were never checked against.
         if is_hybrid(loaded.model.config.get_text_config()):
             padded = {
                 "quantization='fp8'": refused["quantization='fp8'"],

@@ -71,9 +71,9 @@ class EngineSettings(BaseModel):
     )
     packed_images: bool = Field(
         True,
-        description="run the image-text judges whose packed path is checked (Qwen2.5-VL, Qwen3-VL) packed: "
-        "their items in one row, the vision tower once over the batch's images; false: HF's own forward "
-        "on right-padded batches (the fallback; Gemma 3 always runs there)",
+        description="run the image-text models whose packed path is checked (Qwen2.5-VL, Qwen3-VL, "
+        "Qwen3.5) packed: their items in one row, the vision tower once over the batch's images; false: "
+        "HF's own forward on right-padded batches (the fallback; Gemma 3 always runs there)",
     )
     graph_max_tokens: int | None = Field(
         None,

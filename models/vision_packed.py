@@ -3,6 +3,7 @@ image tokens of the packed row, and each item's 3-D rotary positions (M-RoPE) fr
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -14,13 +15,16 @@ from models.vision import ImageInputs, VisionPrompts
 
 if TYPE_CHECKING:
     from models.config import ScorerConfig
+    from models.linear_attention import PackedLinearAttention
     from models.prepare import Prompt
 
 # Image-text families whose packed forward is checked against HF float32 (tests/models/test_vision_judge.py).
 # Their text models attend causally throughout, image tokens included, so the packed row's causal attention
-# per item (cu_seqlens) is theirs. Gemma 3 is not among them: its text model attends both ways inside each
+# per item (cu_seqlens) is theirs. Qwen3.5's text model mixes that attention with Gated DeltaNet layers, which
+# run the project's packed layer (models/linear_attention.py: state and convolution window restart at each
+# item). Gemma 3 is not among them: its text model attends both ways inside each
 # image's block of soft tokens, a mask per block the varlen kernels do not take; it stays on the padded path.
-PACKED_VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+PACKED_VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 # The vision tower's attention: HF's SDPA over each image's patches (packed attention is for the text model,
 # whose calls carry the row's bounds; the tower's calls carry none).
 TOWER_ATTENTION = "sdpa"
@@ -62,16 +66,24 @@ class PackedImages:
     (`get_placeholder_mask`, then a masked scatter in token order, which is the images' order), each
     item's positions (`get_rope_index` on that item alone, from its ids, token types and image grids) and
     the text model (whose own forward adds Qwen3-VL's deep-stack features to its first layers' outputs at
-    the image tokens). Only the text model's attention is ours, through the attention interface."""
+    the image tokens). Only the text model's attention is ours, through the attention interface, and a
+    hybrid text model's Gated DeltaNet layers (`linear`, swapped in around the text model's forward)."""
 
     def __init__(
-        self, loaded: _Loaded, device: torch.device, dtype: torch.dtype, attention: str, pooling: Pooling
+        self,
+        loaded: _Loaded,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention: str,
+        pooling: Pooling,
+        linear: PackedLinearAttention | None = None,
     ) -> None:
         self._base: Any = loaded.base
         assert loaded.vision is not None
         self._vision = loaded.vision
         self._pad = loaded.pad_token_id
         self.device, self.dtype, self.pooling = device, dtype, pooling
+        self._linear = linear
         # The varlen kernel reads the bounds on the device; the exact path loops over items on the host.
         self._bounds_on_device = attention == "varlen"
 
@@ -84,9 +96,10 @@ class PackedImages:
         dtype: torch.dtype,
         attention: str,
         pooling: Pooling,
+        linear: PackedLinearAttention | None = None,
     ) -> PackedImages | None:
-        """The packed forward of a packed image-text model, None for any other; ModelLoadError for settings
-        it does not take."""
+        """The packed forward of a packed image-text model (`linear`: its text model's Gated DeltaNet layers,
+        None without), None for any other; ModelLoadError for settings it does not take."""
         if loaded.vision is None or not loaded.packable:
             return None
         if config.adapter_dirs:
@@ -94,7 +107,7 @@ class PackedImages:
                 f"{loaded.name}: LoRA adapters are not served on the packed path of image-text models; set "
                 "packed_images to false (HF's own forward on padded batches) to serve them"
             )
-        return cls(loaded, device, dtype, attention, pooling)
+        return cls(loaded, device, dtype, attention, pooling, linear)
 
     @torch.inference_mode()
     def pooled(
@@ -162,18 +175,20 @@ class PackedImages:
             if deepstack is not None:  # Qwen3-VL: the tower's intermediate features, one set per first layer
                 extra["visual_pos_masks"] = mask[..., 0]
                 extra["deepstack_visual_embeds"] = [_in_order(layer, sizes, order) for layer in deepstack]
-        output = base.language_model(
-            input_ids=None,
-            inputs_embeds=embeds,
-            position_ids=rope,
-            use_cache=False,
-            **extra,
-            # Reach our attention function through HF's **kwargs plumbing (see models/attention.py).
-            cu_seq_lens_q=cu_seqlens,
-            cu_seq_lens_k=cu_seqlens,
-            max_length_q=max_length,
-            max_length_k=max_length,
-        )
+        with self._linear or contextlib.nullcontext():
+            output = base.language_model(
+                input_ids=None,
+                inputs_embeds=embeds,
+                position_ids=rope,
+                use_cache=False,
+                **extra,
+                # Reach our attention function (and Gated DeltaNet layers) through HF's **kwargs plumbing
+                # (see models/attention.py).
+                cu_seq_lens_q=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens,
+                max_length_q=max_length,
+                max_length_k=max_length,
+            )
         hidden: torch.Tensor = output.last_hidden_state[0]
         return hidden
 

@@ -1,6 +1,7 @@
 """Image-text judges (Qwen2.5-VL, Qwen3-VL, Qwen3.5) and reward models (Qwen3.5's classifier, TRL value heads
 on the Qwen judges) on the GPU against HuggingFace on the CPU: float32 and bfloat16, each with packed_images
-on (Qwen2.5-VL and Qwen3-VL packed: the exact path in float32, the varlen kernel in bfloat16) and off.
+on (all three packed: the exact path in float32, the varlen kernel in bfloat16, Qwen3.5's Gated DeltaNet
+layers on the project's packed layer) and off.
 
 Marked `gpu` and skipped without a CUDA device (tests/models/test_vision_judge.py is the CPU suite's side).
 """

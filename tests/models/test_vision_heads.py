@@ -81,8 +81,9 @@ def _requests() -> list[ScoreRequest]:
 
 
 def test_mixed_batch_matches_hf_float32(scorer: Scorer, model_dir: Path) -> None:
-    """One right-padded batch of image and text-only requests (several items each, prompts of 9 to 81
-    tokens) against HF on each item alone and unpadded: the score and the pooled hidden state."""
+    """One batch of image and text-only requests (several items each, prompts of 9 to 81 tokens; packed,
+    the default for every family here) against HF on each item alone and unpadded: the score and the
+    pooled hidden state."""
     assert not scorer.model.judge and scorer.info.pooling in ("last", "last_token")
     reference = load_judge_reference(model_dir)
     head = value_head_of(model_dir)
@@ -91,7 +92,7 @@ def test_mixed_batch_matches_hf_float32(scorer: Scorer, model_dir: Path) -> None
     for request, result in zip(requests, scorer.score(requests), strict=True):
         assert result.ok, result.error
         scores, hidden, longest = judge_alone(reference, request, value_head=head)
-        # Float32 on both sides, the same sums in other orders (a padded batch against one unpadded row,
+        # Float32 on both sides, the same sums in other orders (a packed row against one unpadded row,
         # SDPA against eager): within forward_bound of the vision tower's and the text model's sums in
         # series, whose last is the head (a value head's H terms and its bias, as a classifier's column).
         atol = forward_atol(model_dir, scores, longest=longest)
@@ -101,9 +102,12 @@ def test_mixed_batch_matches_hf_float32(scorer: Scorer, model_dir: Path) -> None
             np.testing.assert_allclose(hidden_of(result), hidden, atol=atol, rtol=0)
 
 
-def test_a_row_scores_as_alone_beside_longer_rows(scorer: Scorer, model_dir: Path) -> None:
-    """A short text request padded to an image request's 81 tokens scores as it does alone: the padding
-    after a row (Qwen3.5: through its Gated DeltaNet recurrence) never reaches its real tokens."""
+@pytest.mark.parametrize("packed_images", [True, False])
+def test_a_row_scores_as_alone_beside_longer_rows(model_dir: Path, packed_images: bool) -> None:
+    """A short text request beside an image request of 81 tokens scores as it does alone: packed, no state
+    crosses from one item to the next (Qwen3.5's Gated DeltaNet layers restart at each); padded to the long
+    row, the padding after a row (Qwen3.5: through HF's recurrence) never reaches its real tokens."""
+    scorer = Scorer(model_dir, ScorerConfig(device="cpu", packed_images=packed_images))
     short, long = _requests()[3], _requests()[2]
     together = scorer.score([long, short])[1]
     alone = scorer.score([short])[0]
@@ -211,12 +215,14 @@ def test_make_tiny_model_writes_the_qwen3_5_classifier(tmp_path: Path, capsys: A
 
 @pytest.mark.parametrize(("setting", "value"), [("quantization", "fp8"), ("adapters", "a=/nonexistent")])
 def test_qwen3_5_refuses_fp8_and_adapters(tmp_path: Path, setting: str, value: object) -> None:
-    """Qwen3.5's image-text model runs HF's own Gated DeltaNet layers, whose projections the FP8 and LoRA
-    swaps were never checked against: refused at start-up (the text model's packed path serves adapters,
+    """Qwen3.5's image-text model, packed or not, serves neither: its packed image forward takes no
+    adapters and its Gated DeltaNet layers no FP8 projections, and HF's own layers of the padded batch were
+    never checked against those swaps. Refused at start-up (the text model's packed path serves adapters,
     not FP8)."""
     model_dir = write_tiny_qwen_vl_judge(tmp_path / "refused", 7, "qwen3_5")
-    with pytest.raises(ModelLoadError, match=rf"{setting}.*Gated DeltaNet layers are not served"):
-        Scorer(model_dir, ScorerConfig(device="cpu", **{setting: value}))
+    for packed_images in (True, False):
+        with pytest.raises(ModelLoadError, match=rf"{setting}.*Gated DeltaNet layers are not served"):
+            Scorer(model_dir, ScorerConfig(device="cpu", packed_images=packed_images, **{setting: value}))
 
 
 def test_hf_gated_deltanet_runs_its_torch_functions_where_the_packed_path_would() -> None:

@@ -1,8 +1,7 @@
 """Qwen2.5-VL, Qwen3-VL and Qwen3.5 as image-text judges against HF float32: label-token logits at the last
-token, image and text requests mixed in one batch (packed for Qwen2.5-VL and Qwen3-VL by default:
-tests/models/test_vision_packed.py has their own cases and the padded fallback; padded for Qwen3.5, whose
-Gated DeltaNet layers then must not let right padding reach a shorter row's real tokens), 3-D rotary
-positions (M-RoPE) as HF's own forward gives them."""
+token, image and text requests mixed in one batch (packed by default: tests/models/test_vision_packed.py
+has the packed path's own cases, Qwen3.5's Gated DeltaNet layers among them, and the padded fallback), 3-D
+rotary positions (M-RoPE) as HF's own forward gives them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The Qwen image-text judges on the packed path (models/vision_packed.py) against HF float32, item by item:
 images of several sizes across the requests of one packed row, text-only and token-id requests beside them,
-one-token items, per-item M-RoPE positions, Qwen3-VL's deep stack, and the padded fallback."""
+one-token items, per-item M-RoPE positions, Qwen3-VL's deep stack, Qwen3.5's Gated DeltaNet layers (no state
+carried from one item to the next), and the padded fallback."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from models.vision_packed import PackedImages
 from schemas import ScoreResult, TokenOutputs
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def judge_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     return write_tiny_qwen_vl_judge(tmp_path_factory.mktemp(f"packed-{request.param}"), 7, request.param)
 
@@ -64,6 +65,9 @@ def assert_close(result: ScoreResult, want: tuple[np.ndarray, np.ndarray, int], 
 def test_the_qwens_run_packed_and_gemma_3_padded(packed: Scorer, padded: Scorer, tmp_path: Path) -> None:
     assert packed.attention == "reference" and packed.executor.packed_images is not None
     assert padded.attention == "plain" and padded.executor.packed_images is None
+    # Qwen3.5's hybrid text model: its Gated DeltaNet layers run the packed layer on the packed path only.
+    hybrid = packed.hf_model.config.model_type == "qwen3_5"
+    assert (packed.executor.linear_layers is not None) == hybrid and padded.executor.linear_layers is None
     # Gemma 3 attends both ways inside each image: it stays on HF's padded forward whatever the setting.
     gemma = Scorer(write_tiny_vision_model(tmp_path / "gemma3", 1), ScorerConfig(device="cpu"))
     assert gemma.attention == "plain" and gemma.executor.packed_images is None
@@ -87,17 +91,33 @@ def test_one_packed_batch_of_mixed_requests_matches_hf_float32(
         assert_close(result, token_judge_alone(reference, request), judge_dir)
 
 
-def test_the_varlen_wrapper_runs_the_packed_row(reference: Any, judge_dir: Path) -> None:
+def test_the_varlen_wrapper_runs_the_packed_row(
+    reference: Any, judge_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The GPU's path on the CPU: the varlen attention wrapper with an SDPA kernel injected, reading the
-    row's bounds on the device, once per text layer over every item of the batch."""
+    row's bounds on the device, once per full-attention text layer (Qwen3.5's others are Gated DeltaNet)
+    over every item of the batch. CUDA graphs asked for (a recorder standing in for the CPU) stay off, and
+    the log says why: the image path records none, though its attention is the varlen one graphs take."""
     from scoring_testkit import CpuVarlenKernelGqa
 
     kernel = CpuVarlenKernelGqa()
-    scorer = Scorer(judge_dir, ScorerConfig(device="cpu", attention="varlen", varlen_kernel=kernel))
+    config = ScorerConfig(
+        device="cpu",
+        attention="varlen",
+        varlen_kernel=kernel,
+        cuda_graphs="on",
+        graph_recorder=lambda run: run,
+    )
+    with caplog.at_level("INFO", logger="models.execute"):
+        scorer = Scorer(judge_dir, config)
     assert scorer.executor.packed_images is not None and scorer.executor.graphs is None
+    assert "the image-text packed path does not record them" in caplog.text
+    assert "CUDA graphs cannot record" not in caplog.text
     requests = mixed_judge_requests()
     results = scorer.score(requests)
-    layers = scorer.hf_model.config.text_config.num_hidden_layers
+    text = scorer.hf_model.config.text_config
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    layers = kinds.count("full_attention")
     assert len(kernel.calls) == layers and {len(c) for c in kernel.calls} == {
         1 + sum(len(r.items) for r in requests)
     }
@@ -186,7 +206,7 @@ def test_qwen3_vl_deep_stack_moves_the_scores(reference: Any, judge_dir: Path) -
     would see the deep stack left out of the packed forward."""
     model, _ = reference
     if model.config.model_type != "qwen3_vl":
-        pytest.skip("Qwen2.5-VL has no deep stack")
+        pytest.skip("only Qwen3-VL has a deep stack")
     request = mixed_judge_requests()[0]
     want, _, longest = judge_alone(reference, request)
     language = model.model.language_model
@@ -219,5 +239,40 @@ def test_adapters_are_refused_on_the_packed_path(judge_dir: Path, tmp_path: Path
 
     model = AutoModelForImageTextToText.from_pretrained(str(judge_dir))
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(str(tmp_path / "a"))
-    with pytest.raises(ModelLoadError, match="packed_images"):
+    # Qwen3.5's refusal names its Gated DeltaNet layers, which take no adapters on the padded path either.
+    with pytest.raises(ModelLoadError, match="adapters"):
         Scorer(judge_dir, ScorerConfig(device="cpu", adapters=f"a={tmp_path / 'a'}"))
+
+
+def test_no_state_crosses_from_one_item_to_the_next(
+    packed: Scorer, reference: Any, judge_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two items of one request in one packed row: the second's score is its score alone. Qwen3.5's Gated
+    DeltaNet layers carry a recurrent state and a convolution window along the row; run over the whole row
+    as one sequence (no restart at the second item) the second starts from the first's state, and its score
+    moves by far more than the tolerance: the comparison sees a leak."""
+    from models.linear_attention import Sequences
+
+    # Two items after the request's image and query: a text of several tokens, then one of a single token.
+    first, second = mixed_judge_requests()[0].items[1:]
+    both = replace(mixed_judge_requests()[0], items=(first, second))
+    scores, hidden, longest = token_judge_alone(reference, replace(both, items=(second,)))
+    result = packed.score([both])[0]
+    # Float32 sums in other orders against HF's item alone (forward_bound, as assert_close says), over the
+    # packed row's longest item: the first's tokens are in the row, though none of them may reach the second.
+    prepared = packed.prepare(both)
+    assert not isinstance(prepared, ScoreResult)
+    longest = max(longest, *(len(prompt) for prompt in prepared.prompts))
+    atol = forward_atol(judge_dir, scores, longest=longest)
+    np.testing.assert_allclose(scores_of(result)[1:], scores, atol=atol, rtol=0)
+    hidden_atol = forward_atol(judge_dir, hidden, longest=longest)
+    np.testing.assert_allclose(hidden_of(result)[1:], hidden, atol=hidden_atol, rtol=0)
+    if packed.executor.linear_layers is None:
+        return  # attention's own bounds keep items apart; only the hybrid carries state along the row
+    whole_row = Sequences.of.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        Sequences, "of", classmethod(lambda cls, cu, device: whole_row(cls, cu[[0, -1]], device))
+    )
+    leaked = scores_of(packed.score([both])[0])[1:]
+    # Far outside the bound (ten times it, as the deep-stack check asks): a leak cannot pass for rounding.
+    assert np.abs(leaked - scores).max() > 10 * atol
