@@ -43,7 +43,7 @@ from models.packing import (
     position_rows,
 )
 from models.pooled_rows import LastLayerAtPooledRows, last_layer_row_wise, padded_rows
-from models.prefix_cache import CacheIO, PrefixCache
+from models.prefix_cache import CacheIO, CacheUse, PrefixCache
 from models.prepare import Prompt
 from models.tiles import RowTiles, rows_invariant
 from models.vision import ImageInputs
@@ -108,7 +108,13 @@ class Executor:
         self.packed_images = PackedImages.of(
             loaded, config, device, dtype, attention, pooling, self.linear_layers
         )
-        self.graphs: GraphedForward | None = None
+        self.graphs = self._graphs(hybrid or vision)
+
+    def _graphs(self, unrecordable: bool) -> GraphedForward | None:
+        """The CUDA-graphed packed forward where the settings ask for it and the model's paths allow it;
+        `unrecordable`: a hybrid's or an image-text model's forward, which graphs cannot record."""
+        config, loaded, device, attention = self._config, self._loaded, self.device, self.attention
+        dtype = self.dtype
         graph_safe = self.moe_blocks is None or self.moe_blocks.graph_safe()
         if config.resolve_graphs(device, attention) and self.row_tiles is None and not graph_safe:
             log.info(
@@ -116,8 +122,8 @@ class Executor:
                 "(the grouped kernels need torch's bfloat16 product on sm90/sm100, or Triton)",
                 loaded.name,
             )
-        elif config.resolve_graphs(device, attention) and self.row_tiles is None and not (hybrid or vision):
-            self.graphs = GraphedForward(
+        elif config.resolve_graphs(device, attention) and self.row_tiles is None and not unrecordable:
+            return GraphedForward(
                 self._fast_packed_forward,
                 device,
                 config.graph_tokens,
@@ -131,6 +137,7 @@ class Executor:
             log.info("%s: no CUDA graphs, the image-text packed path does not record them", loaded.name)
         elif config.cuda_graphs == "on":
             log.info("%s takes the %s path, which CUDA graphs cannot record", loaded.name, attention)
+        return None
 
     def _quantize_fp8(self) -> None:
         """Swap the layers' projections for FP8 ones, or refuse to load (ModelLoadError)."""
@@ -353,42 +360,48 @@ class Executor:
         plain = positions is not None or packed.adapter_rows is not None or use is not None
         hidden = None if self.graphs is None or plain else self.graphs.run(packed)
         if hidden is None:
-            # The varlen kernel reads the bounds on the device; the exact path loops over items in
-            # Python, and reading them from a device tensor would stall on a copy in every layer.
-            on_device = self.attention == "varlen"
-            cu_seqlens = packed.cu_seqlens if on_device else packed.host_cu_seqlens
-            keys = None
-            if packed.shared is not None:
-                shared = packed.shared
-                cu_k = shared.cu_seqlens_k if on_device else shared.host_cu_seqlens_k
-                keys = KeyLayout(shared.key_index, cu_k, shared.max_length_k)
-            pooled_rows = self._pooled_rows(packed)
-            adapted: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
-            if packed.adapter_rows is not None:
-                assert self.adapters is not None
-                adapted = self.adapters.active(packed.adapter_rows, pooled_rows)
-            cache = None
-            if use is not None and self.prefix_cache is not None:
-                cache = self._cache_layout.io(self.prefix_cache, use, packed.capture_rows, packed.resumed)
-            with adapted:
-                hidden = self._fast_packed_forward(
-                    packed.input_ids,
-                    packed.position_ids,
-                    cu_seqlens,
-                    packed.max_length,
-                    packed.token_type_ids,
-                    keys=keys,
-                    cross=packed.cross,
-                    pooled_rows=pooled_rows,
-                    prefix_cache=cache,
-                )
-            if cache is not None and use is not None and use.captures and self.prefix_cache is not None:
-                self.prefix_cache.store(use, *cache.captured())
+            hidden = self._eager_packed(packed, use)
         at = None if packed.position_rows is None else hidden.index_select(0, packed.position_rows)
         if self.row_tiles is not None and packed.item_of_token is not None:
             # Item by item: one product over the batch's rows would sum them in tiles that follow the batch.
             return pool_each(hidden, packed), at
         return pool(hidden, packed), at  # [N, H], float32 for MEAN pooling; [M, H]
+
+    def _eager_packed(self, packed: PackedBatch, use: CacheUse | None) -> torch.Tensor:
+        """The packed row's forward run in Python (no graph replay): its keys' layout for shared prefixes,
+        the adapters active on their rows, and the prefix cache read and written (`use`: its plan)."""
+        # The varlen kernel reads the bounds on the device; the exact path loops over items in
+        # Python, and reading them from a device tensor would stall on a copy in every layer.
+        on_device = self.attention == "varlen"
+        cu_seqlens = packed.cu_seqlens if on_device else packed.host_cu_seqlens
+        keys = None
+        if packed.shared is not None:
+            shared = packed.shared
+            cu_k = shared.cu_seqlens_k if on_device else shared.host_cu_seqlens_k
+            keys = KeyLayout(shared.key_index, cu_k, shared.max_length_k)
+        pooled_rows = self._pooled_rows(packed)
+        adapted: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if packed.adapter_rows is not None:
+            assert self.adapters is not None
+            adapted = self.adapters.active(packed.adapter_rows, pooled_rows)
+        cache = None
+        if use is not None and self.prefix_cache is not None:
+            cache = self._cache_layout.io(self.prefix_cache, use, packed.capture_rows, packed.resumed)
+        with adapted:
+            hidden = self._fast_packed_forward(
+                packed.input_ids,
+                packed.position_ids,
+                cu_seqlens,
+                packed.max_length,
+                packed.token_type_ids,
+                keys=keys,
+                cross=packed.cross,
+                pooled_rows=pooled_rows,
+                prefix_cache=cache,
+            )
+        if cache is not None and use is not None and use.captures and self.prefix_cache is not None:
+            self.prefix_cache.store(use, *cache.captured())
+        return hidden
 
     def _fast_packed_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """`packed_forward` with the mixture-of-experts blocks, the compiled layers and the fused MLPs in

@@ -324,37 +324,23 @@ def load_model(
     """Load weights, head and tokenizer; the model is in eval mode on `device`. `packed_images`: the
     image-text families that run packed do (models/vision_packed.py); else they run padded."""
     config = read_config(model_dir, trust_remote_code)
-    judge = is_judge(config)
     remote_code = bool(config.get("auto_map"))
-    # A model's own code may ignore our attention, whatever type it claims: it runs the plain path.
-    # Image-text models too, but those whose packed forward is checked (models/vision_packed.py): their
-    # text model takes our attention, their vision tower HF's.
     model_type = str(config.get("model_type"))
-    vision_packed = packs_images(model_type, packed_images)
-    runs_packed = not remote_code and (vision_packed or packable(model_type))
-    runs_packed = runs_packed and (model_type not in VISION_FAMILIES or vision_packed)
-    implementation: str | dict[str, str] = attn_implementation if runs_packed else plain_attention(model_type)
-    if runs_packed and vision_packed:
-        implementation = attention_implementations(attn_implementation)
+    runs_packed, attention = _attention_choice(model_type, remote_code, attn_implementation, packed_images)
     model, info = _from_pretrained(
         model_dir,
         config,
         device=device,
         dtype=dtype,
-        attn_implementation=implementation,
+        attn_implementation=attention,
         remote_code=remote_code,
         safetensors_only=_safetensors_only(model_dir, allow_pickle_weights),
     )
-    value_head = read_value_head(model_dir, model) if judge else None
-    if value_head is not None:
-        # A reward model after all: its score is the value head at the last token, not label logits.
-        judge = False
-        value_head.to(device=device, dtype=dtype)
-    elif not judge:
-        refuse_value_head(model_dir, model, info.get("unexpected_keys") or ())
-        adapt_head(model, model_dir, info.get("unexpected_keys") or ())
+    judge, value_head = _judge_or_value_head(model_dir, model, is_judge(config), info)
     module: nn.Module = model  # PreTrainedModel.to's decorator hides Module.to's signature from mypy
     module.to(device).eval()
+    if value_head is not None:
+        value_head.to(device=device, dtype=dtype)
     base, embeddings = _base_and_embeddings(model)
     encoder = config.get("model_type") in ENCODER_MODEL_TYPES
     tokenizer = _load_tokenizer(model_dir, remote_code, encoder=encoder)
@@ -384,6 +370,36 @@ def load_model(
         step_separator=step_separator(config),
         vision=vision,
     )
+
+
+def _attention_choice(
+    model_type: str, remote_code: bool, attn_implementation: str, packed_images: bool
+) -> tuple[bool, str | dict[str, str]]:
+    """Whether the model runs packed, and the attention implementation it is loaded with. A model's own
+    code may ignore our attention, whatever type it claims: it runs the plain path. Image-text models too,
+    but those whose packed forward is checked (models/vision_packed.py): their text model takes our
+    attention, their vision tower HF's."""
+    vision_packed = packs_images(model_type, packed_images)
+    runs_packed = not remote_code and (vision_packed or packable(model_type))
+    runs_packed = runs_packed and (model_type not in VISION_FAMILIES or vision_packed)
+    if not runs_packed:
+        return False, plain_attention(model_type)
+    return True, attention_implementations(attn_implementation) if vision_packed else attn_implementation
+
+
+def _judge_or_value_head(
+    model_dir: Path, model: PreTrainedModel, judge: bool, info: dict[str, Any]
+) -> tuple[bool, nn.Linear | None]:
+    """Whether the model scores as a judge, and its TRL value head if it has one: a causal LM with a value
+    head is a reward model after all (its score is the value head at the last token, not label logits). A
+    classifier's checkpoint may hold no value head, and its head tensors are adapted to its head."""
+    unexpected = info.get("unexpected_keys") or ()
+    if not judge:
+        refuse_value_head(model_dir, model, unexpected)
+        adapt_head(model, model_dir, unexpected)
+        return False, None
+    value_head = read_value_head(model_dir, model)
+    return value_head is None, value_head
 
 
 @held_load_report()  # it would call the head weights placed here and in load_model missing or unexpected

@@ -28,10 +28,6 @@ FUNCTION_EXCEPTIONS: dict[str, int] = {
     "worker/metrics.py:WorkerMetrics._define": 103,
     "worker/submit.py:add_arguments": 65,
     "worker/sample_producer.py:add_arguments": 64,
-    # Known debts, named as such on docs/architecture.md.
-    "models/execute.py:Executor.__init__": 63,
-    "models/execute.py:Executor.packed_pooled": 83,
-    "models/loading.py:load_model": 73,
 }
 
 
