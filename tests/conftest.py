@@ -37,6 +37,8 @@ _BROKER_FIXTURES = frozenset({"kafka_bootstrap", "broker_pool", "own_broker", "l
 _FAULT_MODULES = frozenset(
     {
         "test_faults",
+        "test_faults_inputs",
+        "test_faults_restarts",
         "test_broker_failures",
         "test_broker_outage",
         "test_exactly_once",

@@ -94,7 +94,7 @@ def test_a_broker_that_is_not_up_yet_means_failed_polls_until_it_is(
     port = free_port()
     names = Names.unique("late")
 
-    async def scenario(started: asyncio.Event) -> LagExporter:
+    async def scenario(started: asyncio.Event, up: asyncio.Event) -> LagExporter:
         exporter = LagExporter(f"127.0.0.1:{port}", [names.group], [names.requests], interval_s=0.2)
         stop = asyncio.Event()
         task = asyncio.create_task(exporter.run(stop))
@@ -102,20 +102,25 @@ def test_a_broker_that_is_not_up_yet_means_failed_polls_until_it_is(
         failures = exporter.metrics.registry.get_sample_value("score_worker_lag_exporter_poll_failures_total")
         assert not exporter.healthy and (failures or 0) >= 2
         started.set()
-        for _ in range(150):
-            await asyncio.sleep(0.2)
+        # The broker's start-up takes as long as the host lets it (a loaded CI machine: tens of seconds),
+        # so the wait for health begins once it answers: from then on one poll round (at most its 10 s
+        # timeout, then 0.2 s apart) must succeed; 60 s leaves room for a failed round in progress.
+        await up.wait()
+        for _ in range(300):  # 60 s
             if exporter.healthy:
                 break
+            await asyncio.sleep(0.2)
         stop.set()
         await asyncio.wait_for(task, 30)
         await exporter.stop()
         return exporter
 
     async def with_late_broker() -> LagExporter:
-        started = asyncio.Event()
-        run = asyncio.create_task(scenario(started))
+        started, up = asyncio.Event(), asyncio.Event()
+        run = asyncio.create_task(scenario(started, up))
         await started.wait()
         await asyncio.to_thread(own_broker, port)
+        up.set()
         return await run
 
     exporter = asyncio.run(with_late_broker())
