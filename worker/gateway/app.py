@@ -3,6 +3,7 @@ its own metrics, and the Kafka bridge started and stopped with the application."
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -80,9 +81,11 @@ class Gateway:
         accept = request.headers.get("accept")
         try:
             self.authorize(request)
-            raw = await read_body(request, self.settings.gateway_max_body_bytes)
+            timeout_s, begun = self._timeout(request), time.monotonic()
+            raw = await self._read(request, timeout_s)
             body = parse_body(raw, request.headers.get("content-type"))
-            call = Call(self.bridge, self._timeout(request), self.settings.gateway_max_items, self._labels)
+            remaining_s = timeout_s - (time.monotonic() - begun)
+            call = Call(self.bridge, remaining_s, self.settings.gateway_max_items, self._labels)
             return render(await handler(body, call), accept)
         except GatewayError as error:
             return error_response(error, accept)
@@ -90,6 +93,19 @@ class Gateway:
             log.exception("a call to %s failed", request.url.path)
             failure = GatewayError(500, ErrorCode.INTERNAL_ERROR.value, "the gateway failed on this call")
             return error_response(failure, accept)
+
+    async def _read(self, request: Request, timeout_s: float) -> bytes:
+        """The body, within the call's deadline: a client that sends it too slowly would otherwise hold one
+        of gateway_max_calls for as long as it liked (uvicorn has no timeout for a body)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await read_body(request, self.settings.gateway_max_body_bytes)
+        except TimeoutError:
+            raise GatewayError(
+                408,
+                GatewayCode.READ_TIMEOUT,
+                f"the body did not arrive within the call's deadline ({timeout_s:.3g} s)",
+            ) from None
 
     def _too_many(self) -> GatewayError:
         return GatewayError(
