@@ -18,6 +18,9 @@ where a check fails exits 1; a goal not met is reported, not a failure.
     python3 bench/gateway.py            # about a minute on a 2-core machine
     python3 bench/gateway.py --quick    # a few seconds of each phase (the test suite's smoke run)
     python3 bench/gateway.py --broker kafka  # Apache Kafka from its jars: it answers a waiting fetch at once
+
+To see where the gateway's CPU goes, sample its process during (b) with py-spy (the dev extra):
+`py-spy record --pid <the gateway's pid> --duration 8 --format raw -o gateway.raw`.
 """
 
 from __future__ import annotations
