@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -518,6 +519,16 @@ _OPTIONS: dict[str, dict[str, Any]] = {
         "kafka (Apache Kafka from its jars)",
     },
 }
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM (a worker's or gateway's graceful stop), then SIGKILL after `timeout_s`."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def argument_parser(doc: str | None) -> argparse.ArgumentParser:

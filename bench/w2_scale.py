@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from bench.common import (
     check_sample,
     report_header,
     report_path,
+    stop_process,
     w2_model_dir,
     write_verdict,
 )
@@ -128,11 +128,7 @@ def run_count(
         report["correctness"] = check_sample(model_dir, device, report.pop("sample"))
         return report
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_process(process, 90)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

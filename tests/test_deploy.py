@@ -315,6 +315,28 @@ def test_lag_exporter_port_matches_its_scrape_target_and_the_worker_group(stack:
         assert _environment(worker).get(f"{ENV_PREFIX}GROUP_ID", "score-worker") in groups
 
 
+def test_the_gateway_is_scraped_on_its_port_and_shares_the_workers_topics(stack: Stack) -> None:
+    """The gateway serves its metrics on its HTTP port; its calls go to the workers' requests topic, and
+    its reply topic (named under the results topic) is one the workers' default pattern allows."""
+    from worker.gateway.bridge import default_reply_topic
+    from worker.gateway.command import build_settings
+
+    name, gateway = stack.by_command("gateway")
+    with mock.patch.dict(os.environ, _environment(gateway), clear=True):
+        settings = build_settings(_parse_command(gateway))
+    (static,) = _scrape_job("score-gateway")["static_configs"]
+    assert static["targets"] == [f"{name}:{settings.gateway_port}"]
+    assert settings.gateway_port in {target for _, target in _port_mappings(gateway)}
+    assert _healthcheck_urls(gateway) == [f"http://127.0.0.1:{settings.gateway_port}/health"]
+    for worker in stack.workers().values():
+        env = _environment(worker)
+        assert env.get(f"{ENV_PREFIX}REQUESTS_TOPIC") == settings.requests_topic
+        assert env.get(f"{ENV_PREFIX}RESULTS_TOPIC") == settings.results_topic
+        pattern = WorkerSettings.model_fields["reply_topic_pattern"].default
+        assert f"{ENV_PREFIX}REPLY_TOPIC_PATTERN" not in env
+        assert re.fullmatch(pattern, default_reply_topic(settings.results_topic))
+
+
 def test_prometheus_and_grafana_ports_agree(stack: Stack) -> None:
     prometheus = stack.services["prometheus"]
     listen = _flag(_command(prometheus), "--web.listen-address")
@@ -484,8 +506,16 @@ def test_http_healthchecks_pass_on_200_and_fail_otherwise(
     stack: Stack, stub_server: tuple[int, dict[str, int]]
 ) -> None:
     port, status = stub_server
-    port_variable = {"run": f"{ENV_PREFIX}METRICS_PORT", "lag-exporter": "SCORE_LAG_EXPORTER_PORT"}
-    services = [*stack.workers().values(), stack.by_command("lag-exporter")[1]]
+    port_variable = {
+        "run": f"{ENV_PREFIX}METRICS_PORT",
+        "lag-exporter": "SCORE_LAG_EXPORTER_PORT",
+        "gateway": f"{ENV_PREFIX}GATEWAY_PORT",
+    }
+    services = [
+        *stack.workers().values(),
+        stack.by_command("lag-exporter")[1],
+        stack.by_command("gateway")[1],
+    ]
     for service in services:
         env = {**_environment(service), port_variable[_command(service)[0]]: str(port)}
         argv = _healthcheck_argv(service)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -208,6 +209,37 @@ def test_the_lag_exporter_matches_its_command(objects: list[dict[str, Any]]) -> 
     } <= names
 
 
+def test_the_gateway_matches_its_command_and_the_workers_topics(objects: list[dict[str, Any]]) -> None:
+    """Its variables are the gateway's own, its probes are routes it serves, its grace period outlasts a
+    call's deadline, and its reply topic (named under the results topic) is one the workers allow."""
+    from worker.environment import GatewaySettings
+    from worker.gateway.bridge import default_reply_topic
+    from worker.gateway.command import ENV_VARS
+
+    deployment = one(objects, "Deployment", "score-gateway")
+    gateway = container(deployment, "gateway")
+    assert gateway["args"] == ["gateway"]
+    env = {e["name"]: e for e in gateway["env"]}
+    cli_variables = {f"{ENV_PREFIX}LOG_LEVEL", f"{ENV_PREFIX}LOG_FORMAT"}  # read by the command line itself
+    assert set(env) <= set(ENV_VARS) | cli_variables
+    port = int(env[f"{ENV_PREFIX}GATEWAY_PORT"]["value"])
+    assert _port(gateway, "http") == port
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/metrics"
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
+    timeout_s = GatewaySettings.model_fields["gateway_timeout_s"].default
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > timeout_s + 1
+    assert env[f"{ENV_PREFIX}GATEWAY_API_KEYS"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    data = settings_of(objects)
+    for name in ("BOOTSTRAP_SERVERS", "REQUESTS_TOPIC", "RESULTS_TOPIC"):
+        assert env[f"{ENV_PREFIX}{name}"]["valueFrom"]["configMapKeyRef"]["key"] in data
+    pattern = data.get(
+        f"{ENV_PREFIX}REPLY_TOPIC_PATTERN", WorkerSettings.model_fields["reply_topic_pattern"].default
+    )
+    assert re.fullmatch(pattern, default_reply_topic(data[f"{ENV_PREFIX}RESULTS_TOPIC"]))
+    service = one(objects, "Service", "score-gateway")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+
 def test_keda_scales_the_workers_on_their_own_group_and_topic(objects: list[dict[str, Any]]) -> None:
     data = settings_of(objects)
     scaled = one(objects, "ScaledObject", "score-worker")
@@ -256,16 +288,17 @@ def processes_per_pod(objects: list[dict[str, Any]]) -> int:
 def test_the_pod_monitor_scrapes_the_named_ports(tmp_path: Path) -> None:
     objects = render("gpu", ("prometheus-operator",), tmp_path)
     monitor = one(objects, "PodMonitor", "score-worker")
-    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    endpoints = {(e["port"], e["path"]) for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert endpoints == {("metrics", "/metrics"), ("http", "/metrics")}
     selected = set(monitor["spec"]["selector"]["matchExpressions"][0]["values"])
-    for kind, name, box in (
-        ("StatefulSet", "score-worker", "worker"),
-        ("Deployment", "score-lag-exporter", "lag-exporter"),
+    for kind, name, box, port in (
+        ("StatefulSet", "score-worker", "worker", "metrics"),
+        ("Deployment", "score-lag-exporter", "lag-exporter", "metrics"),
+        ("Deployment", "score-gateway", "gateway", "http"),  # its metrics are on its HTTP port
     ):
         workload = one(objects, kind, name)
         assert workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] in selected
-        assert any(p["name"] == "metrics" for p in container(workload, box)["ports"])
+        assert any(p["name"] == port for p in container(workload, box)["ports"])
 
 
 def test_the_secure_component_reaches_every_kafka_client(tmp_path: Path) -> None:
@@ -273,6 +306,7 @@ def test_the_secure_component_reaches_every_kafka_client(tmp_path: Path) -> None
     for kind, name, box in (
         ("StatefulSet", "score-worker", "worker"),
         ("Deployment", "score-lag-exporter", "lag-exporter"),
+        ("Deployment", "score-gateway", "gateway"),
     ):
         spec = container(one(objects, kind, name), box)
         assert {"secretRef": {"name": "score-worker-kafka"}} in spec["envFrom"], f"{kind}/{name}"

@@ -262,6 +262,28 @@ def broker_lag(d: Layout) -> None:
     ], "s", width=6)  # fmt: skip
 
 
+def gateway(d: Layout) -> None:
+    """The HTTP gateway's own series (worker/gateway/metrics.py): they carry no model or worker label."""
+    d.row("HTTP gateway: calls by route and status, latency, in flight, waiting on Kafka")
+    g = "score_gateway"
+    d.panel("Calls / s by route and status", [
+        (f"sum by (route, status) (rate({g}_requests_total[{RI}]))", "{{route}} {{status}}"),
+    ], "reqps", width=8)  # fmt: skip
+    d.panel("Call latency by route", [
+        (f"histogram_quantile({q}, sum by (le, route) (rate({g}_request_seconds_bucket[{RI}])))",
+         f"p{int(q * 100)} {{{{route}}}}")
+        for q in (0.5, 0.99)
+    ], "s", width=8)  # fmt: skip
+    d.panel("In flight and waiting on Kafka", [
+        (f"sum({g}_in_flight)", "in flight (being read, waiting, answered)"),
+        (f"sum({g}_kafka_waiting)", "waiting for results on Kafka"),
+    ], "short", width=5)  # fmt: skip
+    d.panel("Gateways with a worker answering", [
+        (f"sum({g}_workers_answering)", "answering"),
+        (f"count({g}_workers_answering)", "gateways"),
+    ], "short", kind="stat", width=3)  # fmt: skip
+
+
 def variables() -> list[dict[str, Any]]:
     def query(name: str, label: str, expr: str) -> dict[str, Any]:
         return {
@@ -282,7 +304,17 @@ def variables() -> list[dict[str, Any]]:
 
 def build() -> dict[str, Any]:
     layout = Layout()
-    for section in (overview, throughput, latency, fullness, failures, hidden_states, resources, broker_lag):
+    for section in (
+        overview,
+        throughput,
+        latency,
+        fullness,
+        failures,
+        hidden_states,
+        resources,
+        gateway,
+        broker_lag,
+    ):
         section(layout)
     return {
         "uid": UID,

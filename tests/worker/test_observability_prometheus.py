@@ -28,6 +28,7 @@ from worker_testkit import Names, produce, read_topic, request_record
 
 from schemas import HiddenDType, ScoreRequest, decode_result
 from worker.broker import free_port
+from worker.topics import create_missing_topics
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ def require_tool(name: str) -> str:
     return path
 
 
-def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+def get(url: str | urllib.request.Request, timeout: float = 5.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status, response.read()
@@ -77,6 +78,7 @@ class Stack:
     worker_port: int
     names: Names
     model: str
+    gateway_port: int
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         url = f"{self.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
@@ -125,7 +127,15 @@ def stack(
     binary = require_tool("prometheus")
     tmp = tmp_path_factory.mktemp("observability")
     names = Names.unique("obs")
-    worker_port, exporter_port, prom_port = free_port(), free_port(), free_port()
+    worker_port, exporter_port, prom_port, gateway_port = free_port(), free_port(), free_port(), free_port()
+    # The gateway calls topics of its own that no worker reads: its calls end in 503/504 and leave the
+    # worker's counts (checked exactly below) alone, while every gateway series gets its samples.
+    gateway_names = Names.unique("obs-gateway")
+    asyncio.run(
+        create_missing_topics(
+            {"bootstrap_servers": kafka_bootstrap}, [gateway_names.requests, gateway_names.results], 1, 1
+        )
+    )
     env = {
         **os.environ,
         "SCORE_WORKER_BOOTSTRAP_SERVERS": kafka_bootstrap,
@@ -150,6 +160,7 @@ def stack(
         "scrape_configs:\n"
         f"  - job_name: score-worker\n    static_configs: [{{targets: ['127.0.0.1:{worker_port}']}}]\n"
         f"  - job_name: score-worker-lag\n    static_configs: [{{targets: ['127.0.0.1:{exporter_port}']}}]\n"
+        f"  - job_name: score-gateway\n    static_configs: [{{targets: ['127.0.0.1:{gateway_port}']}}]\n"
     )
     processes = [
         _spawn([sys.executable, "-m", "worker", "run"], tmp / "worker.log", env),
@@ -158,6 +169,12 @@ def stack(
              "--group", names.group, "--topic", names.requests, "--port", str(exporter_port),
              "--host", "127.0.0.1", "--interval", "0.5"],
             tmp / "exporter.log",
+        ),
+        _spawn(
+            [sys.executable, "-m", "worker", "gateway", "--bootstrap-servers", kafka_bootstrap,
+             "--requests-topic", gateway_names.requests, "--results-topic", gateway_names.results,
+             "--host", "127.0.0.1", "--port", str(gateway_port), "--probe-interval", "0.5"],
+            tmp / "gateway.log",
         ),
         _spawn(
             [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
@@ -171,11 +188,14 @@ def stack(
         wait_for(
             lambda: get(f"http://127.0.0.1:{worker_port}/readyz")[0] == 200, 120, "the worker to be ready"
         )
-        yield Stack(prometheus, worker_port, names, tiny_llama_dir.resolve().name)
+        wait_for(
+            lambda: get(f"http://127.0.0.1:{gateway_port}/metrics")[0] == 200, 120, "the gateway to serve"
+        )
+        yield Stack(prometheus, worker_port, names, tiny_llama_dir.resolve().name, gateway_port)
     finally:
         for process in processes:
             _stop(process)
-        for log in ("worker.log", "exporter.log"):
+        for log in ("worker.log", "exporter.log", "gateway.log"):
             print(f"--- {log}\n{(tmp / log).read_text(errors='replace')[-3000:]}")
 
 
@@ -197,12 +217,25 @@ def sent(stack: Stack, kafka_bootstrap: str) -> Sent:
     got = asyncio.run(read_topic(kafka_bootstrap, stack.names.results, len(records), timeout_s=120))
     results = [decode_result(r.value) for r in got]
     assert sorted(r.request_id for r in results) == sorted([r.request_id for r in requests] + ["obs-broken"])
+    _call_the_gateway(stack.gateway_port)
     hidden: Counter[str] = Counter()
     for result in results:
         for tensor in result.pooled_hidden_states or ():
             hidden[tensor.dtype] += len(tensor.data)
     assert set(hidden) == {"float32", "float16", "bfloat16"}
     return Sent(len(records), len(results), Counter(r.status.value for r in results), hidden)
+
+
+def _call_the_gateway(port: int) -> None:
+    """A few calls through the gateway, which has no worker: each ends in 503 or 504 within its deadline."""
+    body = json.dumps({"items": ["through the gateway"]}).encode()
+    for _ in range(3):
+        call = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/score", data=body, method="POST",
+            headers={"Content-Type": "application/json", "X-Request-Timeout": "0.5"},
+        )  # fmt: skip
+        status, _ = get(call)
+        assert status in (503, 504), status
 
 
 # The counters the dashboards take rate() of, their series made at their first sample.
@@ -229,6 +262,10 @@ def _unsettled(stack: Stack, sent: Sent) -> list[str]:
             f"two samples of {name}": stack.value(f"min(count_over_time({name}{{{sel}}}[10m]))") >= 2
             for name in RATE_COUNTERS
         },
+        "two samples of score_gateway_requests_total": stack.value(
+            "min(count_over_time(score_gateway_requests_total[10m]))"
+        )
+        >= 2,
     }
     return [name for name, ok in checks.items() if not ok]
 

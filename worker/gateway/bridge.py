@@ -53,6 +53,7 @@ class KafkaBridge:
         self._probe_interval = settings.gateway_probe_interval_s
         self._metrics = metrics
         self.waiting = 0
+        metrics.waiting.set_function(lambda: self.waiting)  # read at scrape time: no lock per call
         self.model = settings.gateway_model_name
         # None until the first probe or result says; False while probes go unanswered.
         self.answering: bool | None = None
@@ -80,7 +81,6 @@ class KafkaBridge:
                 RETRY_AFTER_S,
             )
         self.waiting += 1
-        self._metrics.waiting.inc()
         try:
             results = await self._client.score(requests, timeout=timeout_s)
         except ResultsTimeoutError:
@@ -98,7 +98,6 @@ class KafkaBridge:
             ) from None
         finally:
             self.waiting -= 1
-            self._metrics.waiting.dec()
         self._answered(results[-1] if results else None)
         return results
 

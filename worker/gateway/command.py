@@ -9,7 +9,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from worker.config import ENV_PREFIX, describe_validation_error, security_from_environment
+from worker.config import (
+    ENV_PREFIX,
+    SECURITY_ENV_VARS,
+    describe_validation_error,
+    security_from_environment,
+)
 from worker.environment import GatewaySettings
 
 if TYPE_CHECKING:
@@ -38,6 +43,8 @@ FLAGS: dict[str, str] = {
     "--ssl-certfile": "gateway_ssl_certfile",
     "--ssl-keyfile": "gateway_ssl_keyfile",
 }
+# Every variable the command reads: its settings, the Kafka security settings, and the command line's own.
+ENV_VARS = (*(f"{ENV_PREFIX}{field.upper()}" for field in GatewaySettings.model_fields), *SECURITY_ENV_VARS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

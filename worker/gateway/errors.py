@@ -13,6 +13,7 @@ class GatewayCode(StrEnum):
     UNAUTHORIZED = "UNAUTHORIZED"
     NOT_FOUND = "NOT_FOUND"
     BODY_TOO_LARGE = "BODY_TOO_LARGE"
+    READ_TIMEOUT = "READ_TIMEOUT"
     TOO_MANY_CALLS = "TOO_MANY_CALLS"
     NO_WORKER = "NO_WORKER"
     BROKER_UNAVAILABLE = "BROKER_UNAVAILABLE"
@@ -52,6 +53,7 @@ _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",

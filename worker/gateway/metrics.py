@@ -17,6 +17,7 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         r = self.registry
         self.calls = Counter(
             f"{PREFIX}_requests", "HTTP calls answered, by route and status", ["route", "status"], registry=r
@@ -36,8 +37,15 @@ class GatewayMetrics:
         )
 
     def observe(self, route: str, status: int, seconds: float) -> None:
-        self.calls.labels(route, str(status)).inc()
-        self.latency.labels(route).observe(seconds)
+        # The children of each route and status, looked up once: labels() takes a lock and builds a key.
+        children = self._children.get((route, status))
+        if children is None:
+            children = self._children[route, status] = (
+                self.calls.labels(route, str(status)),
+                self.latency.labels(route),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
