@@ -1,6 +1,7 @@
-"""Tensor parallelism on gloo (CPU processes): a model split across 2 and 4 ranks scores as the unsplit model
-does, for every decoder family, with mixed per-request flags, shared prefixes and multi-item requests; each
-rank holds only its share while loading; a rank that dies or hangs is noticed within the bound.
+"""Tensor parallelism on gloo (CPU processes): a model split across 2 ranks (every decoder family) and 4 ranks
+(the families taking each branch of the cutting: FOUR_RANK_FAMILIES) scores as the unsplit model does, with
+mixed per-request flags, shared prefixes and multi-item requests; each rank holds only its share while
+loading; a rank that dies or hangs is noticed within the bound.
 
 This process is rank 0 (models.parallel.start_group); the followers are processes it starts.
 """
