@@ -1,6 +1,7 @@
-"""Tensor parallelism on gloo (CPU processes): a model split across 2 and 4 ranks scores as the unsplit model
-does, for every decoder family, with mixed per-request flags, shared prefixes and multi-item requests; each
-rank holds only its share while loading; a rank that dies or hangs is noticed within the bound.
+"""Tensor parallelism on gloo (CPU processes): a model split across 2 ranks (every decoder family) and 4 ranks
+(the families taking each branch of the cutting: FOUR_RANK_FAMILIES) scores as the unsplit model does, with
+mixed per-request flags, shared prefixes and multi-item requests; each rank holds only its share while
+loading; a rank that dies or hangs is noticed within the bound.
 
 This process is rank 0 (models.parallel.start_group); the followers are processes it starts.
 """
@@ -93,6 +94,18 @@ def group() -> Iterator[list[LeaderEngine]]:
         leader.close()
 
 
+# The families split over four ranks as well as two. Every tiny decoder has 4 query and 2 key-value heads:
+# at two ranks each rank holds one key-value head, at four each is copied to two ranks. What the cutting
+# (models/tensor_parallel.py) does differently at four is the same for every family taking one of its
+# branches: the key-value copies (head_shares), the fused qkv and gate_up projections' offsets with those
+# copies and the head counts read from the config (Phi-3), the q/k norms' sums over the group counting each
+# copied key-value head (OLMo 2; OLMo 3 takes the same branch), the experts' columns cut four ways (Qwen3
+# MoE), separate q/k/v and gate/up projections (Llama). What else a family adds (windows, soft-capping,
+# sandwich norms, partial rotary, per-head q/k norms) acts within a rank's heads whatever their number, and
+# the two-rank run checks it for every family.
+FOUR_RANK_FAMILIES = ("llama", "phi3", "olmo2", "qwen3_moe")
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_scores_as_the_unsplit_model_for_every_family(
     family_dirs: dict[str, Path],
@@ -100,6 +113,8 @@ def test_split_scores_as_the_unsplit_model_for_every_family(
     world: int,
     group: list[LeaderEngine],
 ) -> None:
+    """Every family at two ranks; at four, the FOUR_RANK_FAMILIES (the cutting's every branch) and every
+    family's refusal."""
     requests = _requests()
     for name, model_dir in family_dirs.items():
         refusal = tensor_parallel_refusal(name, world)
@@ -107,6 +122,8 @@ def test_split_scores_as_the_unsplit_model_for_every_family(
             # Refused before any follower starts or any rank joins: the next family's group still can.
             with pytest.raises(ModelLoadError, match=re.escape(refusal)):
                 start_group(model_dir, _config(world))
+            continue
+        if world == 4 and name not in FOUR_RANK_FAMILIES:
             continue
         reference, want = unsplit[name]
         leader = start_group(model_dir, _config(world))
@@ -123,6 +140,25 @@ def test_split_scores_as_the_unsplit_model_for_every_family(
             assert leader.run_everywhere(run_self_check).items > 0
         leader.close()
         group.remove(leader)
+
+
+def test_the_four_rank_families_take_every_branch_of_the_cutting(
+    unsplit: dict[str, tuple[Scorer, list[ScoreResult]]],
+) -> None:
+    """What FOUR_RANK_FAMILIES stands for holds of the tiny models: key-value heads copied at four ranks,
+    and among them a fused qkv projection, a fused gate_up one, separate ones, q/k norms over whole
+    projections and sparse experts."""
+    layers = {name: unsplit[name][0].hf_model.base_model.layers[0] for name in FOUR_RANK_FAMILIES}
+    for name in FOUR_RANK_FAMILIES:
+        config = unsplit[name][0].hf_model.config.get_text_config()
+        assert config.num_key_value_heads < 4 <= config.num_attention_heads, name
+    assert any(hasattr(layer.self_attn, "qkv_proj") for layer in layers.values())
+    assert any(hasattr(layer.self_attn, "q_proj") for layer in layers.values())
+    assert any(hasattr(layer.mlp, "gate_up_proj") for layer in layers.values())
+    assert any(hasattr(layer.mlp, "gate_proj") for layer in layers.values())
+    assert any(sparse_blocks([layer]) for layer in layers.values())
+    declared = [family(name) for name in FOUR_RANK_FAMILIES]
+    assert any(d is not None and d.qk_norm == "projection" for d in declared)
 
 
 def _check_split(scorer: Scorer, family_name: str, world: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from models.attention import triton_or_flash
 from models.errors import ModelLoadError
 from models.graphs import small_batch_keys
 from models.prepare import PreparedRequest
-from models.warmup import describe, warm_up
+from models.warmup import WarmUpReport, describe, warm_up
 from schemas import ScoreRequest
 
 pytestmark = [
@@ -146,20 +147,51 @@ def test_after_the_warm_up_no_adapter_batch_compiles(
         assert _graphs_traced() == traced, f"compiled for {batch} with adapters after the warm-up"
 
 
+PREFIX_CACHE = {"prefix_cache_mib": 8, "prefix_cache_block_tokens": 8, "prefix_cache_admit": "first"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Warmed:
+    """A compiled scorer right after its warm-up: the report, and the graphs traced when it ended."""
+
+    scorer: Scorer
+    report: WarmUpReport
+    traced: int
+
+
+def _warmed(model_dir: Path, **overrides: object) -> Warmed:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
+        torch._dynamo.reset()  # other tests' graphs would hide what this warm-up compiles
+        scorer = _scorer(model_dir, compile="on", **overrides)
+        report = warm_up(scorer)
+        return Warmed(scorer, report, _graphs_traced())
+
+
+@pytest.fixture(scope="module")
+def prefix_cached_llama(tiny_llama_dir: Path) -> Iterator[Warmed]:
+    """One warm-up of the compiled Llama with the prefix cache, for the tests that send it traffic: the
+    warm-up (minutes on the CPU) is the same for each, and each checks that nothing compiles after it. A
+    test between them that resets dynamo would make the next batch compile, failing the next of them."""
+    yield _warmed(tiny_llama_dir, **PREFIX_CACHE)
+
+
 def test_after_the_warm_up_no_prefix_cache_batch_compiles(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+    prefix_cached_llama: Warmed, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batches that fill or read the prefix cache run the compiled layers, broken around the cache's
     traffic: the warm-up compiles those pieces too (on a scratch cache, leaving the worker's empty), and
     traffic that fills the cache, then reads it beside prompts it has never seen, compiles nothing."""
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
-    torch._dynamo.reset()
-    cache_settings = {"prefix_cache_mib": 8, "prefix_cache_block_tokens": 8, "prefix_cache_admit": "first"}
-    scorer = _scorer(tiny_llama_dir, compile="on", **cache_settings)
-    report = warm_up(scorer)
+    scorer, report, traced = (
+        prefix_cached_llama.scorer,
+        prefix_cached_llama.report,
+        prefix_cached_llama.traced,
+    )
     cache = scorer.executor.prefix_cache
+    # Right after the warm-up: the fixture's scorer reaches this test before any traffic.
     assert cache is not None and cache.stats.lookups == 0 and len(cache) == 0, describe(report)
-    traced = _graphs_traced()
+    assert _graphs_traced() == traced
     reference = Scorer(tiny_llama_dir, ScorerConfig(device="cpu", attention="reference"))
     for salt, batch in enumerate(TRAFFIC):
         seen = _traffic_requests(batch, salt)
@@ -175,19 +207,27 @@ def test_after_the_warm_up_no_prefix_cache_batch_compiles(
 
 @pytest.mark.parametrize("architecture", ["llama", "gemma3_text"])
 def test_prefix_cache_batches_of_any_sequence_count_compile_nothing_after_the_warm_up(
-    architecture: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    architecture: str,
+    model_dirs: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     """With a prefix cache (which breaks the layers' graphs around its traffic, so that attention's own
     inputs reach a graph of their own, sizes and all), batches of 1 to 9 sequences reading a cached query
     longer than the windows, as one request's items and as requests of their own, compile nothing after
-    the warm-up."""
+    the warm-up. Llama's warmed scorer is the one the test above sent its traffic (right above, so that no
+    dynamo reset falls between); its cache is emptied first."""
     monkeypatch.setattr(triton_attention, "MIN_LENGTH", SWITCH)
-    torch._dynamo.reset()
-    settings: dict[str, object] = {"compile": "on", "prefix_cache_mib": 8, "prefix_cache_block_tokens": 8}
-    settings["prefix_cache_admit"] = "first"
-    scorer = _scorer(model_dirs[architecture], **settings)
-    warm_up(scorer)
-    traced = _graphs_traced()
+    if architecture == "llama":
+        warmed: Warmed = request.getfixturevalue("prefix_cached_llama")
+    else:
+        warmed = _warmed(model_dirs[architecture], **PREFIX_CACHE)
+    scorer, traced = warmed.scorer, warmed.traced
+    cache = scorer.executor.prefix_cache
+    assert cache is not None
+    cache.clear()  # drops the blocks, keeps the counters: the hits below are counted from here
+    hits = cache.stats.hits
+    assert _graphs_traced() == traced
     query = tuple(range(40, 85))
     for count in range(1, 10):
         items = tuple(tuple(range(100 + 5 * i, 103 + 5 * i)) for i in range(count))
@@ -197,8 +237,7 @@ def test_prefix_cache_batches_of_any_sequence_count_compile_nothing_after_the_wa
             assert all(result.ok for result in scorer.score(requests))
             assert _graphs_traced() == traced, f"compiled for {count} sequences ({requests[0].request_id})"
     # Every prompt but the very first finds the query's five blocks in the cache.
-    cache = scorer.executor.prefix_cache
-    assert cache is not None and cache.stats.hits == 2 * sum(range(1, 10)) - 1
+    assert cache.stats.hits - hits == 2 * sum(range(1, 10)) - 1
 
 
 def test_the_traffic_compiles_without_it(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
