@@ -7,7 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,8 +21,10 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from models import BatchStats, ModelInfo
 from worker.publisher import OutRecord
+
+if TYPE_CHECKING:  # annotations only: the lag exporter and the supervisor import this module without torch
+    from models import BatchStats, ModelInfo
 
 PREFIX = "score_worker"
 # Stage and end-to-end latencies: single milliseconds at the low end (a small batch on a GPU takes a few),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -125,3 +127,18 @@ def test_a_broker_that_is_not_up_yet_means_failed_polls_until_it_is(
 
     exporter = asyncio.run(with_late_broker())
     assert exporter.healthy
+
+
+def test_the_exporter_and_the_supervisor_load_no_model_library() -> None:
+    """The lag exporter and a host's supervisor score nothing: importing torch would cost each start
+    seconds of CPU (and the lag exporter runs where no torch is installed). worker.metrics names the
+    engine's types for annotations only."""
+    heavy = ("torch", "transformers", "tokenizers", "models.engine")
+    code = (
+        "import sys, worker.lag_exporter, worker.supervisor; "
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert loaded.stdout.strip() == "[]"
