@@ -22,6 +22,12 @@ from worker_testkit import (
 
 from fault_kit.common import WORKER_BIN
 
+# The longest a worker process may take to log what a test waits for (its start, an assignment). A liveness
+# bound, not a measured figure: a start on a busy two-core host (5-7 s of CPU importing torch, the model's
+# load and self-check, then a group join that waits for the other members to rejoin) took over 60 s in a
+# parallel run; the figures the tests report are measured from the workers' own log times.
+WAIT_S = 180.0
+
 
 def worker_env(bootstrap: str, model_dir: Path, names: Names, **settings: Any) -> dict[str, str]:
     """The environment of a worker process: SCORE_WORKER_* settings with short group timeouts."""
@@ -95,7 +101,7 @@ class WorkerProcess:
     def find(self, pattern: str, after: float = 0.0) -> LogLine | None:
         return next((ln for ln in self.lines() if ln.at >= after and re.search(pattern, ln.message)), None)
 
-    async def wait_for(self, pattern: str, timeout_s: float = 60.0, after: float = 0.0) -> LogLine:
+    async def wait_for(self, pattern: str, timeout_s: float = WAIT_S, after: float = 0.0) -> LogLine:
         deadline = time.monotonic() + timeout_s
         while (found := self.find(pattern, after)) is None:
             assert self.running(), f"{self.name} exited with {self.popen.returncode}\n{self.tail()}"
@@ -103,7 +109,7 @@ class WorkerProcess:
             await asyncio.sleep(0.05)
         return found
 
-    async def wait_assigned(self, timeout_s: float = 60.0, after: float = 0.0) -> LogLine:
+    async def wait_assigned(self, timeout_s: float = WAIT_S, after: float = 0.0) -> LogLine:
         """The next assignment with at least one partition."""
         return await self.wait_for(r"assigned partitions: \[", timeout_s, after)
 
