@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 from gateway_kit import gateway_settings, serving_gateway
 from secure_proxy import Pki
-from worker_testkit import Names, client_kwargs
+from worker_testkit import Names, client_kwargs, model_libraries_loaded_by
 
 from worker.cli import EXIT_USAGE, main
 from worker.environment import GatewaySettings
@@ -63,12 +61,4 @@ def test_the_command_refuses_bad_settings_before_it_starts(
 def test_the_gateway_loads_no_model_library() -> None:
     """The `gateway` install has no torch: the command and its application must not import it, nor
     transformers (import-linter keeps the gateway off `models`, this checks what actually loads)."""
-    heavy = ("torch", "transformers", "tokenizers", "models.engine")
-    code = (
-        "import sys, worker.cli, worker.gateway.app, worker.gateway.command; "
-        f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
-    )
-    loaded = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert loaded.stdout.strip() == "[]"
+    assert model_libraries_loaded_by("worker.cli", "worker.gateway.app", "worker.gateway.command") == []

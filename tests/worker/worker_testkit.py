@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -225,3 +228,18 @@ class LiveWorker:
     bootstrap: str
     names: Names
     scorer: Scorer
+
+
+# The engine's libraries: a command that scores nothing (the gateway, the lag exporter, a host's supervisor)
+# must start without them (its install may have no torch, and importing it costs seconds of CPU).
+MODEL_LIBRARIES = ("torch", "transformers", "tokenizers", "models.engine")
+
+
+def model_libraries_loaded_by(*modules: str) -> list[str]:
+    """Which of MODEL_LIBRARIES a fresh interpreter holds after importing `modules`."""
+    imports = ", ".join(("json", "sys", *modules))
+    code = f"import {imports}; print(json.dumps([m for m in {MODEL_LIBRARIES!r} if m in sys.modules]))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    return sorted(json.loads(loaded.stdout))
