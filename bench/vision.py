@@ -67,12 +67,13 @@ def picture(seed: int, size: tuple[int, int]) -> bytes:
     return buffer.getvalue()
 
 
-def workload(count: int, size: tuple[int, int]) -> list[ScoreRequest]:
-    """`count` requests: even ones with one picture, odd ones text alone; pooled hidden states asked."""
+def workload(count: int, size: tuple[int, int], **fields: Any) -> list[ScoreRequest]:
+    """`count` requests: even ones with one picture, odd ones text alone; pooled hidden states asked;
+    `fields`: more request fields (a judge's label_token_ids)."""
     return [
         ScoreRequest(
             f"v{i}", items=(_ITEMS[i % len(_ITEMS)],), query=_QUERY,
-            images=(picture(i, size),) if i % 2 == 0 else None, return_pooled_hidden_states=True,
+            images=(picture(i, size),) if i % 2 == 0 else None, return_pooled_hidden_states=True, **fields,
         )
         for i in range(count)
     ]  # fmt: skip

@@ -30,7 +30,7 @@ from bench.common import (
     score_bound,
     write_verdict,
 )
-from bench.vision import picture
+from bench.vision import workload
 from models import Scorer, ScorerConfig
 from models.loading import quiet_progress_bars
 from models.prepare import PreparedRequest
@@ -57,8 +57,6 @@ QWEN2_5_VL_3B: dict[str, Any] = {
     "max_pixels": 1024 * 28 * 28,
 }  # fmt: skip
 LABELS = (7, 11)
-_QUERY = "Look at the picture and the answer below. Is the answer helpful, honest and correct? "
-_ITEMS = ("It shows a dog on a mat.", "A city street at night with buses and cars.", "Two birds in a tree.")
 
 
 def write_judge(target: Path, shapes: dict[str, Any] | None, device: str, dtype: torch.dtype) -> Path:
@@ -86,17 +84,6 @@ def write_judge(target: Path, shapes: dict[str, Any] | None, device: str, dtype:
         max_pixels=int(shapes["max_pixels"]),
     ).save_pretrained(str(target))  # fmt: skip
     return target
-
-
-def workload(count: int, size: tuple[int, int]) -> list[ScoreRequest]:
-    """`count` requests: even ones with one picture, odd ones text alone; label logits and pooled states."""
-    return [
-        ScoreRequest(
-            f"v{i}", items=(_ITEMS[i % len(_ITEMS)],), query=_QUERY, label_token_ids=LABELS,
-            images=(picture(i, size),) if i % 2 == 0 else None, return_pooled_hidden_states=True,
-        )
-        for i in range(count)
-    ]  # fmt: skip
 
 
 @torch.inference_mode()
@@ -189,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = None if args.quick else QWEN2_5_VL_3B
         model_dir = write_judge(Path(workdir) / "qwen2_5_vl", shapes, device, dtype)
         report["model_written_s"] = time.perf_counter() - started
-        requests = workload(count, (64, 48) if args.quick else (640, 480))
+        requests = workload(count, (64, 48) if args.quick else (640, 480), label_token_ids=LABELS)
         picks = list(range(min(count, 2 * args.reference_sample)))  # image requests even, text-only odd
         sample = [requests[i] for i in picks]
         reference = hf_alone(model_dir, device, torch.float32, sample)
