@@ -469,8 +469,12 @@ def check_sample_with(
     half = torch.bfloat16 if device == "cuda" else torch.float32
     outputs = {}
     for dtype in (torch.float32, half):
+        started = time.perf_counter()
         model = load(dtype)
+        loaded = time.perf_counter()
         outputs[dtype] = hf_paths.run_reference(model, rows)
+        print(f"  reference {dtype}: loaded in {loaded - started:.1f} s, {len(rows)} items in "
+              f"{time.perf_counter() - loaded:.1f} s", flush=True)  # fmt: skip
         del model
         gc.collect()
         if device == "cuda":

@@ -57,14 +57,14 @@ class Phase:
 # In order of importance: when time runs short, the last are the ones cut.
 PHASES: tuple[Phase, ...] = (
     Phase("w1", "W1, bf16 and FP8 against the matmul rooflines", 150, phases.w1),
-    Phase("l1", "L1, 1 and 64 requests of 100 tokens", 35, phases.l1),
+    Phase("l1", "L1, 1 and 64 requests of 100 tokens", 45, phases.l1),
     Phase("w2", "W2 behind the embedded broker", 100, phases.w2),
-    Phase("w4", "W4, each prompt's answers interleaved", 80, phases.w4),
-    Phase("adapters", "mixed LoRA adapters against the base model", 55, phases.adapters),
+    Phase("w4", "W4, each prompt's answers interleaved", 130, phases.w4),
+    Phase("adapters", "mixed LoRA adapters against the base model", 140, phases.adapters),
     Phase("prm", "PRM, 8 steps against plain scoring", 25, phases.prm),
     Phase("deterministic", "the deterministic setting against the default", 45, phases.deterministic),
     Phase("w5", "W5, long context among W1's requests", 90, phases.w5),
-    Phase("hybrid", "a hybrid linear-attention model (Qwen3.5-9B-like)", 100, models.hybrid),
+    Phase("hybrid", "a hybrid linear-attention model (Qwen3.5-9B-like)", 210, models.hybrid),
     Phase("moe", "a mixture-of-experts model (Qwen3-30B-A3B's shapes, 8 layers)", 80, models.moe),
     Phase("vision", "an image-text classifier (Gemma-3-4B-like), images beside text", 70, models.vision),
 )

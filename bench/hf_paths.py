@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 PAD_ID = 0  # W1's ids are drawn from [1, vocab), so 0 never occurs in a real row and marks padding.
 
@@ -71,6 +73,43 @@ def run_padded(
     return PathOutput(scores=scores, hidden=hidden)
 
 
+# HF's SDPA attention passes grouped key/value heads to torch as they are (enable_gqa) whenever there is
+# no mask; torch's only float32 kernel that takes grouped heads is the math one, which builds the
+# [heads, L, L] score matrix (16.7 GiB for one 11k-token item of an 8B model). The reference repeats the
+# key/value heads first, so float32 runs on the memory-efficient kernel: the same function, summed in
+# another order.
+EXACT_ATTENTION = "score_reference_sdpa"
+
+
+def _repeated_heads_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF's attention-function contract ([b, heads, L, d] in, [b, L, heads, d] out), grouped heads
+    repeated."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if is_causal is None:
+        is_causal = bool(getattr(module, "is_causal", True))
+    causal = is_causal and attention_mask is None and query.shape[2] > 1
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(EXACT_ATTENTION, _repeated_heads_sdpa)
+AttentionMaskInterface.register(EXACT_ATTENTION, sdpa_mask)
+
+
 @torch.inference_mode()
 def forward_one(model: torch.nn.Module, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One unpadded sequence through HF's forward with no mask (the same function as an all-ones mask, and
@@ -93,7 +132,15 @@ def run_reference(model: torch.nn.Module, token_ids: Sequence[torch.Tensor]) -> 
     config: Any = model.config
     scores = np.zeros((len(token_ids), int(config.num_labels)), dtype=np.float32)
     hidden = np.zeros((len(token_ids), int(config.hidden_size)), dtype=np.float32)
-    for i, row in enumerate(token_ids):
-        logits, pooled = forward_one(model, row)
-        scores[i], hidden[i] = logits.float().cpu().numpy()[0], pooled.float().cpu().numpy()[0]
+    was = config._attn_implementation
+    switch = was == "sdpa"  # another implementation (eager) is the caller's choice and stays
+    if switch:
+        model.set_attn_implementation(EXACT_ATTENTION)
+    try:
+        for i, row in enumerate(token_ids):
+            logits, pooled = forward_one(model, row)
+            scores[i], hidden[i] = logits.float().cpu().numpy()[0], pooled.float().cpu().numpy()[0]
+    finally:
+        if switch:
+            model.set_attn_implementation(was)
     return PathOutput(scores=scores, hidden=hidden)

@@ -59,19 +59,28 @@ QWEN2_5_VL_3B: dict[str, Any] = {
 LABELS = (7, 11)
 
 
+def judge_config(target: Path, shapes: dict[str, Any]) -> Any:
+    """The config of the tiny judge written at `target`, its text model and vision tower given `shapes`."""
+    from transformers import AutoConfig
+
+    fields = json.loads((target / "config.json").read_text())
+    for part in ("text", "vision"):
+        fields[f"{part}_config"].update(shapes[part])
+    # The tiny judge's per-layer list is sized to its own layer count; the text config derives it again.
+    fields["text_config"].pop("layer_types", None)
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(model_type, **fields)
+
+
 def write_judge(target: Path, shapes: dict[str, Any] | None, device: str, dtype: torch.dtype) -> Path:
     """The tiny Qwen2.5-VL judge's files (tokenizer, chat template, processor), then, with `shapes`, random
     weights of those shapes (seed 0) built on `device` in `dtype` and its image processor's patch size."""
-    from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessorPil
+    from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessorPil
 
     write_tiny_qwen_vl_judge(target, 0, "qwen2_5_vl")
     if shapes is None:
         return target
-    fields = json.loads((target / "config.json").read_text())
-    for part in ("text", "vision"):
-        fields[f"{part}_config"].update(shapes[part])
-    model_type = fields.pop("model_type")
-    config = AutoConfig.for_model(model_type, **fields)
+    config = judge_config(target, shapes)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype)

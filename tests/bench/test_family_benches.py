@@ -4,9 +4,11 @@ linear-attention model, an image-text classifier) and their verdicts."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
+from scripts import ROOT
 from scripts import run_script as _run_script
 
 pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a process of its own
@@ -65,3 +67,17 @@ def test_vision_judge_benchmark_quick_run_checks_both_paths(tmp_path: Path) -> N
     assert report["verdict"] == "ok" and report["packed_speedup"] > 0
     for path, attention in (("packed", "attention='reference'"), ("padded", "attention='plain'")):
         assert report[path]["vs_fp32"]["ok"] and attention in report[path]["info"]
+
+
+def test_vision_judge_full_shapes_make_a_valid_config(tmp_path: Path) -> None:
+    """The GPU run's Qwen2.5-VL-3B-like config from the tiny judge's files: the tiny judge's per-layer list
+    does not travel to the 36-layer text model (transformers refuses a list of another length)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.vision_judge import QWEN2_5_VL_3B, judge_config
+    from models.tiny_vision import write_tiny_qwen_vl_judge
+
+    write_tiny_qwen_vl_judge(tmp_path / "judge", 0, "qwen2_5_vl")
+    config = judge_config(tmp_path / "judge", QWEN2_5_VL_3B)
+    text = config.get_text_config()
+    assert text.num_hidden_layers == 36 and len(text.layer_types) == 36
+    assert config.vision_config.depth == QWEN2_5_VL_3B["vision"]["depth"]
