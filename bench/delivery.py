@@ -46,7 +46,7 @@ from bench.common import (
 )
 from models import Scorer, ScorerConfig
 from schemas import ScoreRequest, ScoreResult
-from worker.apache_kafka import ApacheKafka
+from worker.apache_kafka import SERVER_JVM, ApacheKafka
 from worker.app import ScoreWorker
 from worker.client import ScoreClient
 from worker.config import WorkerSettings
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = w2_model_dir({**W2_SHAPES, "num_hidden_layers": layers}, device, Path(tmp))
         scorer = Scorer(str(model_dir), ScorerConfig(device=device))
         base = workload(args.requests, device)
-        broker = None if args.bootstrap else ApacheKafka(nodes=1).start()
+        broker = None if args.bootstrap else ApacheKafka(nodes=1, jvm=SERVER_JVM).start()
         bootstrap = args.bootstrap or broker.bootstrap_servers  # type: ignore[union-attr]
         report["broker"] = broker.describe() if broker is not None else args.bootstrap
         try:

@@ -40,15 +40,19 @@ SHARE_OF_SCALE = 1e-3
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argument_parser(__doc__)
     add_options(parser, "prefix_cache_count")
+    parser.add_argument(
+        "--prompts", type=int, default=256, help="W4's prompts to take, each with its 8 answers (256: all)"
+    )
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     requests, bare = interleaved(
-        w4_requests(rng, W4_QUICK["vocab_size"], 256, CALLS, (300, 1000), (50, 300)), CALLS
+        w4_requests(rng, W4_QUICK["vocab_size"], args.prompts, CALLS, (300, 1000), (50, 300)), CALLS
     )
     size = len(requests) // CALLS
     calls = [requests[k : k + size] for k in range(0, len(requests), size)]
     report: dict[str, Any] = {
         **report_header(args),
+        "prompts": args.prompts,
         "requests": len(requests),
         "calls": CALLS,
         "held_tokens": sum(len(r.items[0]) for r in requests),
