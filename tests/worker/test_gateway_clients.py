@@ -1,11 +1,14 @@
 """Clients this project did not write, against a real gateway, worker and broker: the Cohere SDK's rerank on
-a cross-encoder and a decoder reranker, OpenRLHF's remote reward protocol, and the request bodies of vLLM's
+a cross-encoder and a decoder reranker, OpenRLHF's own remote reward client, and the request bodies of vLLM's
 and SGLang's own documentation, each answer checked against the same request sent over Kafka."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import itertools
+import sys
+import types
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -137,32 +140,26 @@ def test_cohere_sdk_with_a_wrong_key_is_refused(decoder: Served) -> None:
         client.rerank(model="any", query=QUERY, documents=DOCUMENTS)
 
 
-async def openrlhf_remote_rewards(
-    urls: Sequence[str], queries: list[str], prompts: list[str], labels: list[str]
-) -> list[Any]:
-    """OpenRLHF's remote reward call, written from its protocol (openrlhf/utils/agent.py, 0.11): the
-    queries split into one shard per URL of `--reward.remote_url` (comma-separated), each shard POSTed as
-    JSON {"query", "prompts", "labels"}, each answer's "scores" read (its "rewards" when none). The package
-    itself needs DeepSpeed, flash-attn and Ray builds, so it is not installed here."""
-    size = (len(queries) + len(urls) - 1) // len(urls)
-    async with httpx.AsyncClient(timeout=180) as client:
-
-        async def post(url: str, start: int) -> Any:
-            shard = slice(start, start + size)
-            payload = {"query": queries[shard], "prompts": prompts[shard], "labels": labels[shard]}
-            answer = await client.post(url, json=payload)
-            answer.raise_for_status()
-            info = answer.json()
-            return info.get("scores") if info.get("scores") is not None else info.get("rewards")
-
-        shards = await asyncio.gather(
-            *(post(url, index * size) for index, url in enumerate(urls) if index * size < len(queries))
-        )
-    return [reward for shard in shards for reward in shard]
+def openrlhf_agent(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """OpenRLHF's own openrlhf/utils/agent.py, where its trainer's remote reward call lives. ./dev.sh installs
+    the package without its dependencies (DeepSpeed, flash-attn, Ray and vLLM builds), which
+    openrlhf/utils/__init__.py imports: so the module is loaded with that package's path and not its
+    __init__ (agent.py itself needs only aiohttp and openrlhf.utils.logging_utils)."""
+    openrlhf = pytest.importorskip("openrlhf", reason="OpenRLHF's client: install it with ./dev.sh")
+    utils = types.ModuleType("openrlhf.utils")
+    utils.__path__ = [str(Path(openrlhf.__file__).parent / "utils")]
+    monkeypatch.setitem(sys.modules, "openrlhf.utils", utils)
+    for name in ("openrlhf.utils.agent", "openrlhf.utils.logging_utils"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module("openrlhf.utils.agent")
 
 
-def test_openrlhf_remote_reward_protocol(decoder: Served) -> None:
-    """Two reward servers named on the command line, both this gateway (keys off: OpenRLHF sends none)."""
+def test_openrlhf_remote_reward_client(decoder: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenRLHF's SingleTurnAgentExecutor with two reward servers on its command line
+    (`--reward.remote_url A,B`), both this gateway (keys off: OpenRLHF sends none): its own HTTP client
+    shards the queries over the servers, posts {"query", "prompts", "labels"} and reads each answer, from
+    which its rollout takes "scores" (else "rewards") and "extra_logs"."""
+    agent = openrlhf_agent(monkeypatch)
     prompts = [
         "<s>user: 2+2?\nassistant:",
         "<s>user: capital of France?\nassistant:",
@@ -172,8 +169,15 @@ def test_openrlhf_remote_reward_protocol(decoder: Served) -> None:
     queries = [prompt + response for prompt, response in zip(prompts, responses, strict=True)]
     settings = gateway_settings(decoder.worker.bootstrap, decoder.worker.names, gateway_api_keys="")
     with serving_gateway(settings) as open_gateway, answering_client(open_gateway):
-        urls = [f"{open_gateway.url}/get_reward", f"{open_gateway.url}/get_reward"]
-        rewards = asyncio.run(openrlhf_remote_rewards(urls, queries, prompts, ["", "", ""]))
+        urls = f"{open_gateway.url}/get_reward,{open_gateway.url}/get_reward".split(",")  # as its CLI splits
+        executor = agent.SingleTurnAgentExecutor(remote_rm_url=urls)
+        shards = asyncio.run(executor._fetch_rewards_via_http(queries, prompts, ["", "", ""]))
+    assert len(shards) == 2  # ceil(3 / 2) = 2 queries to the first server, 1 to the second
+    rewards: list[float] = []
+    for shard in shards:
+        scores = shard.get("scores")  # what its rollout reads first
+        assert scores == shard["rewards"] and isinstance(shard.get("extra_logs"), dict)
+        rewards += scores
     assert len(rewards) == 3 and all(isinstance(reward, float) for reward in rewards)
     request, expected = one(decoder.worker, items=tuple(queries))
     assert_alike(decoder.worker, request, expected, [[reward] for reward in rewards])
