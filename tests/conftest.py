@@ -6,6 +6,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -83,6 +84,37 @@ def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
         first = rank.get(path, (weight, index))
         rank[path] = (min(first[0], weight), first[1])
     return sorted(items, key=lambda item: rank[item.nodeid.split("::")[0]])
+
+
+COMPOSE_TIER_SCOPE = "the files run on the compose file's Kafka"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's file scheduling (`--dist loadfile`), except that the files with tests on the compose
+    file's Kafka version (the "kafka-compose" broker tier) go to one process as one unit: each process
+    starts a broker of each version it meets, and this one's tests are a few minutes of a long run, so one
+    JVM for them instead of one per process saves its start and its idle CPU in the others."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ComposeTierTogether(LoadFileScheduling):
+        compose_files: frozenset[str] = frozenset()
+
+        def schedule(self) -> None:
+            if self.collection is None and self.registered_collections:
+                first = next(iter(self.registered_collections.values()))
+                self.compose_files = frozenset(
+                    nodeid.split("::", 1)[0] for nodeid in first if "kafka-compose" in nodeid
+                )
+            super().schedule()
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return COMPOSE_TIER_SCOPE if path in self.compose_files else path
+
+    return ComposeTierTogether(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
