@@ -60,7 +60,8 @@ CONSTRAINTS=constraints.txt
 TORCH_VERSION=2.13.0
 # OpenRLHF's own remote-reward client runs against the gateway in the suite. The package's dependencies are
 # DeepSpeed, flash-attn, Ray and vLLM builds; its client needs none of them (aiohttp, in [dev]), so it is
-# installed without them.
+# installed without them, into a directory of its own off the path: its wheel also carries a top-level
+# `tests` package, which would hide this repository's.
 OPENRLHF_VERSION=0.11.2
 
 setup() {
@@ -75,7 +76,7 @@ setup() {
         # index): both are "torch==2.13.0" to pip, and the pins hold for either.
         "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "torch==$TORCH_VERSION"
         "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e '.[dev]'
-        "$VENV/bin/python" -m pip install -q --no-deps "openrlhf==$OPENRLHF_VERSION"
+        "$VENV/bin/python" -m pip install -q --no-deps --upgrade --target "$VENV/openrlhf" "openrlhf==$OPENRLHF_VERSION"
         touch "$stamp"
     fi
 }

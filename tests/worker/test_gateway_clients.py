@@ -140,15 +140,23 @@ def test_cohere_sdk_with_a_wrong_key_is_refused(decoder: Served) -> None:
         client.rerank(model="any", query=QUERY, documents=DOCUMENTS)
 
 
+# Where ./dev.sh installs OpenRLHF: a directory of its own, off the path (its wheel carries a top-level
+# `tests` package that would hide this repository's).
+OPENRLHF_DIR = Path(sys.prefix) / "openrlhf"
+
+
 def openrlhf_agent(monkeypatch: pytest.MonkeyPatch) -> Any:
     """OpenRLHF's own openrlhf/utils/agent.py, where its trainer's remote reward call lives. ./dev.sh installs
     the package without its dependencies (DeepSpeed, flash-attn, Ray and vLLM builds), which
-    openrlhf/utils/__init__.py imports: so the module is loaded with that package's path and not its
-    __init__ (agent.py itself needs only aiohttp and openrlhf.utils.logging_utils)."""
-    openrlhf = pytest.importorskip("openrlhf", reason="OpenRLHF's client: install it with ./dev.sh")
-    utils = types.ModuleType("openrlhf.utils")
-    utils.__path__ = [str(Path(openrlhf.__file__).parent / "utils")]
-    monkeypatch.setitem(sys.modules, "openrlhf.utils", utils)
+    openrlhf/utils/__init__.py imports: so `openrlhf` and `openrlhf.utils` are set up as bare packages of
+    that directory and agent.py is imported beneath them (it needs only aiohttp and logging_utils)."""
+    source = OPENRLHF_DIR / "openrlhf"
+    if not (source / "utils" / "agent.py").is_file():
+        pytest.skip(f"OpenRLHF's client is not at {source}: ./dev.sh installs it")
+    for name, path in (("openrlhf", source), ("openrlhf.utils", source / "utils")):
+        package = types.ModuleType(name)
+        package.__path__ = [str(path)]
+        monkeypatch.setitem(sys.modules, name, package)
     for name in ("openrlhf.utils.agent", "openrlhf.utils.logging_utils"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     return importlib.import_module("openrlhf.utils.agent")
