@@ -24,6 +24,7 @@ import datetime
 import importlib
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 JOIN_TIMEOUT_S = 300.0  # longest rank 0 waits for its followers' processes to join the group
 
 
@@ -171,6 +173,16 @@ def _function(name: str) -> Callable[..., Any]:
     return target  # type: ignore[no-any-return]
 
 
+class Follower(Protocol):
+    """A follower's process as rank 0 watches and stops it (subprocess.Popen's own methods)."""
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
 class LeaderEngine(EngineWrapper):
     """Rank 0's Scorer, as the worker's engine: every model call is first sent to the followers."""
 
@@ -180,7 +192,7 @@ class LeaderEngine(EngineWrapper):
         self,
         scorer: Scorer,
         channel: Channel,
-        followers: Sequence[subprocess.Popen[bytes]],
+        followers: Sequence[Follower],
         on_lost: Callable[[], None] | None = None,
     ) -> None:
         """`on_lost`: what to do when a follower exits (default: SIGTERM to this process, which stops the
@@ -268,6 +280,12 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _name_process(name: str) -> None:
+    """The name `ps` and /proc/PID/comm show: a follower is told from the other Python processes at once."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
 def _die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -277,7 +295,11 @@ def start_group(
     model_dir: str | Path, config: ScorerConfig, on_lost: Callable[[], None] | None = None
 ) -> LeaderEngine:
     """Start the followers (ranks 1..world-1, processes of this one), join as rank 0 and load the share of
-    each rank; the leader's engine once all have loaded."""
+    each rank; the leader's engine once all have loaded.
+
+    On the CPU the followers are forked from a template process (`_ForkedFollower`), which, as
+    multiprocessing's spawn and forkserver methods do, imports the program's main module again: a script
+    that starts a group keeps its own work under `if __name__ == "__main__":` (the worker's commands do)."""
     hooks = {name: value for name, value in _hooks(config).items() if value is not None}
     if hooks:
         raise ValueError(f"{', '.join(hooks)} cannot reach the other ranks of a tensor-parallel group")
@@ -292,22 +314,10 @@ def start_group(
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     )  # fmt: skip
     spec = replace(spec, threads=_follower_threads(spec))
-    # OMP_NUM_THREADS too: the libraries a follower loads size their own pools from it.
-    environment = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
-
-    def follower(rank: int) -> subprocess.Popen[bytes]:
-        command = [
-            sys.executable,
-            "-m",
-            "models.parallel",
-            "--rank",
-            str(rank),
-            "--spec",
-            json.dumps(asdict(spec)),
-        ]
-        return subprocess.Popen(command, env=environment, preexec_fn=_die_with_parent)
-
-    followers = [follower(rank) for rank in range(1, spec.world)]
+    start: Callable[[GroupSpec, int], Follower] = (
+        _ForkedFollower if spec.config(0).device == "cpu" else _follower_process
+    )
+    followers = [start(spec, rank) for rank in range(1, spec.world)]
     try:
         shard, control = join(spec, 0)
         scorer = Scorer(model_dir, spec.config(0), shard=shard)
@@ -318,6 +328,80 @@ def start_group(
         if dist.is_initialized():  # joined, then failed to load: the next group must be able to join
             dist.destroy_process_group()
         raise
+
+
+def _follower_process(spec: GroupSpec, rank: int) -> subprocess.Popen[bytes]:
+    """A follower in an interpreter of its own (`python -m models.parallel`): what a group on GPUs takes,
+    since a process forked from one that may have touched CUDA cannot use it."""
+    # OMP_NUM_THREADS too: the libraries a follower loads size their own pools from it.
+    environment = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
+    spec_json = json.dumps(asdict(spec))
+    command = [sys.executable, "-m", "models.parallel", "--rank", str(rank), "--spec", spec_json]
+    return subprocess.Popen(command, env=environment, preexec_fn=_die_with_parent)
+
+
+class _ForkedFollower:
+    """A follower forked from a template process that has imported the engine once (multiprocessing's fork
+    server, started with the first group and kept for later ones): on the CPU a new interpreter's imports
+    cost a follower more than its share of a small model, and every restart of the group pays them again.
+    Answers as the subprocess.Popen of `_follower_process` does, for the leader's watch and close."""
+
+    _context: multiprocessing.context.ForkServerContext | None = None
+
+    def __init__(self, spec: GroupSpec, rank: int) -> None:
+        if _ForkedFollower._context is None:
+            context = multiprocessing.get_context("forkserver")
+            # The template imports the engine and nothing of this process's own program (not `__main__`);
+            # it touches no device, starts no thread pool.
+            context.set_forkserver_preload([__name__])
+            _ForkedFollower._context = context
+        self._process = _ForkedFollower._context.Process(
+            target=_forked_main, args=(rank, json.dumps(asdict(spec))), name=f"tp-rank-{rank}", daemon=False
+        )
+        self._process.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def send_signal(self, number: int) -> None:
+        if self._process.pid is not None and self._process.exitcode is None:
+            os.kill(self._process.pid, number)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank of pid {self._process.pid}", timeout or 0.0)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ValueError):  # already reaped
+            self._process.kill()
+
+
+def _forked_main(rank: int, spec_json: str) -> None:
+    """A forked follower's life, as `python -m models.parallel` runs it; it dies with the template, which
+    leaves when the process that started it does."""
+    _die_with_parent()
+    os.environ["OMP_NUM_THREADS"] = str(GroupSpec(**json.loads(spec_json)).threads)
+    _exit(main(["--rank", str(rank), "--spec", spec_json]))
+
+
+def _exit(code: int) -> None:
+    """Leave at once: a follower has nothing left to write once its logs are out, and the interpreter's
+    teardown after a gloo group takes seconds (3 s a follower on two CPU cores), which every close and restart
+    of the group would wait for."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _follower_threads(spec: GroupSpec) -> int:
@@ -354,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=spec.log_level,
         format=f"%(asctime)s %(levelname)-7s [rank {args.rank}] %(name)s: %(message)s",
     )
+    _name_process(f"tp-rank-{args.rank}")
     config = spec.config(args.rank)
     torch.set_num_threads(spec.threads)
     shard, control = join(spec, args.rank)
@@ -369,11 +454,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # A follower has nothing left to write once its logs are out, and the interpreter's teardown after a
-    # gloo group takes seconds (3 s a follower on two CPU cores), which every close and restart of the
-    # group would wait for: it leaves at once.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _exit(main())

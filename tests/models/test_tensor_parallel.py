@@ -23,7 +23,7 @@ import pytest
 import torch
 from tolerances import assert_scored_alike
 
-from models import Scorer, ScorerConfig
+from models import Scorer, ScorerConfig, parallel
 from models.errors import DeviceLostError, ModelLoadError
 from models.families import family, tensor_parallel_refusal
 from models.moe import sparse_blocks
@@ -199,6 +199,33 @@ def test_deterministic_setting_holds_in_a_group(
         assert one.pooled_hidden_states == other.pooled_hidden_states
     leader.close()  # told to exit, the followers leave at once, with status 0 (not killed at the deadline)
     assert [follower.returncode for follower in leader._followers] == [0]
+
+
+@pytest.mark.parametrize("kind", ["forked", "interpreter"])
+def test_followers_forked_on_the_cpu_and_in_interpreters_of_their_own_on_gpus(
+    kind: str,
+    family_dirs: dict[str, Path],
+    unsplit: dict[str, tuple[Scorer, list[ScoreResult]]],
+    group: list[LeaderEngine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU a follower is forked from the template process that imported the engine; on GPUs each is
+    an interpreter of its own (`python -m models.parallel`), taken here on the CPU: both name themselves
+    after their rank, score as the unsplit model and leave with status 0 when told to."""
+    if kind == "interpreter":
+        monkeypatch.setattr(parallel, "_ForkedFollower", parallel._follower_process)
+    requests = _requests()
+    leader = start_group(family_dirs["llama"], _config(2))
+    group.append(leader)
+    (follower,) = leader._followers
+    assert isinstance(follower, subprocess.Popen if kind == "interpreter" else parallel._ForkedFollower)
+    assert Path(f"/proc/{follower.pid}/comm").read_text().strip() == "tp-rank-1"
+    reference, want = unsplit["llama"]
+    got = leader.score_prepared([leader.prepare(request) for request in requests])
+    for request, got_result, want_result in zip(requests, got, want, strict=True):
+        assert_scored_alike(got_result, want_result, reference, [request])  # as in the split test above
+    leader.close()
+    assert follower.returncode == 0
 
 
 def test_fp8_projections_in_a_group_pass_the_start_up_check(

@@ -7,6 +7,7 @@ the bound, the supervisor starts the group again, and the stream finishes with n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -174,6 +175,19 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _followers(leader: int) -> list[int]:
+    """The followers of a tensor-parallel group's rank 0: the processes below it that name themselves
+    `tp-rank-N` (on the CPU they are forked from a template process that rank 0 started)."""
+    found, below = [], _children(leader)
+    while below:
+        pid = below.pop()
+        below += _children(pid)
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().startswith("tp-rank-"):
+                found.append(pid)
+    return found
+
+
 def _exit_line(host: WorkerProcess, process: str) -> dict[str, Any] | None:
     return next(
         (line for line in _lines(host, "") if line["message"].startswith(f"worker process {process} exited")),
@@ -201,7 +215,7 @@ def test_a_tensor_parallel_group_that_loses_a_rank_is_restarted_and_loses_nothin
             await wait_until(lambda: len(stream.watcher.first) >= 150, 60, "150 answers")
             leader = _pid(host, "cpu0", 0)
             assert leader is not None
-            (follower,) = _children(leader)  # rank 1, started by rank 0
+            (follower,) = _followers(leader)  # rank 1, started by rank 0
             os.kill(follower, signal.SIGKILL)
             killed = time.time()
             await wait_until(lambda: _exit_line(host, "cpu0") is not None, timeout_s + 40, "rank 0 to stop")
