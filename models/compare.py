@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from schemas import Compare, ErrorCode, ScoreRequest
+
+if TYPE_CHECKING:  # the intake processes import this module: they never load torch
+    import torch
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,12 @@ def test_records_prepared_in_processes_equal_those_prepared_on_the_thread(tiny_l
     async def scenario() -> list[Any]:
         pool = await _started(scorer, 2, on_prepared=counted.append)
         try:
-            return await pool.prepare([record.value for record in records])
+            prepared = await pool.prepare([record.value for record in records])
+            # Decoding and tokenising need no torch: a process that loaded it would spend seconds of CPU and
+            # hundreds of megabytes on it, every start and restart.
+            for pid in _pids(pool):
+                assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid
+            return prepared
         finally:
             pool.close()
 
