@@ -126,7 +126,7 @@ def test_records_prepared_in_processes_equal_those_prepared_on_the_thread(tiny_l
             # Decoding and tokenising need no torch: a process that loaded it would spend seconds of CPU and
             # hundreds of megabytes on it, every start and restart.
             for pid in _pids(pool):
-                assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid
+                assert "libtorch" not in _mapped_files(pid), pid
             return prepared
         finally:
             pool.close()
@@ -150,6 +150,10 @@ def test_records_prepared_in_processes_equal_those_prepared_on_the_thread(tiny_l
     ]  # fmt: skip
     malformed = there[2]
     assert isinstance(malformed, Rejected) and malformed.messages[0].dead_letter_reason is not None
+
+
+def _mapped_files(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
 
 
 def _values(count: int) -> list[bytes]:
