@@ -104,11 +104,23 @@ def w2(ctx: Context) -> Phase:
 
     requests = 48 if ctx.quick else 1024
     budget_s = max(ctx.remaining() - 5, 30.0)
-    argv = ["--requests", str(requests), "--latency-seconds", "1" if ctx.quick else "2",
+    args = stream.parse_args(w2_argv(requests, budget_s, ctx.quick))
+    report = stream.run(args, ctx.device, ctx.workdir, time.monotonic() + budget_s, step_reserve_s=20)
+    return w2_verdict(report, requests)
+
+
+def w2_argv(requests: int, budget_s: float, quick: bool) -> list[str]:
+    """bench/w2.py's arguments for the phase: saturation again after a restart of the worker."""
+    argv = ["--requests", str(requests), "--latency-seconds", "1" if quick else "2",
             "--saturation-variants", "again", "--budget-s", f"{budget_s:.0f}",
             "--phase-margin-s", "8"]  # fmt: skip
-    args = stream.parse_args([*argv, *(["--quick"] if ctx.quick else [])])
-    report = stream.run(args, ctx.device, ctx.workdir, time.monotonic() + budget_s, step_reserve_s=20)
+    return [*argv, *(["--quick"] if quick else [])]
+
+
+def w2_verdict(report: dict[str, Any], requests: int) -> Phase:
+    """The phase's figures and checks from a bench/w2.py report (its `run`'s, or its command's JSON)."""
+    from bench import w2 as stream
+
     notes = [f"{requests} requests (W2 has 8192)"]
     notes += [f"{k.removesuffix('_skipped')}: {v}" for k, v in report.items() if k.endswith("_skipped")]
     checks = {"no error": check("error" not in report, error=str(report.get("error", ""))[-2000:])}

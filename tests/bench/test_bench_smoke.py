@@ -292,6 +292,24 @@ def test_w2_quick_run_through_a_real_broker_checks_what_it_timed(tmp_path: Path)
     assert (
         processed["as_configured"] == 0 and processed["intake1"] >= report["saturation_intake1"]["requests"]
     )
+    # The headline run's W2 phase is this run with its own arguments, and its verdict read off the report
+    # (its quick run leaves the phase to this test: tests/bench/test_headline_quick.py).
+    sys.path.insert(0, str(ROOT))
+    from bench import w2
+    from bench.headline_phases import w2_argv, w2_verdict
+
+    for quick in (True, False):
+        phase_args = w2.parse_args(w2_argv(48, 60.0, quick))
+        assert phase_args.saturation_variants == "again" and phase_args.quick is quick
+    phase = w2_verdict(report, 64)
+    assert all(c["ok"] for c in phase["checks"].values()), phase["checks"]
+    assert set(phase["checks"]) == {
+        "no error", "through the broker, against float32",
+        *(f"{key}: every request answered" for key in ("one_in_flight", "one_in_flight_low_latency",
+                                                        "relay_wait10", "relay_wait2")),
+    }  # fmt: skip
+    assert {"saturation", "end to end, share of the model step"} <= set(phase["figures"])
+    assert len(phase["figures"]) == 6
 
 
 def test_compression_benchmark_publishes_every_codec_and_checks_what_it_read_back(tmp_path: Path) -> None:
