@@ -244,6 +244,11 @@ class LeaderEngine(EngineWrapper):
     def close(self) -> None:
         """Tell the followers to exit, and wait for them (at most the timeout)."""
         self._stop.set()
+        # The watch ends within its poll interval; waited for, so that it does not read a follower's exit
+        # status while this thread does (a forked follower's status is read once, from a pipe).
+        watch = self._threads[1]
+        if watch is not threading.current_thread():
+            watch.join(timeout=1.0)
         with contextlib.suppress(Exception):
             self._channel.send(("exit",))
         deadline = time.monotonic() + self._channel._interval_s * 4
