@@ -202,11 +202,11 @@ class LeaderEngine(EngineWrapper):
         self._followers = list(followers)
         self._on_lost = on_lost or (lambda: os.kill(os.getpid(), signal.SIGTERM))
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=channel.heartbeat, args=(self._stop,), name="tp-heartbeat", daemon=True),
-            threading.Thread(target=self._watch, name="tp-watch", daemon=True),
-        ]
-        for thread in self._threads:
+        self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
+        heartbeat = threading.Thread(
+            target=channel.heartbeat, args=(self._stop,), name="tp-heartbeat", daemon=True
+        )
+        for thread in (heartbeat, self._watcher):
             thread.start()
 
     @property
@@ -246,9 +246,8 @@ class LeaderEngine(EngineWrapper):
         self._stop.set()
         # The watch ends within its poll interval; waited for, so that it does not read a follower's exit
         # status while this thread does (a forked follower's status is read once, from a pipe).
-        watch = self._threads[1]
-        if watch is not threading.current_thread():
-            watch.join(timeout=1.0)
+        if self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=1.0)
         with contextlib.suppress(Exception):
             self._channel.send(("exit",))
         deadline = time.monotonic() + self._channel._interval_s * 4
@@ -285,15 +284,19 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _prctl(option: int, argument: int | bytes) -> None:
+    """Linux's prctl on this process (its main thread, for the name); nothing where there is none."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(option, argument, 0, 0, 0)
+
+
 def _name_process(name: str) -> None:
     """The name `ps` and /proc/PID/comm show: a follower is told from the other Python processes at once."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    _prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def start_group(
@@ -395,7 +398,6 @@ def _forked_main(rank: int, spec_json: str) -> None:
     """A forked follower's life, as `python -m models.parallel` runs it; it dies with the template, which
     leaves when the process that started it does."""
     _die_with_parent()
-    os.environ["OMP_NUM_THREADS"] = str(GroupSpec(**json.loads(spec_json)).threads)
     _exit(main(["--rank", str(rank), "--spec", spec_json]))
 
 
@@ -444,6 +446,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)-7s [rank {args.rank}] %(name)s: %(message)s",
     )
     _name_process(f"tp-rank-{args.rank}")
+    # Where the interpreter was forked rather than started with it (`_ForkedFollower`): for the libraries
+    # that size their pools from it when they first run.
+    os.environ["OMP_NUM_THREADS"] = str(spec.threads)
     config = spec.config(args.rank)
     torch.set_num_threads(spec.threads)
     shard, control = join(spec, args.rank)
