@@ -226,13 +226,21 @@ def adapters_case(
     # the same recompile limit (its layers' code object is shared) and would not be there.
     adapters = write_adapters(shapes_only(directory), count, root / f"adapters-{count}")
     setting = ",".join(f"{name}={path}" for name, path in adapters.items())
+    started = time.perf_counter()
     torch._dynamo.reset()
     scorer = Scorer(directory, ScorerConfig(adapters=setting, **config))
+    print(f"  {count} adapters: written and loaded with the model in {time.perf_counter() - started:.1f} s",
+          flush=True)  # fmt: skip
     names = list(adapters)
     plain = [ScoreRequest(f"p{i}", items=(p,)) for i, p in enumerate(prompts)]
     mixed = [ScoreRequest(f"m{i}", items=(p,), adapter=names[i % count]) for i, p in enumerate(prompts)]
+    started = time.perf_counter()
     base_s, base_results, base_all = time_score(scorer, plain, repeats)
+    print(f"  {count} adapters: the base model's calls in {time.perf_counter() - started:.1f} s", flush=True)
+    started = time.perf_counter()
     mixed_s, mixed_results, mixed_all = time_score(scorer, mixed, repeats)
+    print(f"  {count} adapters: the mixed calls in {time.perf_counter() - started:.1f} s", flush=True)
+    started = time.perf_counter()
     # Requests of the first adapter among the float32 picks (the stream's first one at least).
     same = [i for i in picks if i % count == 0] or [0]
     values = np.array([mixed_results[i].scores[0] for i in same], dtype=np.float32)
@@ -243,6 +251,7 @@ def adapters_case(
     effect = max(abs(mixed_results[i].scores[0][0] - base_results[i].scores[0][0]) for i in same)
     adapter_check["adapter_effect"] = effect
     adapter_check["ok"] = adapter_check["ok"] and effect > adapter_check["bound"]
+    print(f"  {count} adapters: checked against float32 in {time.perf_counter() - started:.1f} s", flush=True)
     print(f"{count} adapters: base {tokens / base_s:,.0f} tok/s, mixed {tokens / mixed_s:,.0f} tok/s "
           f"({base_s / mixed_s:.3f}x); check {adapter_check}", flush=True)  # fmt: skip
     del scorer

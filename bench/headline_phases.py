@@ -110,10 +110,11 @@ def w2(ctx: Context) -> Phase:
 
 
 def w2_argv(requests: int, budget_s: float, quick: bool) -> list[str]:
-    """bench/w2.py's arguments for the phase: saturation again after a restart of the worker."""
+    """bench/w2.py's arguments for the phase: saturation again after a restart of the worker; not the
+    paced phase at a short fetch wait (no figure of the phase, and a restart's 11-14 s on an H100)."""
     argv = ["--requests", str(requests), "--latency-seconds", "1" if quick else "2",
             "--saturation-variants", "again", "--budget-s", f"{budget_s:.0f}",
-            "--phase-margin-s", "8"]  # fmt: skip
+            "--phase-margin-s", "8", "--no-short-fetch-latency"]  # fmt: skip
     return [*argv, *(["--quick"] if quick else [])]
 
 
@@ -177,13 +178,19 @@ def w4(ctx: Context) -> Phase:
                      cache_mib=64 if ctx.quick else 4096, cache_admit="first", repeats=2, step_only=True,
                      sample=3 if ctx.quick else 4)  # fmt: skip
     directory = ctx.w1_dir()
-    run = functools.partial(w3_w4.run_case, model_dir=directory, work=stream, args=args, device=ctx.device)
+    # Both cases on one whole-prompt Scorer, the distinct tokens timed once (one call in both).
+    kept: dict[str, Any] = {}
+    run = functools.partial(
+        w3_w4.run_case, model_dir=directory, work=stream, args=args, device=ctx.device, kept=kept
+    )
     cases = {
         "one stream": run("W4 interleaved, one call", one_call=True),
         f"{answers} calls, prefix cache": run(
             f"W4 interleaved, {answers} calls, prefix cache", calls=answers
         ),
     }
+    kept.clear()
+    _free(ctx.device)
     figures, checks = {}, {}
     items = len(stream[0])
     for label, case in cases.items():

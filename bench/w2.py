@@ -415,6 +415,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--saturation-timeout", type=float, default=150.0)
     parser.add_argument(
+        "--no-short-fetch-latency",
+        action="store_true",
+        help="skip the paced phase after a restart with a 10 ms fetch wait (a restart and its seconds)",
+    )
+    parser.add_argument(
         "--saturation-variants",
         default="fetch2",
         help=f"comma-separated restarts, each followed by saturation again: {', '.join(VARIANTS)}",
@@ -472,6 +477,7 @@ def run(
         # The model-step timings after the load need about a minute; the load must end before that.
         deadline=deadline - step_reserve_s,
         phase_margin_s=args.phase_margin_s,
+        short_fetch_latency=not args.no_short_fetch_latency,
         variants=tuple(v for v in args.saturation_variants.split(",") if v),
     )
     # As the worker warms its scorer before joining the group (every compiled variant, the full budget),

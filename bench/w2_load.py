@@ -52,6 +52,8 @@ class LoadConfig:
     deadline: float = math.inf
     # The least time left before `deadline` for a one-in-flight, relay or variant phase to start.
     phase_margin_s: float = 30.0
+    # The paced phase again after a restart with a short fetch wait (a restart and the phase's seconds).
+    short_fetch_latency: bool = True
 
 
 # The one-request-in-flight phases run on topics of their own. The embedded broker (Tansu 0.6, memory
@@ -420,14 +422,17 @@ async def run_phases(config: LoadConfig, queue: Any, control: Any) -> dict[str, 
             count += 1
         report["latency"] = await loader.paced(requests[:count], "lat", rate)
         _progress("latency", report["latency"])
-        if config.deadline - time.monotonic() < config.latency_seconds + config.latency_timeout_s:
+        if not config.short_fetch_latency:
+            report["latency_short_fetch_skipped"] = "not asked for"
+        elif config.deadline - time.monotonic() < config.latency_seconds + config.latency_timeout_s:
             report["latency_short_fetch_skipped"] = "no time left"
             return report
-        queue.put({"restart": "short_fetch"})
-        await asyncio.to_thread(control.get, True, 90)
-        report["warmup_short_fetch"] = await loader.burst(warm[:16], "warm2", config.warmup_timeout_s)
-        report["latency_short_fetch"] = await loader.paced(requests[:count], "lat2", rate)
-        _progress("latency, worker fetch_max_wait_ms 10", report["latency_short_fetch"])
+        else:
+            queue.put({"restart": "short_fetch"})
+            await asyncio.to_thread(control.get, True, 90)
+            report["warmup_short_fetch"] = await loader.burst(warm[:16], "warm2", config.warmup_timeout_s)
+            report["latency_short_fetch"] = await loader.paced(requests[:count], "lat2", rate)
+            _progress("latency, worker fetch_max_wait_ms 10", report["latency_short_fetch"])
 
         async def one_at_a_time(
             restart: str, topics: tuple[str, str], prefix: str, warm_prefix: str, relayed: bool

@@ -140,6 +140,8 @@ def test_shared_prefix_benchmark_quick_run_checks_what_it_timed(tmp_path: Path) 
         # Timed as the model step, with batches overlapped, and with preparing on the same thread.
         for timing in (report[case], report[case]["overlapped"], report[case]["with_prepare"]):
             assert timing["shared_items_per_s"] > 0 and timing["today_items_per_s"] > 0
+    # The interleaved cases are one call each over the same distinct tokens: timed once, for both.
+    assert report["w4c"]["step_passes_s"]["distinct"] == report["w4i"]["step_passes_s"]["distinct"]
     # Over calls, the shared path's later calls take every prompt's whole blocks from the prefix cache.
     cache = report["w4c"]["prefix_cache"]
     assert cache["hits"] > 0 and cache["tokens_saved"] > 0 and cache["bytes"] > 0
@@ -266,18 +268,19 @@ def test_fp8_benchmark_fails_a_broken_product() -> None:
 
 
 def test_w2_quick_run_through_a_real_broker_checks_what_it_timed(tmp_path: Path) -> None:
-    """bench/w2.py on a tiny model on the CPU: every phase through the embedded broker, a worker restarted
-    with one intake process and saturated again, the results that came back checked against float32."""
+    """bench/w2.py on a tiny model on the CPU: every phase through the embedded broker but the one left out
+    (as the headline run leaves it out), a worker restarted with one intake process and saturated again,
+    the results that came back checked against float32."""
     target = tmp_path / "w2-quick.json"
-    proc = _run_script(
-        ["bench/w2.py", "--quick", "--saturation-variants", "intake1", "--json", str(target)], tmp_path, 600
-    )
+    argv = ["--quick", "--saturation-variants", "intake1", "--no-short-fetch-latency", "--json", str(target)]
+    proc = _run_script(["bench/w2.py", *argv], tmp_path, 600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(target.read_text())
     assert report["correctness"]["ok"] and report["correctness"]["items"] > 0
     # The worker's batches were recorded (however its model thread calls the scorer) and replayed alone.
     assert report["model_step_worker_batches"]["batches"] > 0
     assert report["saturation"]["worker"]["batches"] > 0
+    assert report["latency_short_fetch_skipped"] == "not asked for" and "latency_short_fetch" not in report
     phases = ("saturation", "saturation_intake1", "one_in_flight", "one_in_flight_low_latency")
     for phase in (*phases, "relay_wait10", "relay_wait2"):
         assert report[phase]["completed"] == report[phase]["requests"]
@@ -301,6 +304,7 @@ def test_w2_quick_run_through_a_real_broker_checks_what_it_timed(tmp_path: Path)
     for quick in (True, False):
         phase_args = w2.parse_args(w2_argv(48, 60.0, quick))
         assert phase_args.saturation_variants == "again" and phase_args.quick is quick
+        assert phase_args.no_short_fetch_latency
     phase = w2_verdict(report, 64)
     assert all(c["ok"] for c in phase["checks"].values()), phase["checks"]
     assert set(phase["checks"]) == {
