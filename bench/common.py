@@ -369,13 +369,10 @@ def measure(name: str, run: Callable[[], Any], warmup: Callable[[], Any], repeat
 # The checks of timed results against float32: a figure whose results are wrong is no figure.
 
 
-def spread_picks(lengths: Sequence[int], count: int, max_len: int | None = None) -> list[int]:
+def spread_picks(lengths: Sequence[int], count: int) -> list[int]:
     """Indices of `count` requests spread evenly over the length range (shortest to longest): the subset
-    checked against the float32 reference; with `max_len`, over the requests of at most that many tokens
-    only (all of them where none is that short)."""
-    eligible = [i for i, n in enumerate(lengths) if max_len is None or n <= max_len]
-    eligible = eligible or list(range(len(lengths)))
-    by_length = sorted(eligible, key=lambda i: lengths[i])
+    checked against the float32 reference."""
+    by_length = sorted(range(len(lengths)), key=lambda i: lengths[i])
     return sorted({by_length[round(k * (len(by_length) - 1) / max(count - 1, 1))] for k in range(count)})
 
 

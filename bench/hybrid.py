@@ -162,12 +162,8 @@ def run(
     requests: int = 512,
     sample: int = 12,
     repeats: int = 2,
-    sample_max_len: int | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
-    """The benchmark: its report and the failures of its checks (empty: the figures stand). With
-    `sample_max_len`, the float32 sample is drawn from the requests of at most that many tokens: HF's
-    reference runs Gated DeltaNet in its PyTorch fallback, whose time grows with the length (four of W1's
-    lengths spread up to 2,048 tokens took 68 s in float32 and 38 s in bf16 on an H100)."""
+    """The benchmark: its report and the failures of its checks (empty: the figures stand)."""
     from models import Scorer, ScorerConfig
     from models.plan import token_runs
 
@@ -194,8 +190,7 @@ def run(
         if device == "cuda":
             report["roofline"] = roofline(scorer, work.lengths, matmul_tflops()["tflops_median"])
             report["pct_roofline"] = 100.0 * report["tokens_per_s"] / report["roofline"]["tokens_per_s"]
-        picks = spread_picks(work.lengths, sample, sample_max_len)
-        report["float32_sample_lengths"] = [work.lengths[i] for i in picks]
+        picks = spread_picks(work.lengths, sample)
         entries = [sample_entry([work.token_ids[i].tolist()], results[i]) for i in picks]
         del scorer
         if device == "cuda":

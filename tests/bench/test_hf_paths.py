@@ -53,14 +53,3 @@ def test_reference_matches_hf_sdpa_and_restores_the_model(monkeypatch: pytest.Mo
             torch.testing.assert_close(torch.from_numpy(got.scores[i]), want.logits[0], rtol=0, atol=1e-5)
             pooled = want.hidden_states[-1][0, -1]
             torch.testing.assert_close(torch.from_numpy(got.hidden[i]), pooled, rtol=0, atol=1e-5)
-
-
-def test_float32_sample_spreads_over_the_lengths_it_may_take() -> None:
-    """The float32 sample spans the shortest to the longest request, or, with a cap, the longest within
-    it; a cap no request meets leaves the whole range."""
-    from bench.common import spread_picks
-
-    lengths = [900, 40, 300, 2048, 512, 120, 700]
-    assert spread_picks(lengths, 3) == [1, 3, 4]  # 40, 512 (the median), 2048
-    assert spread_picks(lengths, 3, max_len=512) == [1, 2, 4]  # 40, 300, 512
-    assert spread_picks(lengths, 2, max_len=10) == [1, 3]
