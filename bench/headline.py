@@ -28,12 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from bench import headline_models as models
-from bench import headline_phases as phases
-from bench.common import argument_parser, out_dir, pick_device, report_header
 from bench.headline_kit import Context, PhaseCut, compare, load_report, markdown_rows, write_atomic
+
+# This module imports neither torch nor the phases' modules until a phase runs: the W2 phase's worker
+# spawns its intake processes, and a spawned process imports the program's main module again (this file,
+# when run as a script), which with torch at the top cost each of them seconds at every worker restart.
 
 COMMAND = "python3 bench/headline.py"
 TOTAL_S = 540.0  # the whole run, process start to the last report: 9 minutes
@@ -42,6 +41,27 @@ TOTAL_S = 540.0  # the whole run, process start to the last report: 9 minutes
 QUICK_SCALE = 4.0
 CUT_AGAIN_S = 5.0  # after a cut, raised again this often until the phase has let go
 START_S = 20.0  # what the start (imports, CUDA's context, the report's header) takes before the first phase
+
+
+def _later(module: str, name: str) -> Callable[[Context], dict[str, Any]]:
+    """A phase's function, imported from bench.`module` when the phase runs."""
+
+    def run(ctx: Context) -> dict[str, Any]:
+        import importlib
+
+        function: Callable[[Context], dict[str, Any]] = getattr(
+            importlib.import_module(f"bench.{module}"), name
+        )
+        return function(ctx)
+
+    run.__qualname__ = f"{module}.{name}"
+    return run
+
+
+def report_header(args: Any) -> dict[str, Any]:
+    from bench.common import report_header as header
+
+    return header(args)
 
 
 @dataclass(frozen=True)
@@ -54,23 +74,25 @@ class Phase:
     run: Callable[[Context], dict[str, Any]]
 
 
-# In order of importance: when time runs short, the last are the ones cut.
-PHASES: tuple[Phase, ...] = (
-    # Budgets: each phase's time on an H100 (2026-12-07: w1 95 s, l1 31, w2 89-103, w4 103, adapters 77,
-    # prm 19, deterministic 25, w5 43, hybrid 120 with its model's first compile, moe 34, vision 21) with
-    # room to spare. They add up to more than the run: see docs/benchmarks.md, the headline run.
-    Phase("w1", "W1, bf16 and FP8 against the matmul rooflines", 130, phases.w1),
-    Phase("l1", "L1, 1 and 64 requests of 100 tokens", 45, phases.l1),
-    Phase("w2", "W2 behind the embedded broker", 125, phases.w2),
-    Phase("w4", "W4, each prompt's answers interleaved", 130, phases.w4),
-    Phase("adapters", "mixed LoRA adapters against the base model", 100, phases.adapters),
-    Phase("prm", "PRM, 8 steps against plain scoring", 30, phases.prm),
-    Phase("deterministic", "the deterministic setting against the default", 40, phases.deterministic),
-    Phase("w5", "W5, long context among W1's requests", 60, phases.w5),
-    Phase("hybrid", "a hybrid linear-attention model (Qwen3.5-9B-like)", 140, models.hybrid),
-    Phase("moe", "a mixture-of-experts model (Qwen3-30B-A3B's shapes, 8 layers)", 50, models.moe),
-    Phase("vision", "an image-text classifier (Gemma-3-4B-like), images beside text", 40, models.vision),
+# In order of importance: when time runs short, the last are the ones cut. Each phase runs the function of
+# its name in the module named beside it (bench/headline_phases.py, bench/headline_models.py).
+# Budgets: each phase's time on an H100 (2026-12-07: w1 95 s, l1 31, w2 89-103, w4 103, adapters 77, prm 19,
+# deterministic 25, w5 43, hybrid 120 with its model's first compile, moe 34, vision 21) with room to spare.
+# They add up to more than the run: see docs/benchmarks.md, the headline run.
+_TABLE: tuple[tuple[str, str, float, str], ...] = (
+    ("w1", "W1, bf16 and FP8 against the matmul rooflines", 130, "headline_phases"),
+    ("l1", "L1, 1 and 64 requests of 100 tokens", 45, "headline_phases"),
+    ("w2", "W2 behind the embedded broker", 125, "headline_phases"),
+    ("w4", "W4, each prompt's answers interleaved", 130, "headline_phases"),
+    ("adapters", "mixed LoRA adapters against the base model", 100, "headline_phases"),
+    ("prm", "PRM, 8 steps against plain scoring", 30, "headline_phases"),
+    ("deterministic", "the deterministic setting against the default", 40, "headline_phases"),
+    ("w5", "W5, long context among W1's requests", 60, "headline_phases"),
+    ("hybrid", "a hybrid linear-attention model (Qwen3.5-9B-like)", 140, "headline_models"),
+    ("moe", "a mixture-of-experts model (Qwen3-30B-A3B's shapes, 8 layers)", 50, "headline_models"),
+    ("vision", "an image-text classifier (Gemma-3-4B-like), images beside text", 40, "headline_models"),
 )
+PHASES: tuple[Phase, ...] = tuple(Phase(n, t, b, _later(m, n)) for n, t, b, m in _TABLE)
 
 
 @contextlib.contextmanager
@@ -97,6 +119,8 @@ def run_phase(phase: Phase, ctx: Context, budget_s: float) -> dict[str, Any]:
     entry: dict[str, Any] = {"title": phase.title, "budget_s": round(budget_s, 1)}
     started = time.monotonic()
     ctx.deadline = started + budget_s
+    import torch
+
     # A worker holds one Scorer: no phase's compiled graphs count against another's recompile limit.
     torch._dynamo.reset()
     try:
@@ -128,6 +152,8 @@ def run_phase(phase: Phase, ctx: Context, budget_s: float) -> dict[str, Any]:
 def _release(device: str) -> None:
     import gc
 
+    import torch
+
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -135,6 +161,8 @@ def _release(device: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:
+    from bench.common import argument_parser
+
     parser = argument_parser(__doc__)
     parser.add_argument(
         "--quick", action="store_true", help="tiny models on the CPU: a smoke test of the run"
@@ -161,6 +189,8 @@ def parse_args(argv: Sequence[str] | None) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from bench.common import out_dir, pick_device
+
     started = time.monotonic()
     args = parse_args(argv)
     device = pick_device("the headline run (or --quick)", cpu_allowed=args.quick)

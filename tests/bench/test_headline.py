@@ -120,3 +120,22 @@ def test_a_bar_in_a_figures_name_stays_inside_its_cell() -> None:
     }
     row = markdown_rows(report, "python3 bench/headline.py").splitlines()[2]
     assert row.startswith(r"| W1: max \|score - float32\| | **0.1 abs** |") and row.count(" | ") == 5
+
+
+def test_the_script_imports_no_torch_where_a_spawned_process_imports_it_again() -> None:
+    """The W2 phase's worker spawns intake processes, and each imports the program's main module again (as
+    `__mp_main__`): the headline script's own imports stay light, its phases' modules loaded as they run."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    heavy = ("torch", "numpy", "bench.common", "bench.headline_phases")
+    probe = (
+        "import runpy, sys; runpy.run_path('bench/headline.py', run_name='__mp_main__'); "
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=root, env={"PYTHONPATH": str(root)}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
