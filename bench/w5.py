@@ -4,8 +4,9 @@ every fourth asking for its pooled hidden state, interleaved with W1's requests 
 Run on the GPU machine from the repository root:  PYTHONPATH=. python3 bench/w5.py [--quick]
 `--quick` runs tiny shapes and lengths on the CPU when there is no GPU (a smoke test, not a measurement).
 
-The stream is cut as the worker cuts it (models.plan: arrival order, at most `--max-batch-tokens` a batch; an
-item longer than that is a batch of its own, never cut) and scored batch by batch, each batch timed between
+The stream is run as the worker's pipeline runs a backlog (models.plan: the requests that fit cut in arrival
+order, at most `--max-batch-tokens` a batch; an item longer than that a batch of its own, never cut, taking
+turns with the others: `take_turns`) and scored batch by batch, each batch timed between
 device synchronisations. Reported: tokens/s of the whole stream against a roofline whose FLOPs count
 attention at each request's own length (the measured bf16 matmul rate over those FLOPs), the long requests'
 own tokens/s, peak GPU memory (torch.cuda.max_memory_allocated), and how long each of W1's requests waited
@@ -145,6 +146,7 @@ def run_stream(
     the figures and the check of a sample against HF float32."""
     from bench.capabilities import hf_copy
     from models import PreparedRequest, Scorer, ScorerConfig
+    from models.plan import take_turns
 
     scorer = Scorer(str(directory), ScorerConfig(device=device, max_batch_tokens=budget))
     requests = stream_requests(rows, is_long)
@@ -152,7 +154,12 @@ def run_stream(
     refused = [p for p in prepared if not isinstance(p, PreparedRequest)]
     if refused:
         raise RuntimeError(f"{len(refused)} requests refused; first: {refused[0]}")
-    cut = list(scorer.plan.runs(prepared, budget))
+    # As the worker's pipeline runs a backlog: the requests that fit the budget cut into batches in arrival
+    # order, each item over it a batch of its own, the two taking turns (models.plan.take_turns).
+    over = [i for i, p in enumerate(prepared) if p.num_tokens > budget]
+    fits = [i for i, p in enumerate(prepared) if p.num_tokens <= budget]
+    ordinary = [[fits[k] for k in run] for run in scorer.plan.runs([prepared[i] for i in fits], budget)]
+    cut = take_turns(ordinary, [[i] for i in over])
     batch_long = [any(is_long[i] for i in run) for run in cut]
     oversized = [run for run in cut if sum(prepared[i].num_tokens for i in run) > budget]
     if any(len(run) != 1 for run in oversized):

@@ -1,5 +1,6 @@
-"""The one token-budget rule: what a batch computes, where a sequence of requests is cut into batches, and a
-request larger than one batch cut into parts whose results are joined again."""
+"""The one token-budget rule: what a batch computes, where a sequence of requests is cut into batches, a
+request larger than one batch cut into parts whose results are joined again, and the turns such parts and
+items over the budget take with ordinary batches."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 import itertools
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from models.compare import answer
 from models.graphs import KEYS_PER_TOKEN
@@ -31,6 +32,7 @@ RangeMeasure = Callable[[int, int], int]
 RequestsJoin = Callable[[PreparedRequest, PreparedRequest], bool]
 # Whether entry k of a sequence shares such a prefix with a later entry.
 RangeJoins = Callable[[int, int], bool]
+T = TypeVar("T")
 
 
 def token_runs(
@@ -124,6 +126,17 @@ def group_cut(start: int, index: int, joins: RangeJoins, measure: RangeMeasure, 
     return cut if measure(start, cut) + carried < run + measure(index, index + 1) else index
 
 
+def take_turns(ordinary: Sequence[T], large: Sequence[T]) -> list[T]:
+    """The order in which the worker's pipeline runs a backlog of ordinary batches and large turns (each a
+    part of a request too large for one batch, or one item over the token budget, which nothing can cut),
+    each list in arrival order: one of each in turn, an ordinary batch first, the rest of the longer list
+    at the end. A request of the k-th ordinary batch waits behind k - 1 large turns, however many queued."""
+    order: list[T] = []
+    for k in range(max(len(ordinary), len(large))):
+        order += [*ordinary[k : k + 1], *large[k : k + 1]]
+    return order
+
+
 def split_request(
     prepared: PreparedRequest, max_tokens: int, measure: PromptsMeasure | None = None
 ) -> list[PreparedRequest]:
@@ -133,8 +146,8 @@ def split_request(
     A request that fits is returned whole. Tokenizing time is charged to the first part.
     """
     prompts = prepared.prompts
-    if (prepared.num_tokens if measure is None else measure(prompts)) <= max_tokens:
-        return [prepared]
+    if len(prompts) == 1 or (prepared.num_tokens if measure is None else measure(prompts)) <= max_tokens:
+        return [prepared]  # it fits, or it is one prompt: nothing to cut
     by_range: RangeMeasure | None = None
     if measure is not None:
 

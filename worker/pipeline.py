@@ -93,7 +93,10 @@ class Pipeline:
     """Owns the batcher and the model thread. `accept` takes fetched records; answers go to `deliver`.
 
     Requests larger than one batch are cut into parts (models.plan) that take turns with ordinary
-    batches, so small requests behind a large one wait for about one batch, not for all of it.
+    batches, so small requests behind a large one wait for about one batch, not for all of it. An item
+    longer than the budget, which nothing can cut (a long-context prompt), is a batch of its own that
+    takes its turn the same way: requests behind several long items wait for one of them per batch of
+    their own, not for every one queued (models.plan.take_turns: the order a backlog runs in).
 
     Up to `model_queue_depth` batches are on the model thread at once: the running one and closed batches
     queued behind it. A batch closed full while the model runs is handed over at once, so it starts as the
@@ -197,6 +200,9 @@ class Pipeline:
         arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
         if len(parts) == 1:
             unit = Unit(accepted, accepted.prepared, self._tokens(accepted.prepared), arrival=arrival)
+            if unit.tokens > self._settings.max_batch_tokens:  # one item over the budget: a turn of its own
+                self._large.append(unit)
+                return
             for batch in self._batcher.add(unit, unit.tokens):
                 self._ready.append(list(batch.items))
             return
@@ -247,7 +253,8 @@ class Pipeline:
             self._submit(units)
 
     def _next_batch(self) -> list[Unit] | None:
-        """Ordinary batches and parts of large requests take turns when both are waiting."""
+        """Ordinary batches and large turns (parts of large requests, items over the budget) take turns when
+        both are waiting, an ordinary batch first (models.plan.take_turns)."""
         if self._large and (not self._ready or self._large_turn):
             self._large_turn = False
             return [self._large.popleft()]

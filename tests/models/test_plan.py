@@ -276,3 +276,13 @@ def test_a_cut_moves_nothing_where_it_would_not_save_or_fit() -> None:
     distinct = [(str(i), 32) for i in range(6)]
     assert best_of_runs(distinct, 70, asked) == [range(0, 2), range(2, 4), range(4, 6)]
     assert asked == [(1, 2), (3, 4)]
+
+
+def test_large_turns_take_turns_with_ordinary_batches_an_ordinary_one_first() -> None:
+    """The order a backlog runs in: one of each in turn, the longer list's rest at the end."""
+    from models.plan import take_turns
+
+    assert take_turns(["s1", "s2", "s3"], ["L1"]) == ["s1", "L1", "s2", "s3"]
+    assert take_turns(["s1"], ["L1", "L2", "L3"]) == ["s1", "L1", "L2", "L3"]
+    assert take_turns([], ["L1", "L2"]) == ["L1", "L2"]
+    assert take_turns(["s1", "s2"], ["L1", "L2"]) == ["s1", "L1", "s2", "L2"]

@@ -16,6 +16,7 @@ from aiokafka.structs import TopicPartition
 from prometheus_client import CollectorRegistry
 
 from models import BatchPlan
+from models.plan import take_turns
 from schemas import ResultStatus, ScoreRequest, ScoreResult
 from worker.config import WorkerSettings
 from worker.errors import ModelStuckError
@@ -229,3 +230,46 @@ async def _queued_hang_caught(tmp_path: Path) -> None:
     finally:
         release.set()
         harness.pipeline.close()
+
+
+def test_items_over_the_budget_take_turns_with_ordinary_batches(tmp_path: Path) -> None:
+    """An item longer than the token budget (which nothing can cut) is a batch of its own that takes its
+    turn with ordinary batches, as the parts of large requests do: the requests of a backlog behind four
+    such items wait for one of them per ordinary batch, not for all four first (models.plan.take_turns)."""
+    asyncio.run(_long_items_take_turns(tmp_path))
+
+
+class _LongItemsScorer(_ModelThreadScorer):
+    """Requests of 2 tokens, but those at `long` offsets hold one prompt of 50 (the budget is 10)."""
+
+    def __init__(self, long: set[int], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.long = long
+        self.started = [threading.Event() for _ in range(16)]  # nine calls here
+
+    def prepare_all(self, records: Sequence[Any]) -> list[Accepted]:
+        accepted = []
+        for offset in records:
+            tokens = 50 if offset in self.long else 2
+            request = ScoreRequest(request_id=f"r{offset}", items=("a",))
+            prepared = SimpleNamespace(request=request, prompts=[list(range(tokens))], num_tokens=tokens)
+            accepted.append(Accepted(_TP, offset, None, request, prepared, 0, 10, time.monotonic()))
+        return accepted
+
+
+async def _long_items_take_turns(tmp_path: Path) -> None:
+    release = threading.Event()
+    scorer = _LongItemsScorer({0, 2, 3, 5, 6}, hold=lambda call: _wait(release) if call == 0 else None)
+    harness = _Harness(tmp_path, scorer, max_batch_tokens=10, model_queue_depth=1)
+    await harness.pipeline.accept([0])  # type: ignore[list-item]  # a long item: runs alone, held
+    assert await asyncio.to_thread(_wait, scorer.started[0])
+    await harness.pipeline.accept(list(range(1, 13)))  # type: ignore[arg-type]  # the backlog behind it
+    release.set()
+    assert await harness.settle() == []
+    ordinary = [["r1", "r4"], ["r7", "r8"], ["r9", "r10"], ["r11", "r12"]]  # closed at 2 requests each
+    large = [["r2"], ["r3"], ["r5"], ["r6"]]
+    assert scorer.calls == [["r0"], *take_turns(ordinary, large)]
+    assert scorer.calls[1:] == [
+        ["r1", "r4"], ["r2"], ["r7", "r8"], ["r3"], ["r9", "r10"], ["r5"], ["r11", "r12"], ["r6"],
+    ]  # fmt: skip
+    assert sorted(scorer.answered) == list(range(13))
