@@ -254,7 +254,15 @@ class Pipeline:
 
     def _next_batch(self) -> list[Unit] | None:
         """Ordinary batches and large turns (parts of large requests, items over the budget) take turns when
-        both are waiting, an ordinary batch first (models.plan.take_turns)."""
+        both are waiting, an ordinary batch first (models.plan.take_turns). An open batch holding requests
+        that arrived before the next large turn closes and goes first, with what joined it since: a large
+        turn takes as long as a full batch or (an item over the budget) longer, and they were there first."""
+        items = self._batcher.items
+        if self._large and not self._ready and items and items[0].arrival < self._large[0].arrival:
+            closed = self._batcher.flush()
+            if closed is not None:
+                self._ready.append(list(closed.items))
+                self._large_turn = False
         if self._large and (not self._ready or self._large_turn):
             self._large_turn = False
             return [self._large.popleft()]

@@ -273,3 +273,22 @@ async def _long_items_take_turns(tmp_path: Path) -> None:
         ["r1", "r4"], ["r2"], ["r7", "r8"], ["r3"], ["r9", "r10"], ["r5"], ["r11", "r12"], ["r6"],
     ]  # fmt: skip
     assert sorted(scorer.answered) == list(range(13))
+
+
+def test_requests_that_came_before_a_long_item_go_before_it(tmp_path: Path) -> None:
+    """The model idle, two requests wait in the open batch (its wait not over) when an item over the
+    budget arrives: they close their batch and run first, rather than wait for the long item."""
+    asyncio.run(_earlier_requests_first(tmp_path))
+
+
+async def _earlier_requests_first(tmp_path: Path) -> None:
+    scorer = _LongItemsScorer({3})
+    harness = _Harness(tmp_path, scorer, max_batch_tokens=10, max_batch_requests=4, model_queue_depth=1)
+    await harness.pipeline.accept([1, 2])  # type: ignore[list-item]  # open, waiting up to max_wait_ms
+    assert scorer.calls == []
+    await harness.pipeline.accept([3])  # type: ignore[list-item]  # a long item
+    await harness.pipeline.accept([4])  # type: ignore[list-item]  # and one behind it
+    assert await harness.settle() == []
+    harness.pipeline.flush()
+    assert await harness.settle() == []
+    assert scorer.calls == [["r1", "r2"], ["r3"], ["r4"]]
