@@ -257,8 +257,9 @@ class Pipeline:
         both are waiting, an ordinary batch first (models.plan.take_turns). An open batch holding requests
         that arrived before the next large turn closes and goes first, with what joined it since: a large
         turn takes as long as a full batch or (an item over the budget) longer, and they were there first."""
-        items = self._batcher.items
-        if self._large and not self._ready and items and items[0].arrival < self._large[0].arrival:
+        # The open batch's items (a copy) are read only when a large turn would start with it waiting.
+        waiting = bool(self._large) and not self._ready and len(self._batcher) > 0
+        if waiting and self._batcher.items[0].arrival < self._large[0].arrival:
             closed = self._batcher.flush()
             if closed is not None:
                 self._ready.append(list(closed.items))
