@@ -402,3 +402,51 @@ def test_the_command_exits_non_zero_when_the_watchdog_fires(
     assert "past its limit" in done.stderr and "watchdog_ms" in done.stderr
     committed = asyncio.run(committed_offsets(kafka_bootstrap, names.group, names.requests))
     assert committed.get(0, 0) == 0  # the request is delivered again
+
+
+class _LaunchOrder(PacedScorer):
+    """A paced scorer that records each batch's request ids, in the order the model thread ran them."""
+
+    def __init__(self, scorer: Scorer, delay_s: float) -> None:
+        super().__init__(scorer, delay_s)
+        self.batches: list[list[str]] = []
+
+    def launch(self, prepared: Sequence[Any], on_batch: BatchObserver | None = None) -> PendingScores:
+        self.batches.append([p.request.request_id for p in prepared])
+        return super().launch(prepared, on_batch)
+
+
+def test_a_request_behind_items_over_the_budget_waits_for_one_of_them(
+    kafka_bootstrap: str, tiny_llama_dir: Path
+) -> None:
+    """Six requests each holding one item longer than the token budget (which nothing can cut), then a
+    small request: the model runs the small one after the first long item, not after all six."""
+    names = Names.unique("long-items")
+    budget = 128
+    settings = fast_settings(
+        kafka_bootstrap, tiny_llama_dir, names, max_batch_tokens=budget, topic_partitions=1
+    )
+    plain = Scorer(tiny_llama_dir, ScorerConfig(device="cpu"))
+    scorer = _LaunchOrder(Scorer(tiny_llama_dir, ScorerConfig(device="cpu", max_batch_tokens=budget)), 0.2)
+    long = [ScoreRequest(f"long-{i}", items=(f"passage {i} " + "word " * 250,)) for i in range(6)]
+    small = ScoreRequest("small", items=("a short answer",))
+    assert all(plain.prepare(r).num_tokens > budget for r in long)  # type: ignore[union-attr]
+
+    async def scenario() -> dict[str, ScoreResult]:
+        await ensure_topics(settings)
+        worker = ScoreWorker(settings, scorer)
+        task = asyncio.create_task(worker.run())
+        await produce(kafka_bootstrap, names.requests, [request_record(ScoreRequest("warm", items=("x",)))])
+        await read_topic(kafka_bootstrap, names.results, 1, settle_s=0)  # joined and warm
+        await produce(kafka_bootstrap, names.requests, [request_record(r) for r in [*long, small]])
+        outcome = await finish(settings, [(worker, task)], 8, 8)
+        return _by_id(outcome.results)
+
+    got = asyncio.run(scenario())
+    assert len(got) == 8 and all(r.status is ResultStatus.OK for r in got.values())
+    ran = [ids for ids in scorer.batches if ids != ["warm"]]
+    assert sorted(ran) == sorted([[r.request_id] for r in long] + [["small"]])  # each long item alone
+    # In arrival order the small request would run seventh; taking turns, it runs at most second.
+    assert ran.index(["small"]) <= 1, ran
+    for request, expected in zip([*long, small], plain.score([*long, small]), strict=True):
+        assert_scored_alike(got[request.request_id], expected, plain, [request])
