@@ -343,7 +343,8 @@ def relative_errors(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
 def measure(name: str, run: Callable[[], Any], warmup: Callable[[], Any], repeats: int) -> dict[str, Any]:
     """Warm up, then time `repeats` full passes (between device synchronisations, GPU clocks sampled); keeps
     the last pass's output for the checks against float32. Peak GPU memory is None on the CPU."""
-    warmup()
+    _, warm_s = timed(warmup)
+    print(f"  {name}: warm-up {warm_s:.2f} s", flush=True)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -27,6 +27,7 @@ import copy
 import gc
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -206,7 +207,9 @@ def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
     chunks = list(token_runs(work.lengths, args.max_batch_tokens))
     requests = packed_path.make_requests(work.token_ids)
     model_dir = workdir / "w1"
+    started = time.perf_counter()
     packed_path.save_model_dir(model, model_dir)
+    print(f"  W1: model written in {time.perf_counter() - started:.1f} s", flush=True)
     attn_width = shapes["num_attention_heads"] * (shapes["hidden_size"] // shapes["num_attention_heads"])
     flops = flops_per_token(
         non_embedding_params(model), shapes["num_hidden_layers"], attn_width, work.lengths
@@ -214,7 +217,9 @@ def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
     runs: dict[str, dict[str, Any]] = {}
     outputs: dict[str, PathOutput] = {}
     for quantization in ("none", *args.variants):
+        started = time.perf_counter()
         scorer = make_scorer(model_dir, quantization, device, args.max_batch_tokens)
+        print(f"  W1 {quantization}: Scorer loaded in {time.perf_counter() - started:.1f} s", flush=True)
 
         def run(s: Any = scorer) -> list[Any]:
             return packed_path.run_scorer(s, requests, chunks)

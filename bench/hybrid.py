@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -174,10 +175,14 @@ def run(
     count, longest = (12, 300) if quick else (requests, 2048)
     work = make_lognormal_workload(count, shapes["vocab_size"], max_len=longest)
     with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
         directory = model_dir(kind, shapes, device, Path(tmp) / kind)
+        print(f"  {kind}: model written in {time.perf_counter() - started:.1f} s", flush=True)
         dtype = "bfloat16" if device == "cuda" else "float32"
         config = ScorerConfig(device=device, dtype=dtype, max_batch_tokens=max_batch_tokens)
+        started = time.perf_counter()
         scorer = Scorer(str(directory), config)
+        print(f"  {kind}: Scorer loaded in {time.perf_counter() - started:.1f} s", flush=True)
         linear = scorer.executor.linear_layers
         report["linear_kernel"] = None if linear is None else linear.kernel
         report["attention"] = scorer.attention
