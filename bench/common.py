@@ -442,25 +442,35 @@ def sample_entry(prompts: Sequence[Sequence[int]], result: Any) -> dict[str, Any
 
 
 def check_sample(
-    model_dir: Path, device: str, sample: Sequence[dict[str, Any]], **options: Any
+    model_dir: Path,
+    device: str,
+    sample: Sequence[dict[str, Any]],
+    references: dict[Any, PathOutput] | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """Results (sample_entry) against HF float32 loaded from `model_dir` (check_sample_with). `options`:
-    from_pretrained's options for both HF models (e.g. the experts implementation of a mixture of experts)."""
+    from_pretrained's options for both HF models (e.g. the experts implementation of a mixture of experts).
+    `references`: HF's outputs kept across checks of one model on the same items (check_sample_with)."""
     from transformers import AutoModelForSequenceClassification
 
     def load(dtype: torch.dtype) -> torch.nn.Module:
         model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype, **options)
         return model.to(device).eval()  # type: ignore[no-any-return]
 
-    return check_sample_with(load, device, sample)
+    return check_sample_with(load, device, sample, references)
 
 
 def check_sample_with(
-    load: Callable[[torch.dtype], torch.nn.Module], device: str, sample: Sequence[dict[str, Any]]
+    load: Callable[[torch.dtype], torch.nn.Module],
+    device: str,
+    sample: Sequence[dict[str, Any]],
+    references: dict[Any, PathOutput] | None = None,
 ) -> dict[str, Any]:
     """Results (sample_entry) against HF float32, item by item, the model of each dtype from load(dtype),
     one at a time. The bound is twice HF's own bf16 error on the same items plus 5% of the score scale (2%
-    for the hidden states' relative error); a non-finite value or a missing sample fails too."""
+    for the hidden states' relative error); a non-finite value or a missing sample fails too.
+    `references`: where given, HF's outputs by dtype and items, reused when a later check of the same
+    model (the caller's promise) has the same items: two paths checked on one sample load HF once."""
     rows = [torch.tensor(item) for entry in sample for item in entry["items"]]
     scores = np.array([row for entry in sample for row in entry["scores"]], dtype=np.float32)
     # Items of the requests that asked for hidden states, as indices into `rows`, and their states.
@@ -469,13 +479,20 @@ def check_sample_with(
     hidden = np.array([h for entry in sample if entry["hidden"] is not None for h in entry["hidden"]])
     half = torch.bfloat16 if device == "cuda" else torch.float32
     outputs = {}
+    items = tuple(tuple(int(t) for t in row.tolist()) for row in rows)
     for dtype in (torch.float32, half):
+        kept = None if references is None else references.get((dtype, items))
+        if kept is not None:
+            outputs[dtype] = kept
+            continue
         started = time.perf_counter()
         model = load(dtype)
         loaded = time.perf_counter()
         outputs[dtype] = hf_paths.run_reference(model, rows)
         print(f"  reference {dtype}: loaded in {loaded - started:.1f} s, {len(rows)} items in "
               f"{time.perf_counter() - loaded:.1f} s", flush=True)  # fmt: skip
+        if references is not None:
+            references[(dtype, items)] = outputs[dtype]
         del model
         gc.collect()
         if device == "cuda":

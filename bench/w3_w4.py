@@ -248,8 +248,8 @@ def run_case(
     as the worker's batcher cuts a stream. `calls`: the requests as that many calls of consecutive
     requests (each cut by the engine), the shared path with a prefix cache of `--cache-mib`.
     `kept`: what cases of one run over the same work share, filled by the first: the whole-prompt path's
-    Scorer and the distinct tokens' timing (one call in every case but the batcher's cut); the caller
-    drops it after the last case."""
+    Scorer, the distinct tokens' timing (one call in every case but the batcher's cut) and HF's outputs on
+    the checked items; the caller drops it after the last case."""
     requests, bare = work
     dtype = "bfloat16" if device == "cuda" else "float32"
     base = {"device": device, "dtype": dtype, "max_batch_tokens": args.max_batch_tokens}
@@ -298,7 +298,9 @@ def run_case(
         # The model step: what bounds the worker, whose intake prepares requests beside the model.
         **rates("step_s"),
         "step_passes_s": {"today": whole_p, "shared": shared_p, "distinct": distinct_p},
-        "vs_fp32": check_sample(model_dir, device, sample(requests, shared_results, args.sample)),
+        "vs_fp32": check_sample(
+            model_dir, device, sample(requests, shared_results, args.sample), kept.setdefault("hf", {})
+        ),
     }
     if not args.step_only:
         # The model step with batches overlapped, as the worker's model thread runs them when they queue.
