@@ -446,6 +446,11 @@ class ObservabilitySettings(BaseModel):
         9464, ge=0, le=65535, description="port of /metrics, /healthz and /readyz; 0 turns them off"
     )
     metrics_host: str = Field("0.0.0.0", min_length=1, description="address the metrics port listens on")
+    metrics_fd: int | None = Field(
+        None, ge=0, description="a listening socket this process inherited, served in place of binding "
+        "metrics_host:metrics_port (the host's supervisor hands one to each worker process, bound before the "
+        "process starts, so no other program can take its port in between)",
+    )  # fmt: skip
     broker_probe_interval_ms: int = Field(
         5_000, ge=100, le=300_000, description="how often readiness asks the brokers for metadata"
     )

@@ -7,6 +7,7 @@ import contextlib
 import inspect
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -94,10 +95,14 @@ class HealthServer:
         exposition: Callable[[], bytes | Awaitable[bytes]],
         checks: Callable[[], dict[str, bool] | Awaitable[dict[str, bool]]],
         details: Callable[[], dict[str, Any]] | None = None,
+        listener: socket.socket | None = None,
     ) -> None:
         """`details`: more for /readyz's body beside the checks (why a check fails), asked for after them.
-        `exposition` and `checks` may be coroutines (a host's supervisor asks its processes)."""
+        `exposition` and `checks` may be coroutines (a host's supervisor asks its processes). `listener`: a
+        socket already bound and listening (one inherited from the host's supervisor), served in place of
+        binding host:port."""
         self._host, self._port = host, port
+        self._listener = listener
         self._exposition, self._checks = exposition, checks
         self._details = details
         self._server: asyncio.Server | None = None
@@ -110,7 +115,10 @@ class HealthServer:
         return int(self._server.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self._host, self._port)
+        if self._listener is not None:
+            self._server = await asyncio.start_server(self._handle, sock=self._listener)
+        else:
+            self._server = await asyncio.start_server(self._handle, self._host, self._port)
         log.info("serving /metrics, /healthz and /readyz on %s:%d", self._host, self.port)
 
     async def stop(self) -> None:

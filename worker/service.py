@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -36,9 +37,12 @@ class WorkerService:
         self.readiness = Readiness(self.metrics)
         self.health: HealthServer | None = None
         if settings.metrics_port:
+            # Under a host's supervisor: the socket it bound for this process, inherited.
+            fd = settings.metrics_fd
             self.health = HealthServer(
                 settings.metrics_host, settings.metrics_port, self.metrics.exposition,
                 self.readiness.checks, self.readiness.details,
+                listener=None if fd is None else socket.socket(fileno=fd),
             )  # fmt: skip
         self.worker: ScoreWorker | None = None
         self._stop_requested = False

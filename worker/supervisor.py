@@ -22,6 +22,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,7 +33,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.broker import free_port
 from worker.config import ENV_PREFIX, WorkerSettings
 from worker.health import HealthServer
 from worker.metrics import PREFIX
@@ -132,6 +132,12 @@ class Restarts:
         return delay
 
 
+def metrics_listener() -> socket.socket:
+    """A loopback socket on a port the system picks, listening: a worker process's /metrics, /healthz and
+    /readyz, which the supervisor scrapes and asks."""
+    return socket.create_server(("127.0.0.1", 0), backlog=64)
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM it (so that it drains) if the supervisor dies without a word."""
     with contextlib.suppress(OSError, AttributeError):
@@ -145,6 +151,7 @@ class Child:
     slot: Slot
     restarts: Restarts
     port: int = 0
+    listener: int | None = None  # the descriptor of its metrics socket, in both processes (pass_fds)
     process: asyncio.subprocess.Process | None = None
     restarted: int = 0
     ready: dict[str, Any] = field(default_factory=dict)
@@ -240,11 +247,21 @@ class Supervisor:
         """Run one slot's process until the host stops; restart it when it dies."""
         labels = (self._settings.worker_id, child.slot.label)
         while not self._stopping.is_set():
-            child.port = free_port() if self._settings.metrics_port else 0
-            child.process = await asyncio.create_subprocess_exec(
-                *self._command, env=self._environment(child), preexec_fn=_die_with_parent,
-                start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only, which drains them
-            )  # fmt: skip
+            # The process's metrics socket, bound and listening here and inherited: a port picked free and
+            # bound by the process later could be taken in between (another program's bind or outgoing
+            # connection), and the process would exit on its first try.
+            listener = metrics_listener() if self._settings.metrics_port else None
+            child.port = 0 if listener is None else int(listener.getsockname()[1])
+            child.listener = None if listener is None else listener.fileno()
+            try:
+                child.process = await asyncio.create_subprocess_exec(
+                    *self._command, env=self._environment(child), preexec_fn=_die_with_parent,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only, which drains
+                    pass_fds=() if listener is None else (listener.fileno(),),
+                )  # fmt: skip
+            finally:
+                if listener is not None:
+                    listener.close()  # the process holds its own copy
             self._up.labels(*labels).set(1)
             log.info("started worker process %s (pid %d)", child.slot.suffix, child.process.pid)
             code = await child.process.wait()
@@ -415,6 +432,8 @@ def child_environment(
             f"{ENV_PREFIX}METRICS_PORT": str(child.port),
             f"{ENV_PREFIX}LOG_TAG": slot.suffix,
         })  # fmt: skip
+        if child.listener is not None:
+            env[f"{ENV_PREFIX}METRICS_FD"] = str(child.listener)
         if slot.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpus)
             # One GPU: cuda:0 of the one visible; a tensor-parallel group's rank r takes cuda:r.

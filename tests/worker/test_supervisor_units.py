@@ -1,7 +1,7 @@
 """The host's supervisor with stand-in worker processes: which processes a `gpus` setting makes, their
 environment, restarts with backoff and a limit, SIGTERM passed on, one /metrics and one /readyz.
 
-The stand-in is a short Python program that serves /metrics and /readyz on the port it is given, as a
+The stand-in is a short Python program that serves /metrics and /readyz on the socket it inherits, as a
 worker does, and exits as a file tells it to; the real worker under the supervisor is tested in
 test_supervisor.py.
 """
@@ -40,7 +40,7 @@ from worker.supervisor import (
 # (its "drain") and exits 0; a file named after its label, when present, makes it exit with that code.
 # START_S is its start-up (a worker's imports) before it handles SIGTERM: LABEL.ready.PID marks the end.
 STAND_IN = r"""
-import http.server, os, pathlib, signal, sys, threading, time
+import http.server, os, pathlib, signal, socket, sys, threading, time
 label = os.environ["SCORE_WORKER_LOG_TAG"]
 control = pathlib.Path(os.environ["STAND_IN_DIR"])
 # written under a hidden name, then renamed: the test reads a mark only once it holds its whole text
@@ -59,7 +59,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(200); self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
     def log_message(self, *args): pass
-server = http.server.ThreadingHTTPServer(("127.0.0.1", int(os.environ["SCORE_WORKER_METRICS_PORT"])), Handler)
+# the socket the supervisor bound for it, as the worker serves it (worker/service.py)
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler, bind_and_activate=False)
+server.socket.close()
+server.socket = socket.socket(fileno=int(os.environ["SCORE_WORKER_METRICS_FD"]))
+assert server.socket.getsockname()[1] == int(os.environ["SCORE_WORKER_METRICS_PORT"])
 threading.Thread(target=server.serve_forever, daemon=True).start()
 time.sleep(float(os.environ.get("START_S", "0")))
 stop = threading.Event()
@@ -193,13 +197,14 @@ def test_each_process_is_one_gpu_member_of_the_group(tmp_path: Path) -> None:
     }
     environment = child_environment(settings, given, 2, {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "HOME": "/root"})
     slot = plan_slots(settings.gpus, settings.device, ["4", "5", "6", "7"])[1]
-    env = environment(Child(slot, Restarts(1, 1, 1), port=12345))
+    env = environment(Child(slot, Restarts(1, 1, 1), port=12345, listener=7))
     assert env["CUDA_VISIBLE_DEVICES"] == "7"  # the host's GPU 3 of those visible to it
     assert env["SCORE_WORKER_DEVICE"] == "cuda:0"
     assert env["SCORE_WORKER_GPUS"] == ""  # the process is one worker, not another host
     assert env["SCORE_WORKER_GROUP_INSTANCE_ID"] == "scorer-2-gpu3"  # the same after every restart
     assert env["SCORE_WORKER_WORKER_ID"] == "host-a-gpu3"
     assert (env["SCORE_WORKER_METRICS_HOST"], env["SCORE_WORKER_METRICS_PORT"]) == ("127.0.0.1", "12345")
+    assert env["SCORE_WORKER_METRICS_FD"] == "7"  # the socket it inherits, bound to that port
     assert env["SCORE_WORKER_MAX_BATCH_TOKENS"] == "4096" and env["HOME"] == "/root"
     cpu = _settings(tmp_path, gpus="2")
     cpu_env = child_environment(cpu, {}, 2, {})(Child(Slot("cpu1", ()), Restarts(1, 1, 1)))
@@ -379,6 +384,40 @@ def test_run_with_gpus_where_none_is_visible_is_a_usage_error(
     code = main(["run", "--bootstrap-servers", "127.0.0.1:9", "--model", str(tmp_path), "--gpus", "all"])
     assert code == EXIT_USAGE
     assert "gpus 'all': no GPU is visible here" in capsys.readouterr().err
+
+
+def test_a_process_port_listens_before_the_process_runs_a_line(tmp_path: Path) -> None:
+    """The supervisor binds each process's metrics socket and hands it over: the port is the process's from
+    its start, so a program that takes ports meanwhile cannot make it fail. A process that never binds
+    anything still has its port listening (the kernel queues the connection), and a new one after each
+    restart."""
+    settings = _settings(tmp_path, gpus="1", restart_backoff_ms=0)
+    slots = plan_slots(settings.gpus, settings.device, [])
+    environment = child_environment(settings, {}, len(slots), {"PATH": "/usr/bin:/bin"})
+    sleeper = "import time; time.sleep(60)"  # binds nothing
+    supervisor = Supervisor(settings, slots, [sys.executable, "-c", sleeper], environment)
+
+    async def scenario() -> None:
+        run = asyncio.create_task(supervisor.run())
+        try:
+            child = supervisor.children[0]
+            await _until(lambda: child.running, 30, "start")
+            ports = [child.port]
+            _, writer = await asyncio.open_connection("127.0.0.1", child.port)
+            writer.close()
+            assert child.process is not None
+            child.process.kill()
+            await _until(lambda: child.running and child.restarted == 1, 30, "a restart")
+            ports.append(child.port)
+            _, writer = await asyncio.open_connection("127.0.0.1", child.port)
+            writer.close()
+            assert all(ports)
+        finally:
+            supervisor.stop()
+            supervisor.stop()  # the sleeper has no drain: the second stop ends it at once
+            await asyncio.wait_for(run, 30)
+
+    asyncio.run(scenario())
 
 
 def test_host_series_carry_only_bounded_labels(tmp_path: Path) -> None:
