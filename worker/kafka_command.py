@@ -13,7 +13,14 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from worker.apache_kafka import ApacheKafka, find_java, pom_versions, repository_pom, resolve_jars
+from worker.apache_kafka import (
+    ApacheKafka,
+    class_archive,
+    find_java,
+    pom_versions,
+    repository_pom,
+    resolve_jars,
+)
 from worker.broker import until_signalled
 from worker.config import read_environment
 from worker.environment import KafkaEnvironment
@@ -36,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resolve-only",
         action="store_true",
-        help="resolve the jars (of every version the pom names) and exit",
+        help="resolve the jars (of every version the pom names), record their class archives and exit",
     )
 
 
@@ -46,9 +53,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         versions = pom_versions(repository_pom(environment))
         if args.resolve_only:
-            find_java(environment)
+            java = find_java(environment)
             for each in dict.fromkeys(versions.values()):
-                print(f"Kafka {each}: {resolve_jars(each, environment=environment)}", flush=True)
+                libs = resolve_jars(each, environment=environment)
+                archive = class_archive(each, java, libs, environment)
+                print(f"Kafka {each}: {libs}" + (f", classes {archive.name}" if archive else ""), flush=True)
             return 0
         version: str | None = versions.get(args.version, args.version) if args.version else None
         cluster = ApacheKafka(nodes=args.nodes, version=version, work_dir=args.dir, environment=environment)

@@ -13,8 +13,10 @@ from brokers import BrokerPool, java_or_not_here
 from worker_testkit import Record, produce, read_topic
 
 from worker.apache_kafka import (
+    SERVER_JVM,
     ApacheKafka,
     KafkaUnavailable,
+    class_archive,
     find_java,
     java_version,
     pom_versions,
@@ -90,6 +92,34 @@ def test_a_node_keeps_acknowledged_records_through_a_kill_and_a_restart(which: s
     # A directory given by the caller is kept, with each node's configuration and log.
     assert (tmp_path / "cluster" / "node-1" / "server.properties").exists()
     assert (tmp_path / "cluster" / "node-1" / "server.log").stat().st_size > 0
+
+
+def _mapped_archives(pid: int) -> set[str]:
+    return {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if ".jsa" in line}
+
+
+def test_every_node_maps_the_class_archive_of_its_version_and_java(tmp_path: Path) -> None:
+    """A node's JVM maps the class archive recorded for its version and Java (beside the jars, once: its
+    classes parsed and verified then, not at every node's start), with either set of JVM options; a cache
+    without one records it at the first start."""
+    version = pom_versions()["newest"]
+    java, libs = find_java(), resolve_jars(version)
+    archive = class_archive(version, java, libs)
+    assert archive is not None and archive.parent == libs.parent and archive.stat().st_size > 0
+    for jvm in ({}, {"jvm": SERVER_JVM}):
+        with ApacheKafka(nodes=1, version=version, **jvm) as cluster:  # type: ignore[arg-type]
+            node = cluster.nodes[1]
+            assert node.process is not None
+            assert str(archive) in _mapped_archives(node.process.pid)
+    # A cache of the jars without an archive (a new version, a cleared cache): recorded at the first use,
+    # beside them, under the name of the same Java and jars.
+    cache = tmp_path / "cache" / version
+    cache.mkdir(parents=True)
+    (cache / "libs").symlink_to(libs, target_is_directory=True)
+    (cache / "resolved").write_text((libs.parent / "resolved").read_text())
+    recorded = class_archive(version, java, cache / "libs")
+    assert recorded is not None and recorded.parent == cache and recorded.name == archive.name
+    assert recorded.stat().st_size > 0
 
 
 def test_a_temporary_cluster_directory_goes_on_a_clean_stop() -> None:
