@@ -18,7 +18,6 @@ import contextlib
 import fcntl
 import hashlib
 import logging
-import os
 import re
 import shutil
 import signal
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from worker import kafka_classes
 from worker.broker import EmbeddedBroker, free_port, metadata_brokers
 from worker.environment import KafkaEnvironment
 from worker.errors import BrokerError
@@ -162,58 +162,24 @@ def resolve_jars(version: str, pom: Path | None = None, environment: KafkaEnviro
         return libs
 
 
-# Class data sharing: the classes a node loads, parsed and verified once, into an archive the JVM maps at its
-# start (JDK 13's dynamic archives). Each node and each storage format of the suite starts a JVM: on two
-# cores a node took 1.6 s of CPU to listen with the archive against 2.6-2.9 s without, and was up 0.9 s
-# sooner (Java 17, Kafka 4.4), a format 0.45 s against 0.8 s. The archive is recorded once per version and
-# Java by a node started and stopped for it, kept beside the jars, and named after what it depends on: a
-# Java or jars it does not match get another name, and the JVM ignores an archive it cannot use.
-_ARCHIVES: dict[Path, Path | None] = {}  # the jars' directory -> its archive (None: none could be made)
-
-
 def class_archive(
     version: str, java: str, libs: Path, environment: KafkaEnvironment | None = None
 ) -> Path | None:
-    """The class archive of Kafka `version` on `java`, recorded on first use (a node started and stopped
-    for it, a few seconds); None when it could not be made (the nodes start without one)."""
-    if libs in _ARCHIVES:
-        return _ARCHIVES[libs]
-    launcher = Path(os.path.realpath(java))
-    stamp = libs.parent / "resolved"
-    identity = f"{launcher}:{launcher.stat().st_mtime_ns}:{stamp.read_text() if stamp.exists() else ''}"
-    archive = libs.parent / f"classes-{hashlib.sha256(identity.encode()).hexdigest()[:16]}.jsa"
-    try:
-        _record_archive(version, archive, environment)
-    except OSError as error:  # a cache this user cannot write to (an image's): the nodes start without it
-        log.warning("Kafka %s: no class archive in %s (%s)", version, libs.parent, error)
-    _ARCHIVES[libs] = archive if archive.exists() else None
-    return _ARCHIVES[libs]
+    """The class archive of Kafka `version` on `java` (worker/kafka_classes.py), recorded on first use by
+    a node started and stopped for it; None when it could not be made (the nodes start without one)."""
 
+    def record(scratch: Path) -> None:
+        recorder = ApacheKafka(
+            version=version, environment=environment, archive=False,
+            jvm=(*QUICK_START_JVM, f"-XX:ArchiveClassesAtExit={scratch}"),
+        )  # fmt: skip
+        try:
+            recorder.start()
+            scratch.unlink(missing_ok=True)  # the storage format's (read-only): the node's replaces it
+        finally:
+            recorder.stop()  # SIGTERM: the JVM writes the archive as it exits
 
-def _record_archive(version: str, archive: Path, environment: KafkaEnvironment | None) -> None:
-    """Record `archive` unless it exists: a node started with the JVM's recording on, then stopped."""
-    with open(archive.parent / ".archive.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test processes: one records, the others wait for it
-        if not archive.exists():
-            scratch = archive.with_name(f".{archive.name}.{uuid.uuid4().hex[:8]}")
-            started = time.monotonic()
-            recorder = ApacheKafka(
-                version=version, environment=environment, archive=False,
-                jvm=(*QUICK_START_JVM, f"-XX:ArchiveClassesAtExit={scratch}"),
-            )  # fmt: skip
-            try:
-                recorder.start()
-                scratch.unlink(missing_ok=True)  # the storage format's (read-only): the node's replaces it
-                recorder.stop()  # SIGTERM: the JVM writes the archive as it exits
-            except BrokerError as error:
-                log.warning("Kafka %s: no class archive (%s); nodes start without one", version, error)
-                recorder.stop()
-            if scratch.exists() and scratch.stat().st_size > 0:
-                scratch.rename(archive)
-                log.info("Kafka %s: class archive %s recorded in %.0f s", version, archive,
-                         time.monotonic() - started)  # fmt: skip
-            else:
-                scratch.unlink(missing_ok=True)
+    return kafka_classes.archive(libs, java, record)
 
 
 def random_cluster_id() -> str:
