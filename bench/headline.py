@@ -18,7 +18,6 @@ when any phase was wrong or raised, else 0.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import sys
 import tempfile
@@ -42,31 +41,6 @@ TOTAL_S = 540.0  # the whole run, process start to the last report: 9 minutes
 QUICK_SCALE = 4.0
 CUT_AGAIN_S = 5.0  # after a cut, raised again this often until the phase has let go
 START_S = 20.0  # what the start (imports, CUDA's context, the report's header) takes before the first phase
-
-
-# The run's model directories go to memory where the machine has room for them: on the H100 machine an 8B
-# model's 16 GB took 14-20 s to write to its disk (the hybrid's 18 GB 20 s), once per model. Room: the
-# directories held at once (W1's kept for the later phases, the hybrid's or the MoE's beside it) and
-# the memory the processes need besides (float32 references load through it).
-MEMORY_SCRATCH = Path("/dev/shm")
-SCRATCH_FREE_GIB = 64.0
-MEMORY_LEFT_GIB = 96.0
-
-
-def scratch_root(quick: bool) -> str:
-    """Where the run's temporary directories go: /dev/shm when it has SCRATCH_FREE_GIB free and the
-    machine MEMORY_LEFT_GIB available (a full run on the GPU machine), else /tmp."""
-    if quick or not MEMORY_SCRATCH.is_dir():
-        return "/tmp"
-    stat = os.statvfs(MEMORY_SCRATCH)
-    free_gib = stat.f_bavail * stat.f_frsize / 2**30
-    available_gib = 0.0
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available_gib = int(line.split()[1]) / 2**20
-    roomy = free_gib >= SCRATCH_FREE_GIB and available_gib >= MEMORY_LEFT_GIB
-    return str(MEMORY_SCRATCH) if roomy else "/tmp"
 
 
 def _later(module: str, name: str) -> Callable[[Context], dict[str, Any]]:
@@ -238,11 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = report_header(args)
     report.update(device=device, total_s=total_s, phases={})
     end = started + total_s - 5  # the last write's margin
-    # Every temporary directory of the run there, the phases' own (the hybrid's, the MoE's) included.
-    scratch = scratch_root(args.quick)
-    tempfile.tempdir = os.environ["TMPDIR"] = scratch
-    report["scratch"] = scratch
-    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         ctx = Context(device=device, quick=args.quick, workdir=Path(tmp))
         for phase in (p for p in PHASES if p.name in wanted):
             left = end - time.monotonic()
