@@ -40,6 +40,12 @@ TOTAL_S = 540.0  # the whole run, process start to the last report: 9 minutes
 # full ones, and a quick run checks that every phase runs and checks, not how fast.
 QUICK_SCALE = 4.0
 CUT_AGAIN_S = 5.0  # after a cut, raised again this often until the phase has let go
+# A phase's budget is its time on an H100 with some room. On a host whose CPU is slower the phases take
+# longer (the H100 of 2026-12-07 19:28: W1 134 s against 95 s, the adapters' float32 check 27.5 s against
+# 13 s, the same GPU times): a phase may run past its budget up to OVERRUN times it while the run has the
+# time. The phases go in order of importance, so the run's end cuts the last ones, not the first; a phase
+# that hangs is still cut.
+OVERRUN = 1.5
 START_S = 20.0  # what the start (imports, CUDA's context, the report's header) takes before the first phase
 
 
@@ -183,7 +189,7 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         action="append",
         default=[],
         metavar="NAME=SECONDS",
-        help="another time budget for a phase (repeatable)",
+        help=f"another time budget for a phase (repeatable; it may run {OVERRUN}x it while the run has time)",
     )
     return parser.parse_args(argv)
 
@@ -216,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctx = Context(device=device, quick=args.quick, workdir=Path(tmp))
         for phase in (p for p in PHASES if p.name in wanted):
             left = end - time.monotonic()
-            budget = min(budgets[phase.name], left)
+            budget = min(budgets[phase.name] * OVERRUN, left)
             print(f"\n=== {phase.name}: {phase.title} (budget {budget:.0f} s, {left:.0f} s left)", flush=True)
             if budget < min(10.0, budgets[phase.name]):
                 entry = {

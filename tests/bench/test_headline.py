@@ -56,6 +56,36 @@ def test_a_phase_past_its_budget_is_cut_and_a_failed_check_makes_it_wrong(tmp_pa
     assert headline.verdict({"phases": {"slow": cut, "fine": fine}}) == "ok"
 
 
+def _sleeps(seconds: float) -> Any:
+    def run(ctx: Context) -> dict[str, Any]:
+        time.sleep(seconds)
+        return _fine(ctx)
+
+    return run
+
+
+def test_a_phase_may_overrun_its_budget_by_half_while_the_run_has_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slower host's phase that needs a little more than its budget finishes (the first, most important
+    phases are not the ones a slow host loses); one that needs far more is cut at OVERRUN times it."""
+    monkeypatch.setattr(headline, "report_header", lambda args: {"environment": {"date_utc": "2026-12-07"}})
+    budget = 1.0  # seconds of the quick run, whose budgets are QUICK_SCALE times the table's
+    phases = (
+        headline.Phase("over", "a little over", budget / headline.QUICK_SCALE, _sleeps(1.25 * budget)),
+        headline.Phase("hangs", "far over", budget / headline.QUICK_SCALE, _sleeps(30)),
+    )
+    monkeypatch.setattr(headline, "PHASES", phases)
+    target = tmp_path / "h.json"
+    started = time.monotonic()
+    assert headline.main(["--quick", "--json", str(target)]) == 0
+    report = json.loads(target.read_text())
+    assert report["phases"]["over"]["status"] == "ok"
+    assert report["phases"]["hangs"]["status"] == "cut"
+    assert report["phases"]["hangs"]["seconds"] < headline.OVERRUN * budget + 1
+    assert time.monotonic() - started < 20
+
+
 def test_the_run_writes_its_report_after_every_phase_and_exits_1_on_a_wrong_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
