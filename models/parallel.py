@@ -27,7 +27,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +44,7 @@ from models.engine import Scorer
 from models.errors import DeviceLostError
 from models.interface import BatchObserver, EngineWrapper, PendingScores
 from models.loading import read_config
+from models.ports import free_port
 from models.prepare import PreparedRequest
 from models.tensor_parallel import Shard, check_splittable
 from schemas import ScoreResult
@@ -278,12 +278,6 @@ def follow(scorer: Scorer, control: Any) -> None:
             raise RuntimeError(f"unknown call {kind!r} from rank 0")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _prctl(option: int, argument: int | bytes) -> None:
     """Linux's prctl on this process (its main thread, for the name); nothing where there is none."""
     with contextlib.suppress(OSError, AttributeError):
@@ -317,7 +311,7 @@ def start_group(
         config.tensor_parallel,
     )  # fmt: skip
     spec = GroupSpec(
-        config.tensor_parallel, _free_port(), str(model_dir),
+        config.tensor_parallel, free_port(), str(model_dir),
         {name: getattr(config, name) for name in type(config).model_fields if name in _ENGINE_FIELDS},
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     )  # fmt: skip

