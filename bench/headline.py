@@ -6,6 +6,9 @@ Run on the GPU machine from the repository root (W2's phase needs the carried wh
     export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 && python3 bench/headline.py
 `--quick` runs the same phases on tiny models on the CPU (a smoke test of the run, not a measurement).
 `--compare OLD.json` prints each figure beside an earlier report's and flags moves beyond the noise.
+`--resume EARLIER.json` keeps the phases an earlier call ran ok (on the same GPU, from the same sources:
+the report's `source` digest) and runs only the others, into one report: a run that a call could not finish
+is finished by the next, each kept phase naming the call that ran it (`ran`).
 
 After each phase the report ($OUT/headline.json, or the current directory's) and the Markdown rows of
 docs/benchmarks.md's tables (headline.md beside it) are rewritten in one step: a run killed part-way leaves
@@ -28,13 +31,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.headline_kit import Context, PhaseCut, compare, load_report, markdown_rows, write_atomic
+from bench.headline_kit import (
+    Context,
+    PhaseCut,
+    compare,
+    load_report,
+    markdown_rows,
+    resumable,
+    source_digest,
+    write_atomic,
+)
 
 # This module imports neither torch nor the phases' modules until a phase runs: the W2 phase's worker
 # spawns its intake processes, and a spawned process imports the program's main module again (this file,
 # when run as a script), which with torch at the top cost each of them seconds at every worker restart.
 
 COMMAND = "python3 bench/headline.py"
+ROOT = Path(__file__).resolve().parents[1]
 TOTAL_S = 540.0  # the whole run, process start to the last report: 9 minutes
 # A quick run's budgets are the GPU's times this: the CPU is slower on its tiny models than the GPU on the
 # full ones, and a quick run checks that every phase runs and checks, not how fast.
@@ -166,6 +179,17 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def run_within(phase: Phase, ctx: Context, budget_s: float, end: float) -> dict[str, Any]:
+    """The phase within its budget (OVERRUN times it while the run has time, never past `end`), or cut
+    unstarted when too little of the run is left."""
+    left = end - time.monotonic()
+    budget = min(budget_s * OVERRUN, left)
+    print(f"\n=== {phase.name}: {phase.title} (budget {budget:.0f} s, {left:.0f} s left)", flush=True)
+    if budget < min(10.0, budget_s):
+        return {"title": phase.title, "status": "cut", "notes": [f"cut: {left:.0f} s left in the run"]}
+    return run_phase(phase, ctx, budget)
+
+
 def parse_args(argv: Sequence[str] | None) -> Any:
     from bench.common import argument_parser
 
@@ -175,6 +199,13 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     )
     parser.add_argument("--compare", type=Path, default=None, help="an earlier headline.json to set beside")
     parser.add_argument("--json", type=Path, default=None, help="the report (default $OUT/headline.json)")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="EARLIER.json",
+        help="keep the phases an earlier call ran ok (same GPU, same sources) and run only the others",
+    )
     parser.add_argument(
         "--phases", default=",".join(p.name for p in PHASES), help="the phases to run, in the run's order"
     )
@@ -216,30 +247,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = args.json or (out_dir() or Path(".")) / f"headline{'-quick' if args.quick else ''}.json"
     rows_target = target.with_suffix(".md")
     report = report_header(args)
-    report.update(device=device, total_s=total_s, phases={})
+    report.update(device=device, total_s=total_s, source=source_digest(ROOT), phases={})
+    kept: dict[str, dict[str, Any]] = {}
+    if args.resume is not None:
+        try:
+            kept = resumable(load_report(args.resume), report, args.quick)
+        except (OSError, ValueError) as exc:  # ResumeRefused, an unreadable or malformed report
+            print(f"--resume {args.resume}: its phases cannot be kept: {exc}", file=sys.stderr)
+            return 2
+        report["resumed_from"] = str(args.resume)
     end = started + total_s - 5  # the last write's margin
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         ctx = Context(device=device, quick=args.quick, workdir=Path(tmp))
         for phase in (p for p in PHASES if p.name in wanted):
-            left = end - time.monotonic()
-            budget = min(budgets[phase.name] * OVERRUN, left)
-            print(f"\n=== {phase.name}: {phase.title} (budget {budget:.0f} s, {left:.0f} s left)", flush=True)
-            if budget < min(10.0, budgets[phase.name]):
-                entry = {
-                    "title": phase.title,
-                    "status": "cut",
-                    "notes": [f"cut: {left:.0f} s left in the run"],
-                }
+            if phase.name in kept:
+                entry, ran = kept[phase.name], kept[phase.name]["ran"]
+                when = f"{ran['date_utc']} on {ran['gpu'] or 'the CPU'}"
+                print(f"\n=== {phase.name}: ok in the call of {when}: kept", flush=True)
             else:
-                entry = run_phase(phase, ctx, budget)
+                entry = run_within(phase, ctx, budgets[phase.name], end)
             report["phases"][phase.name] = entry
             report["verdict"] = verdict(report)
             write_atomic(target, _json(report))
             write_atomic(rows_target, markdown_rows(report, COMMAND + (" --quick" if args.quick else "")))
-            print(
-                f"=== {phase.name}: {entry['status']} in {entry.get('seconds', 0)} s; wrote {target}",
-                flush=True,
-            )
+            how = "kept" if phase.name in kept else f"{entry['status']} in {entry.get('seconds', 0)} s"
+            print(f"=== {phase.name}: {how}; wrote {target}", flush=True)
     report["seconds"] = round(time.monotonic() - started, 1)
     write_atomic(target, _json(report))
     summary(report)

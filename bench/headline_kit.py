@@ -4,6 +4,7 @@ report and its Markdown rows written as the run goes, and the comparison with an
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -121,14 +122,15 @@ def _cell(text: str) -> str:
 def markdown_rows(report: dict[str, Any], command: str) -> str:
     """The rows of docs/benchmarks.md's table (figure, latest, command, machine, date, same-run baseline)
     for every figure the run has so far; phases without figures say why."""
-    environment = report.get("environment", {})
-    machine = environment.get("gpu") or "CPU"
-    date = str(environment.get("date_utc", ""))[:16].replace("T", " ")
     lines = [
         "| figure | latest | command | machine | date (UTC) | same-run baseline |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, phase in report.get("phases", {}).items():
+        # A phase kept from an earlier call (--resume) gives that call's machine and date.
+        environment = phase.get("ran") or report.get("environment", {})
+        machine = environment.get("gpu") or "CPU"
+        date = str(environment.get("date_utc", ""))[:16].replace("T", " ")
         status = phase.get("status")
         title = _cell(phase.get("title", name))
         if status != "ok":
@@ -188,3 +190,47 @@ def namespace(**values: Any) -> argparse.Namespace:
 def load_report(path: Path) -> dict[str, Any]:
     report: dict[str, Any] = json.loads(path.read_text())
     return report
+
+
+# The code a report's figures come from: what a phase kept from an earlier call (--resume) must share.
+SOURCE_DIRS = ("bench", "models", "schemas", "worker")
+
+
+def source_digest(root: Path) -> str:
+    """A digest of the Python sources under SOURCE_DIRS (their paths and bytes): two runs with the same
+    digest ran the same engine and the same benchmarks, whatever the docs or tests around them."""
+    digest = hashlib.sha256()
+    for path in sorted(p for d in SOURCE_DIRS for p in (root / d).rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+class ResumeRefused(ValueError):
+    """An earlier report whose phases cannot stand beside this run's."""
+
+
+def resumable(earlier: dict[str, Any], current: dict[str, Any], quick: bool) -> dict[str, dict[str, Any]]:
+    """The phases of `earlier` (a report) that this run keeps rather than runs again: those that were ok,
+    each with the call that ran it (`ran`: its date and machine). Refused (ResumeRefused) unless the earlier
+    run was the same kind (quick or not), on the same GPU, from the same sources (source_digest)."""
+    then, now = earlier.get("environment", {}), current.get("environment", {})
+    earlier_quick = str(earlier.get("args", {}).get("quick")) == "True"
+    problems = []
+    if earlier_quick != quick:
+        problems.append(f"it was {'a quick' if earlier_quick else 'a full'} run")
+    if then.get("gpu") != now.get("gpu"):
+        machines = [then.get("gpu") or "the CPU", now.get("gpu") or "the CPU"]
+        problems.append(f"it ran on {machines[0]}, this run on {machines[1]}")
+    if earlier.get("source") != current.get("source"):
+        problems.append(
+            f"its sources ({earlier.get('source') or 'no digest'}) are not this run's "
+            f"({current.get('source')})"
+        )
+    if problems:
+        raise ResumeRefused("; ".join(problems))
+    call = {"date_utc": then.get("date_utc"), "gpu": then.get("gpu")}
+    return {
+        name: {**entry, "ran": entry.get("ran") or call}
+        for name, entry in earlier.get("phases", {}).items()
+        if entry.get("status") == "ok"
+    }

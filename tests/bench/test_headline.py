@@ -12,7 +12,17 @@ from typing import Any
 import pytest
 
 from bench import headline
-from bench.headline_kit import Context, check, compare, figure, markdown_rows, ratio, spread
+from bench.headline_kit import (
+    SOURCE_DIRS,
+    Context,
+    check,
+    compare,
+    figure,
+    markdown_rows,
+    ratio,
+    source_digest,
+    spread,
+)
 
 
 def _ctx(tmp_path: Path) -> Context:
@@ -109,6 +119,88 @@ def test_the_run_writes_its_report_after_every_phase_and_exits_1_on_a_wrong_one(
     assert written[:3] == [["fine"], ["fine", "wrong"], ["fine", "wrong", "also"]]
     rows = (tmp_path / "h.md").read_text()
     assert "| a fine phase: rate | **5 tokens/s**" in rows and "| a wrong phase | **wrong**" in rows
+
+
+def test_a_resumed_run_keeps_the_phases_an_earlier_call_ran_ok_and_runs_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call that could not finish every phase leaves its report; the next call, given it (--resume),
+    keeps its ok phases with that call's date and machine, and runs only the others: together they make
+    one report. A report from another GPU, another kind of run or other sources is refused."""
+    ran: list[str] = []
+
+    def counted(name: str, outcome: Any) -> Any:
+        def run(ctx: Context) -> dict[str, Any]:
+            ran.append(name)
+            result: dict[str, Any] = outcome(ctx)
+            return result
+
+        return run
+
+    def header(date: str, gpu: str = "H100") -> None:
+        environment = {"date_utc": date, "gpu": gpu}
+        monkeypatch.setattr(
+            headline, "report_header", lambda args: {"environment": environment, "args": {"quick": "True"}}
+        )
+
+    wrong_first = iter([_wrong, _fine])
+
+    def flaky(ctx: Context) -> dict[str, Any]:
+        result: dict[str, Any] = next(wrong_first)(ctx)
+        return result
+
+    monkeypatch.setattr(
+        headline,
+        "PHASES",
+        (
+            headline.Phase("first", "a phase ok at once", 5, counted("first", _fine)),
+            headline.Phase("flaky", "wrong, then ok", 5, counted("flaky", flaky)),
+            headline.Phase("later", "not run at first", 5, counted("later", _fine)),
+        ),
+    )
+    earlier, resumed, again = tmp_path / "earlier.json", tmp_path / "resumed.json", tmp_path / "again.json"
+    header("2026-12-07T10:00")
+    assert headline.main(["--quick", "--phases", "first,flaky", "--json", str(earlier)]) == 1
+    header("2026-12-08T10:00")
+    assert headline.main(["--quick", "--resume", str(earlier), "--json", str(resumed)]) == 0
+    assert ran == ["first", "flaky", "flaky", "later"]  # the earlier ok phase was not run again
+    report = json.loads(resumed.read_text())
+    assert [(name, p["status"]) for name, p in report["phases"].items()] == [
+        ("first", "ok"), ("flaky", "ok"), ("later", "ok"),
+    ]  # fmt: skip
+    assert report["phases"]["first"]["ran"] == {"date_utc": "2026-12-07T10:00", "gpu": "H100"}
+    assert "ran" not in report["phases"]["flaky"] and report["verdict"] == "ok"
+    rows = {line.split(" | ")[0]: line for line in resumed.with_suffix(".md").read_text().splitlines()}
+    assert "2026-12-07 10:00" in rows["| a phase ok at once: rate"]
+    assert "2026-12-08 10:00" in rows["| not run at first: rate"]
+    # Resumed from a resumed report: each kept phase still names the call that ran it.
+    assert headline.main(["--quick", "--resume", str(resumed), "--json", str(again)]) == 0
+    assert ran == ["first", "flaky", "flaky", "later"]
+    assert json.loads(again.read_text())["phases"]["first"]["ran"]["date_utc"] == "2026-12-07T10:00"
+    # Refused, before any phase runs: another GPU, a full run's report for a quick run, other sources.
+    header("2026-12-08T11:00", gpu="H200")
+    assert headline.main(["--quick", "--resume", str(earlier), "--json", str(again)]) == 2
+    full = tmp_path / "full.json"
+    full.write_text(json.dumps({**json.loads(earlier.read_text()), "args": {"quick": "False"}}))
+    header("2026-12-08T11:00")
+    assert headline.main(["--quick", "--resume", str(full), "--json", str(again)]) == 2
+    monkeypatch.setattr(headline, "source_digest", lambda root: "another tree")
+    assert headline.main(["--quick", "--resume", str(earlier), "--json", str(again)]) == 2
+    assert headline.main(["--quick", "--resume", str(tmp_path / "absent.json"), "--json", str(again)]) == 2
+    assert ran == ["first", "flaky", "flaky", "later"]
+
+
+def test_the_source_digest_follows_the_code_and_nothing_else(tmp_path: Path) -> None:
+    for directory in SOURCE_DIRS:
+        (tmp_path / directory).mkdir()
+        (tmp_path / directory / "a.py").write_text(f"# {directory}\n")
+    before = source_digest(tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "notes.md").write_text("figures\n")
+    (tmp_path / "bench" / "report.json").write_text("{}")
+    assert source_digest(tmp_path) == before
+    (tmp_path / "models" / "a.py").write_text("# models, changed\n")
+    assert source_digest(tmp_path) != before
 
 
 def test_compare_flags_only_moves_beyond_the_noise() -> None:
