@@ -96,6 +96,38 @@ def test_a_phase_may_overrun_its_budget_by_half_while_the_run_has_time(
     assert time.monotonic() - started < 20
 
 
+def test_a_phase_that_would_not_finish_is_left_for_a_later_call_and_a_shorter_one_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With less of the run left than a phase typically takes, it is not started (it would only be cut
+    part-way, its time lost): it is cut unstarted, and a later phase that fits still runs."""
+    monkeypatch.setattr(headline, "report_header", lambda args: {"environment": {"date_utc": "2026-12-07"}})
+    ran: list[str] = []
+
+    def fine(name: str) -> Any:
+        def run(ctx: Context) -> dict[str, Any]:
+            ran.append(name)
+            return _fine(ctx)
+
+        return run
+
+    scale = headline.QUICK_SCALE  # the quick run's typical times are this many times the table's
+    phases = (
+        headline.Phase("first", "fits", 5, fine("first"), typical_s=0.1 / scale),
+        headline.Phase("long", "takes longer than is left", 5, fine("long"), typical_s=60 / scale),
+        headline.Phase("short", "fits in what is left", 5, fine("short"), typical_s=1 / scale),
+    )
+    monkeypatch.setattr(headline, "PHASES", phases)
+    target = tmp_path / "h.json"
+    # 20 s in all, the last 5 the report's margin: 15 s for the phases.
+    assert headline.main(["--quick", "--total-s", "20", "--json", str(target)]) == 0
+    assert ran == ["first", "short"]
+    report = json.loads(target.read_text())
+    assert [p["status"] for p in report["phases"].values()] == ["ok", "cut", "ok"]
+    assert "it takes about 60 s, not started" in report["phases"]["long"]["notes"][0]
+    assert "--resume" in report["phases"]["long"]["notes"][0]
+
+
 def test_the_run_writes_its_report_after_every_phase_and_exits_1_on_a_wrong_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
