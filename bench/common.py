@@ -382,19 +382,42 @@ def float32_reference(
     model: torch.nn.Module,
     rows: Sequence[torch.Tensor],
     variant: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    variant_rows: int | None = None,
 ) -> list[PathOutput]:
     """HF float32 scores and hidden states, one request per forward, from a float32 copy of `model`; with
     `variant`, also from variant(that copy) (the float32 model changed as the timed path is, e.g. with the
-    same FP8 projections). The copy is freed before this returns."""
+    same FP8 projections), on the first `variant_rows` rows (all by default). The copy is freed before this
+    returns."""
     reference = copy.deepcopy(model).to(torch.float32)
     outputs = [hf_paths.run_reference(reference, rows)]
     if variant is not None:
-        outputs.append(hf_paths.run_reference(variant(reference), rows))
+        outputs.append(hf_paths.run_reference(variant(reference), rows[:variant_rows]))
     del reference
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return outputs
+
+
+ORDER_SEED = 256  # the pairs' draw: the same requests in every run of a workload
+
+
+def order_pairs(count: int, pairs: int, seed: int = ORDER_SEED) -> list[int]:
+    """`pairs` disjoint pairs of `count` requests, drawn with a fixed seed: 2 * pairs request indices (fewer
+    where there are fewer requests), each pair two consecutive entries."""
+    picked = np.random.default_rng(seed).permutation(count)[: 2 * min(pairs, count // 2)]
+    return [int(i) for i in picked]
+
+
+def order_kept(scores: np.ndarray, reference: np.ndarray) -> dict[str, float]:
+    """How a reward user sees a path's rounding: of the pairs (rows 0-1, 2-3, ...), the share whose order
+    by score (the first label's) is the reference's. Pairs the reference scores alike are left out (no order
+    to keep)."""
+    got, ref = np.asarray(scores)[:, 0], np.asarray(reference)[:, 0]
+    ref_order = np.sign(ref[0::2] - ref[1::2])
+    ordered = ref_order != 0
+    kept = np.sign(got[0::2] - got[1::2])[ordered] == ref_order[ordered]
+    return {"pairs": int(ordered.sum()), "share": float(kept.mean()) if kept.size else math.nan}
 
 
 def compare(values: PathOutput, reference: PathOutput) -> dict[str, float]:

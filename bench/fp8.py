@@ -16,8 +16,10 @@ the same FP8 projections (the same e4m3 weights and per-token rounding, products
 within twice HF's own bf16 forward's error against that reference (HF's bf16 model, or it with the same FP8
 projections) plus 5% of the score scale; exit 1 otherwise, or on a non-finite value: a figure whose results
 are wrong is no figure. Reported besides: FP8's deviation from the unquantized float32 model and from bf16
-(every request). These random-weight models amplify rounding far more than trained ones (W1's bf16 path is
-already 6% from float32), so FP8's deviation here is an upper bound of what a real model shows.
+(every request), and how a reward user judges it: of `--order-pairs` random pairs of W1's requests (256,
+each request scored in float32 too), the share whose order by score each path keeps. These random-weight
+models amplify rounding far more than trained ones (W1's bf16 path is already 6% from float32), so FP8's
+deviation here is an upper bound of what a real model shows.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ from bench.common import (
     matmul_tflops,
     measure,
     non_embedding_params,
+    order_kept,
+    order_pairs,
     pick_device,
     report_header,
     report_path,
@@ -94,31 +98,53 @@ def make_scorer(model_dir: Path, path: str, device: str, budget: int) -> Any:
 
 
 def accuracy(
-    model: torch.nn.Module, rows: Sequence[torch.Tensor], outputs: dict[str, PathOutput], count: int
+    model: torch.nn.Module,
+    rows: Sequence[torch.Tensor],
+    outputs: dict[str, PathOutput],
+    count: int,
+    pairs: int = 0,
 ) -> dict[str, Any]:
     """Every path and HF's own bf16 forward against HF float32 on `count` requests of spread lengths; each
     FP8 variant also against HF float32 holding the same FP8 projections (and HF's bf16 forward with them,
-    the yardstick of its bound), and against bf16 on all requests."""
+    the yardstick of its bound), and against bf16 on all requests. With `pairs`, also the share of that
+    many pairs of requests (drawn at random, order_pairs) whose order by score each path keeps against the
+    unquantized float32 model: how a reward user judges the rounding (bench/common.py, order_kept)."""
     picks = spread_picks([len(row) for row in rows], count)
     chosen = [rows[i] for i in picks]
+    ordered = order_pairs(len(rows), pairs) if pairs else []
     variants = [name for name in outputs if name in VARIANTS]
     with torch.inference_mode():
         hf_bf16 = hf_paths.run_reference(model, chosen)
     report: dict[str, Any] = {"fp32_subset": picks, "vs_fp32": {}, "vs_fp8_fp32": {}}
     reference: PathOutput | None = None
+    order_reference: PathOutput | None = None
     for name in variants:
         selection = VARIANTS[name]
         with torch.inference_mode():
             hf_fp8 = hf_paths.run_reference(with_fp8(model, selection), chosen)
-        # One float32 copy at a time (an 8B model's is 32 GB): the unquantized reference, then the variant.
-        reference, fp8_reference = float32_reference(
-            model, chosen, lambda float32, s=selection: with_fp8(float32, s, copy_first=False)
-        )
+        # One float32 copy at a time (an 8B model's is 32 GB): the unquantized reference (the first time,
+        # also on the pairs' requests), then the variant.
+        extra = [rows[i] for i in ordered] if order_reference is None else []
+        unquantized, fp8_reference = float32_reference(
+            model, chosen + extra, lambda float32, s=selection: with_fp8(float32, s, copy_first=False),
+            variant_rows=len(chosen),
+        )  # fmt: skip
+        reference = unquantized.rows(range(len(chosen)))
+        if extra:
+            order_reference = unquantized.rows(range(len(chosen), len(chosen) + len(extra)))
         report["vs_fp8_fp32"][f"hf_{name}_bf16"] = compare(hf_fp8, fp8_reference)
         report["vs_fp8_fp32"][name] = compare(outputs[name].rows(picks), fp8_reference)
         report[f"{name}_vs_bf16"] = compare(outputs[name], outputs["none"])
     if reference is None:
-        (reference,) = float32_reference(model, chosen)
+        (unquantized,) = float32_reference(model, chosen + [rows[i] for i in ordered])
+        reference = unquantized.rows(range(len(chosen)))
+        order_reference = unquantized.rows(range(len(chosen), len(chosen) + len(ordered)))
+    if ordered and order_reference is not None:
+        report["order"] = {
+            "requests": ordered,
+            **{name: order_kept(values.rows(ordered).scores, order_reference.scores)
+               for name, values in outputs.items()},
+        }  # fmt: skip
     report["fp32_score_scale"] = float(np.max(np.abs(reference.scores)))
     report["vs_fp32"]["hf_bf16"] = compare(hf_bf16, reference)
     for name, values in outputs.items():
@@ -244,7 +270,7 @@ def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
         roofline["fp8"] = matmul_tflops(fp8=True)
         for kind in ("bf16", "fp8"):
             roofline[kind]["tokens_per_s"] = roofline[kind]["tflops_median"] * 1e12 / flops["total"]
-    checks = accuracy(model, work.token_ids, outputs, args.fp32_requests)
+    checks = accuracy(model, work.token_ids, outputs, args.fp32_requests, getattr(args, "order_pairs", 0))
     return {"shapes": shapes, "tokens": work.total_tokens, "batches": len(chunks), "runs": runs,
             "roofline": roofline, "correctness": checks}  # fmt: skip
 
@@ -261,6 +287,11 @@ def print_accuracy(case: str, checks: dict[str, Any]) -> None:
     for name, v in rows.items():
         print(f"{name:<36}{v['max_abs_score_diff']:>12.4f}{v['hidden_rel_err_median']:>20.2e}"
               f"{v['hidden_rel_err_max']:>10.2e}{v['hidden_min_cosine']:>12.5f}")  # fmt: skip
+    order = {k: v for k, v in checks.get("order", {}).items() if k != "requests"}
+    if order:
+        kept = ", ".join(f"{'bf16' if k == 'none' else k} {100 * v['share']:.1f}%" for k, v in order.items())
+        pairs = next(iter(order.values()))["pairs"]
+        print(f"pairs of requests in float32's order by score ({pairs} pairs): {kept}")
 
 
 def trade_off(w1: dict[str, Any]) -> None:
@@ -268,13 +299,16 @@ def trade_off(w1: dict[str, Any]) -> None:
     against bf16's own (the goal: within 2x of bf16's deviation)."""
     runs, vs_fp32 = w1["runs"], w1["correctness"]["vs_fp32"]
     bf16_rate, bf16_dev = runs["none"]["tokens_per_s"], vs_fp32["none"]
-    print(f"  {'variant':<16}{'tokens/s':>10}{'x bf16':>8}{'max|dscore|':>13}{'x bf16':>8}{'min cosine':>12}")
+    order = w1["correctness"].get("order", {})
+    print(f"  {'variant':<16}{'tokens/s':>10}{'x bf16':>8}{'max|dscore|':>13}{'x bf16':>8}{'min cosine':>12}"
+          f"{'pairs kept':>12}")  # fmt: skip
     for name, run in runs.items():
         dev = vs_fp32[name]
+        kept = f"{100 * order[name]['share']:.1f}%" if name in order else "-"
         print(f"  {'bf16' if name == 'none' else name:<16}{run['tokens_per_s']:>10,.0f}"
               f"{run['tokens_per_s'] / bf16_rate:>8.2f}{dev['max_abs_score_diff']:>13.4f}"
               f"{dev['max_abs_score_diff'] / bf16_dev['max_abs_score_diff']:>8.2f}"
-              f"{dev['hidden_min_cosine']:>12.5f}")  # fmt: skip
+              f"{dev['hidden_min_cosine']:>12.5f}{kept:>12}")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -283,6 +317,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cases", default="l1,w1", help="which of l1, w1 to run")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (L1) / passes (W1)")
     parser.add_argument("--w1-requests", type=int, default=None, help="W1's requests (512; quick 16)")
+    parser.add_argument(
+        "--order-pairs",
+        type=int,
+        default=256,
+        help="W1's requests in random pairs, each scored in float32 too: the share each path keeps in order",
+    )
     parser.add_argument(
         "--variants",
         default="fp8",

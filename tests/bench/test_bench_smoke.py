@@ -242,6 +242,32 @@ def test_fp8_benchmark_quick_run_reports_both_paths_side_by_side(tmp_path: Path)
             checks["fp8_vs_bf16"]["hidden_rel_err_median"]
             > 3 * checks["vs_fp32"]["none"]["hidden_rel_err_median"]
         )
+    # W1's 8 requests in 4 random pairs (the default 256, as many as there are), each path's share of them in
+    # float32's order: every path that ran, over the same pairs.
+    order = report["w1"]["correctness"]["order"]
+    assert sorted(order["requests"]) == list(range(8))
+    assert {k for k in order if k != "requests"} == {"none", "fp8", "fp8-mlp"}
+    assert all(v["pairs"] == 4 and 0.0 <= v["share"] <= 1.0 for k, v in order.items() if k != "requests")
+    assert "pairs of requests in float32's order by score (4 pairs)" in proc.stdout
+
+
+def test_the_order_kept_is_the_share_of_pairs_in_the_references_order() -> None:
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+
+    from bench.common import order_kept, order_pairs
+
+    reference = np.array([[1.0], [2.0], [3.0], [3.0], [0.0], [-1.0], [5.0], [4.0]])
+    assert order_kept(reference, reference) == {"pairs": 3, "share": 1.0}  # the tied pair left out
+    assert order_kept(-reference, reference) == {"pairs": 3, "share": 0.0}
+    swapped_one = reference.copy()
+    swapped_one[6, 0] = 3.0  # the last pair's order flipped; the tied pair's scores are free
+    swapped_one[2, 0] = 7.0
+    assert order_kept(swapped_one, reference) == {"pairs": 3, "share": 2 / 3}
+    # Disjoint pairs, the same for every run of a workload; no more than the requests allow.
+    drawn = order_pairs(512, 256)
+    assert len(drawn) == 512 and sorted(drawn) == list(range(512)) and drawn == order_pairs(512, 256)
+    assert len(order_pairs(9, 256)) == 8
 
 
 def test_fp8_benchmark_fails_a_broken_product() -> None:
