@@ -258,6 +258,18 @@ def w1_case(args: argparse.Namespace, device: str, workdir: Path) -> dict[str, A
             "peak_gib": timing["peak_memory_gib"],
         }
         outputs[quantization] = packed_path.results_to_arrays(timing.pop("output"), shapes["hidden_size"])
+        if quantization == "none" and getattr(args, "hidden_cost", False):
+            # What asking for hidden states costs: the same batches on the same Scorer, no request asking
+            # (warmed by one batch: every shape is compiled and recorded already).
+            bare = packed_path.make_requests(work.token_ids, hidden=False)
+            timing_bare = measure(
+                "W1 none, no hidden states",
+                lambda s=scorer, r=bare: packed_path.run_scorer(s, r, chunks),
+                lambda s=scorer, r=bare: packed_path.run_scorer(s, r, chunks[:1]),
+                args.repeats,
+            )
+            runs[quantization]["no_hidden_seconds"] = timing_bare["seconds"]
+            del timing_bare
         # `run`'s default argument holds the scorer too: left alive, one path's weights and graphs would
         # still be on the GPU while the next is measured, and the next path's peak memory would count both.
         del scorer, run, timing
@@ -317,6 +329,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cases", default="l1,w1", help="which of l1, w1 to run")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (L1) / passes (W1)")
     parser.add_argument("--w1-requests", type=int, default=None, help="W1's requests (512; quick 16)")
+    parser.add_argument(
+        "--hidden-cost",
+        action="store_true",
+        help="W1's bf16 path timed again with no request asking for hidden states: what asking costs",
+    )
     parser.add_argument(
         "--order-pairs",
         type=int,

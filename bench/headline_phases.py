@@ -33,7 +33,7 @@ def w1(ctx: Context) -> Phase:
 
     args = namespace(quick=ctx.quick, max_batch_tokens=16384, variants=["fp8"], repeats=2,
                      w1_requests=6 if ctx.quick else 512, fp32_requests=4 if ctx.quick else 16,
-                     order_pairs=3 if ctx.quick else ORDER_PAIRS)  # fmt: skip
+                     order_pairs=3 if ctx.quick else ORDER_PAIRS, hidden_cost=True)  # fmt: skip
     case = fp8.w1_case(args, ctx.device, ctx.workdir)
     ctx.shared["w1_dir"] = ctx.workdir / "w1"
     tokens, runs, roof = case["tokens"], case["runs"], case["roofline"]
@@ -45,6 +45,13 @@ def w1(ctx: Context) -> Phase:
         "FP8 against bf16": ratio(fp8_rates, bf16, "bf16, the same run"),
     }
     notes = []
+    bare_s = runs["none"].get("no_hidden_seconds")
+    if bare_s:  # the share of the time that asking for every request's hidden state adds (goal: at most 2%)
+        figures["hidden states for every request, their cost"] = figure(
+            100 * (min(runs["none"]["seconds"]) / min(bare_s) - 1), "%",
+            [100 * (h / b - 1) for h, b in zip(runs["none"]["seconds"], bare_s, strict=False)],
+            higher_is_better=False, baseline="the same batches, no request asking, the same Scorer",
+        )  # fmt: skip
     if "bf16" in roof:
         ctx.shared["matmul_bf16"] = roof["bf16"]
         for kind, rates in (("bf16", bf16), ("fp8", fp8_rates)):

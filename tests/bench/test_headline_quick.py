@@ -37,6 +37,13 @@ def test_headline_quick_run_gives_every_phase_a_verdict_and_its_rows(tmp_path: P
     for name, phase in report["phases"].items():
         assert phase["status"] == "ok", (name, phase)
         assert phase["figures"] and all(c["ok"] for c in phase["checks"].values())
+    # W1's goals beside its speed: what asking for hidden states costs, and FP8's rounding as a reward user
+    # judges it (pairs kept in float32's order, beside bf16's).
+    assert {
+        "hidden states for every request, their cost",
+        "bf16, pairs in float32's order",
+        "FP8, pairs in float32's order",
+    } <= set(report["phases"]["w1"]["figures"])
     rows = (tmp_path / "headline-quick.md").read_text()
     for phase in report["phases"].values():
         assert f"| {phase['title']}" in rows
