@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -80,15 +81,24 @@ _HF_FUNCTIONS = (
 
 
 @contextlib.contextmanager
-def hf_torch_functions() -> Iterator[None]:
+def hf_torch_functions(load: bool = False) -> Iterator[None]:
     """HF's forward of the hybrids runs HF's own torch functions inside (each the `__wrapped__` of what its
     kernel decorators put in its place): the self-check's reference, and the tests', on any device, dtype
-    and transformers version, whether or not flash-linear-attention is installed."""
+    and transformers version, whether or not flash-linear-attention is installed.
+
+    Only in the hybrids' modeling modules already imported (a loaded hybrid's own), unless `load` (a
+    context entered before any model is built): importing one imports flash-linear-attention, seconds of
+    start-up and a warning on the CPU that a worker serving another model must not pay."""
     swapped = []
     for name in _HF_MODULES:
-        try:
-            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        except ImportError:
+        qualified = f"transformers.models.{name}.modeling_{name}"
+        module = sys.modules.get(qualified)
+        if module is None and load:
+            try:
+                module = importlib.import_module(qualified)
+            except ImportError:
+                continue
+        if module is None:
             continue
         for function in _HF_FUNCTIONS:
             current = getattr(module, function, None)

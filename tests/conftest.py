@@ -123,7 +123,7 @@ def hf_linear_attention_in_torch() -> Iterator[None]:
     arithmetic on any device and transformers version, whether or not flash-linear-attention is installed)."""
     from models.linear_attention import hf_torch_functions
 
-    with hf_torch_functions():
+    with hf_torch_functions(load=True):  # before any model is built: their modules imported here
         yield
 
 

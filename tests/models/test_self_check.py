@@ -54,3 +54,26 @@ def test_a_wrong_packed_path_stops_the_start(
     monkeypatch.setattr(attention_module, "attend_causal", off_by_a_little)
     with pytest.raises(ModelLoadError, match="self-check failed"):
         run_self_check(scorer)
+
+
+def test_a_model_that_is_no_hybrid_starts_without_flash_linear_attention(tiny_llama_dir: Path) -> None:
+    """The self-check's reference runs the hybrids' HF functions in torch (models.linear_attention); for any
+    other model it must not import their modules, which import flash-linear-attention: seconds of every
+    worker's start on the CPU, and a warning about Triton in its log. A fresh interpreter, as a worker's."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from models import Scorer, ScorerConfig\n"
+        "from models.selfcheck import run_self_check\n"
+        f"run_self_check(Scorer({str(tiny_llama_dir)!r}, ScorerConfig(device='cpu')))\n"
+        "hybrids = [f'transformers.models.{n}.modeling_{n}' for n in ('qwen3_5', 'qwen3_next')]\n"
+        "print(sorted(m for m in sys.modules if m in ('fla', *hybrids)))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout
