@@ -112,6 +112,13 @@ def accuracy(
     picks = spread_picks([len(row) for row in rows], count)
     chosen = [rows[i] for i in picks]
     ordered = order_pairs(len(rows), pairs) if pairs else []
+    order_rows = [rows[i] for i in ordered]
+
+    def split(unquantized: PathOutput) -> tuple[PathOutput, PathOutput]:
+        """The float32 outputs of `chosen`, then of the pairs' requests after them."""
+        cut = len(chosen)
+        return unquantized.rows(range(cut)), unquantized.rows(range(cut, len(unquantized.scores)))
+
     variants = [name for name in outputs if name in VARIANTS]
     with torch.inference_mode():
         hf_bf16 = hf_paths.run_reference(model, chosen)
@@ -124,21 +131,19 @@ def accuracy(
             hf_fp8 = hf_paths.run_reference(with_fp8(model, selection), chosen)
         # One float32 copy at a time (an 8B model's is 32 GB): the unquantized reference (the first time,
         # also on the pairs' requests), then the variant.
-        extra = [rows[i] for i in ordered] if order_reference is None else []
+        extra = order_rows if order_reference is None else []
         unquantized, fp8_reference = float32_reference(
             model, chosen + extra, lambda float32, s=selection: with_fp8(float32, s, copy_first=False),
             variant_rows=len(chosen),
         )  # fmt: skip
-        reference = unquantized.rows(range(len(chosen)))
-        if extra:
-            order_reference = unquantized.rows(range(len(chosen), len(chosen) + len(extra)))
+        reference, extra_reference = split(unquantized)
+        if order_reference is None:  # the first variant's: the pairs' requests were among its rows
+            order_reference = extra_reference
         report["vs_fp8_fp32"][f"hf_{name}_bf16"] = compare(hf_fp8, fp8_reference)
         report["vs_fp8_fp32"][name] = compare(outputs[name].rows(picks), fp8_reference)
         report[f"{name}_vs_bf16"] = compare(outputs[name], outputs["none"])
     if reference is None:
-        (unquantized,) = float32_reference(model, chosen + [rows[i] for i in ordered])
-        reference = unquantized.rows(range(len(chosen)))
-        order_reference = unquantized.rows(range(len(chosen), len(chosen) + len(ordered)))
+        reference, order_reference = split(float32_reference(model, chosen + order_rows)[0])
     if ordered and order_reference is not None:
         report["order"] = {
             "requests": ordered,

@@ -49,7 +49,7 @@ def w1(ctx: Context) -> Phase:
     if bare_s:  # the share of the time that asking for every request's hidden state adds (goal: at most 2%)
         figures["hidden states for every request, their cost"] = figure(
             100 * (min(runs["none"]["seconds"]) / min(bare_s) - 1), "%",
-            [100 * (h / b - 1) for h, b in zip(runs["none"]["seconds"], bare_s, strict=False)],
+            [100 * (h / b - 1) for h, b in zip(runs["none"]["seconds"], bare_s, strict=True)],
             higher_is_better=False, baseline="the same batches, no request asking, the same Scorer",
         )  # fmt: skip
     if "bf16" in roof:

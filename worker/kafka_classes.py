@@ -23,15 +23,15 @@ from worker.errors import BrokerError
 
 log = logging.getLogger(__name__)
 
-_ARCHIVES: dict[Path, Path | None] = {}  # a version's jars -> its archive (None: none could be made)
+_ARCHIVES: dict[tuple[Path, str], Path | None] = {}  # (jars, java) -> archive (None: none could be made)
 
 
 def archive(libs: Path, java: str, record: Callable[[Path], None]) -> Path | None:
     """The archive of the jars in `libs` on `java`; where it does not exist yet, record(scratch) writes it
     (a JVM run with -XX:ArchiveClassesAtExit=scratch), then it takes its place. None when it could not be
     made: the nodes start without one."""
-    if libs in _ARCHIVES:
-        return _ARCHIVES[libs]
+    if (libs, java) in _ARCHIVES:
+        return _ARCHIVES[libs, java]
     launcher = Path(os.path.realpath(java))
     stamp = libs.parent / "resolved"
     identity = f"{launcher}:{launcher.stat().st_mtime_ns}:{stamp.read_text() if stamp.exists() else ''}"
@@ -40,8 +40,8 @@ def archive(libs: Path, java: str, record: Callable[[Path], None]) -> Path | Non
         _record(found, record)
     except (OSError, BrokerError) as error:  # a cache this user cannot write (an image's), a node that failed
         log.warning("no class archive for the jars in %s (%s); the nodes start without one", libs, error)
-    _ARCHIVES[libs] = found if found.exists() else None
-    return _ARCHIVES[libs]
+    _ARCHIVES[libs, java] = found if found.exists() else None
+    return _ARCHIVES[libs, java]
 
 
 def _record(target: Path, record: Callable[[Path], None]) -> None:
